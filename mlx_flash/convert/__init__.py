@@ -1,0 +1,2 @@
+from .convert import convert
+from .sources import open_source

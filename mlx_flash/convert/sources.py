@@ -1,0 +1,145 @@
+"""Model sources for the converter: each yields HF-named float32 tensors, one at a time.
+
+A source has `config` (the HF config dict), `names()`, `shape(name)`,
+`read(name)` (float32 numpy, HF orientation), `write_tokenizer(dir)`, `close()`.
+"""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FlashError
+from ..layout.safetensors_io import SafetensorsFile
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+class SafetensorsFolderSource:
+    """A Hugging Face or mlx-lm model folder (config.json + *.safetensors).
+
+    mlx-lm folders may be quantized (`quantization` in config.json): a weight
+    then comes with `.scales` and `.biases`, and is dequantized here.
+    """
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        cfg_path = self.folder / "config.json"
+        if not cfg_path.is_file():
+            raise FlashError(f"{folder}: no config.json; not a Hugging Face or mlx-lm model folder")
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except ValueError as e:
+            raise FlashError(f"{cfg_path}: invalid JSON ({e})")
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            other = [p.name for p in self.folder.glob("*.bin")] + [p.name for p in self.folder.glob("*.pth")]
+            hint = f" (found {', '.join(other)}: PyTorch pickles are not read; use a safetensors copy)" if other else ""
+            raise FlashError(f"{folder}: no .safetensors weight files{hint}")
+        self.files = {}
+        for path in files:
+            st = SafetensorsFile(path)
+            for name in st.names():
+                self.files[name] = st
+        q = self.config.get("quantization") or self.config.get("quantization_config")
+        self.quant = q if q and "bits" in q and "group_size" in q else None
+        self.config.pop("quantization", None)
+        self.config.pop("quantization_config", None)
+
+    def names(self):
+        return [
+            n
+            for n in self.files
+            if not (self.quant and (n.endswith(".scales") or n.endswith(".biases")))
+        ]
+
+    def _is_quantized(self, name):
+        return (
+            self.quant is not None
+            and name.endswith(".weight")
+            and name[: -len("weight")] + "scales" in self.files
+        )
+
+    def shape(self, name):
+        shape = self.files[name].shape(name)
+        if self._is_quantized(name):
+            shape = shape[:-1] + (shape[-1] * 32 // self.quant["bits"],)
+        return shape
+
+    def read(self, name):
+        if not self._is_quantized(name):
+            x = self.files[name].read(name)
+            return x if x.dtype != np.float64 else x.astype(np.float32)
+        import mlx.core as mx
+
+        stem = name[: -len("weight")]
+        w = self.files[name].read(name)
+        scales = self.files[stem + "scales"].read(stem + "scales")
+        biases = self.files[stem + "biases"].read(stem + "biases")
+        out = mx.dequantize(
+            mx.array(w),
+            mx.array(scales),
+            mx.array(biases),
+            group_size=self.quant["group_size"],
+            bits=self.quant["bits"],
+        )
+        return np.array(out.astype(mx.float32))
+
+    def write_tokenizer(self, out_dir):
+        found = False
+        for name in TOKENIZER_FILES:
+            if (self.folder / name).is_file():
+                shutil.copy2(self.folder / name, Path(out_dir) / name)
+                found = found or name.startswith("tokenizer")
+        if not found:
+            raise FlashError(f"{self.folder}: no tokenizer files (tokenizer.json / tokenizer.model)")
+
+    def close(self):
+        pass
+
+
+def looks_like_repo_id(s):
+    return re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", s) is not None and not s.startswith(".")
+
+
+def download(repo_id, revision=None):
+    """A Hub repo -> local snapshot folder (huggingface_hub's cache; works offline once cached)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # the hub raises many kinds; all mean "could not get it"
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FlashError(f"could not get '{repo_id}' from the Hugging Face Hub: {msg}")
+
+
+def open_source(source, revision=None):
+    """A path (folder or .gguf) or a Hub repo id -> a source object."""
+    s = str(source)
+    path = Path(s).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            from .gguf import GGUFSource
+
+            return GGUFSource(path)
+        raise FlashError(f"{path}: not a model (expected a folder, a .gguf file or a Hub repo id)")
+    if path.is_dir():
+        return SafetensorsFolderSource(path)
+    if not looks_like_repo_id(s):
+        raise FlashError(f"{s}: no such file or folder")
+    return SafetensorsFolderSource(download(s, revision))

@@ -1,0 +1,2 @@
+class FlashError(Exception):
+    """A user-facing error: one clear line, no traceback."""

@@ -1,0 +1,105 @@
+"""load(): a converted flash folder (or anything convertible) -> (model, tokenizer)."""
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+from .errors import FlashError
+from .layout.format import check_file, is_flash_folder, read_manifest
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def default_home():
+    return Path(os.environ.get("MLX_FLASH_HOME", Path.home() / ".cache" / "mlx_flash"))
+
+
+def resolve_model_path(path_or_repo, convert_dtype="float16", progress=True):
+    """A flash folder as is; anything else is converted once into MLX_FLASH_HOME."""
+    p = Path(str(path_or_repo)).expanduser()
+    if p.is_dir() and is_flash_folder(p):
+        return p
+    from .convert import convert
+
+    slug = str(path_or_repo).strip("/").replace("/", "--").replace(".", "_")
+    out = default_home() / "models" / f"{slug}-{convert_dtype}"
+    if is_flash_folder(out):
+        return out
+    return convert(path_or_repo, out, dtype=convert_dtype, progress=progress)
+
+
+def default_compute_dtype(flash_dtype):
+    # On the CPU only float32 matmuls use BLAS (FACTS.md): 16-bit is ~20x slower.
+    if mx.default_device() == mx.cpu:
+        return "float32"
+    return flash_dtype
+
+
+def load(path_or_repo, dtype=None, verify=True, progress=False, **options):
+    """Load a model for generation.
+
+    path_or_repo: a converted mlx_flash folder, or a Hub repo id / HF folder /
+      mlx-lm folder / .gguf file (converted once into $MLX_FLASH_HOME).
+    dtype: compute dtype (default float32 on the CPU, the flash dtype on a GPU).
+    verify: check the sha256 of every file against the manifest while reading.
+    Returns (model, tokenizer) like mlx_lm.load.
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from .models import model_args
+    from .store import DenseStore
+
+    if options:
+        raise TypeError(f"unknown load() options: {', '.join(options)}")
+    folder = resolve_model_path(path_or_repo, progress=progress)
+    manifest = read_manifest(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise FlashError(f"{folder}/config.json: unreadable ({e})")
+    family, args = model_args(config)
+    dtype = dtype or default_compute_dtype(manifest.dtype)
+    if dtype not in DTYPES:
+        raise FlashError(f"unsupported compute dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+
+    model = family.Model(args)
+    check_file(folder, manifest.resident, checksum=verify)
+    try:
+        weights = mx.load(str(folder / manifest.resident["file"]))
+    except Exception as e:
+        raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
+    weights = {k: v.astype(DTYPES[dtype]) for k, v in weights.items()}
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    mx.eval(model.parameters())
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(manifest.ffn_files), desc="load ffn", disable=not progress, leave=False)
+    store = DenseStore(folder, manifest, DTYPES[dtype], verify=verify, progress=bar)
+    bar.close()
+    for layer in model.layers:
+        layer_ffn(layer).store = store
+    model.flash = {"folder": folder, "manifest": manifest, "store": store, "dtype": dtype}
+    model.eval()
+
+    eos = config.get("eos_token_id")
+    try:
+        tokenizer = load_tokenizer(folder, eos_token_ids=eos)
+    except Exception as e:
+        raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
+    return model, tokenizer
+
+
+def layer_ffn(layer):
+    """The FlashFFN of a transformer block, whatever the family calls it."""
+    from .models.ffn import FlashFFN
+
+    for name in ("mlp", "ffn", "feed_forward"):
+        if name in layer and isinstance(layer[name], FlashFFN):
+            return layer[name]
+    raise FlashError(f"{type(layer).__name__} has no FlashFFN")

@@ -1,0 +1,119 @@
+"""Builders for tiny real model folders on disk (random weights, real formats)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mlx_flash.layout.safetensors_io import SafetensorsWriter
+
+VOCAB = 256 + 8
+
+
+def write_tokenizer(folder):
+    """A real byte-level BPE tokenizer (tokenizers), with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = ["the quick brown fox jumps over the lazy dog " * 5, "hello world, paris is the capital"]
+    tok.train_from_iterator(text, trainer)
+    folder = Path(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "unk_token": "<|endoftext|>",
+                "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+LLAMA_BASE = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+VARIANTS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    "llama-tied": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True),
+    "llama-relu": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="relu"),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"]),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+}
+
+
+def llama_tensors(cfg, rng):
+    d, f = cfg["hidden_size"], cfg["intermediate_size"]
+    h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or d // h
+    v = cfg["vocab_size"]
+    s = 0.08
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": 1 + w(d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + w(d)
+        t[p + "post_attention_layernorm.weight"] = 1 + w(d)
+        t[p + "self_attn.q_proj.weight"] = w(h * hd, d)
+        t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.o_proj.weight"] = w(d, h * hd)
+        if cfg["model_type"] == "qwen2":
+            t[p + "self_attn.q_proj.bias"] = w(h * hd)
+            t[p + "self_attn.k_proj.bias"] = w(kv * hd)
+            t[p + "self_attn.v_proj.bias"] = w(kv * hd)
+        if cfg["model_type"] == "qwen3":
+            t[p + "self_attn.q_norm.weight"] = 1 + w(hd)
+            t[p + "self_attn.k_norm.weight"] = 1 + w(hd)
+        t[p + "mlp.gate_proj.weight"] = w(f, d)
+        t[p + "mlp.up_proj.weight"] = w(f, d)
+        t[p + "mlp.down_proj.weight"] = w(d, f)
+    if not cfg["tie_word_embeddings"]:
+        t["lm_head.weight"] = w(v, d)
+    return t
+
+
+def write_safetensors(path, tensors, dtype="float32"):
+    wr = SafetensorsWriter(path, [(k, v.shape, dtype) for k, v in tensors.items()])
+    for k, v in tensors.items():
+        wr.write(k, v)
+    wr.close()
+
+
+def make_llama_folder(folder, variant="llama", seed=0, dtype="float32", **overrides):
+    """A Hugging Face-style folder: config.json, model.safetensors, tokenizer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder)
+    cfg = dict(LLAMA_BASE, **VARIANTS[variant], vocab_size=vocab, **overrides)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = llama_tensors(cfg, np.random.default_rng(seed))
+    write_safetensors(folder / "model.safetensors", tensors, dtype)
+    return folder, cfg, tensors

@@ -117,3 +117,78 @@ def make_llama_folder(folder, variant="llama", seed=0, dtype="float32", **overri
     tensors = llama_tensors(cfg, np.random.default_rng(seed))
     write_safetensors(folder / "model.safetensors", tensors, dtype)
     return folder, cfg, tensors
+
+
+OPT_BASE = dict(
+    model_type="opt",
+    architectures=["OPTForCausalLM"],
+    hidden_size=64,
+    ffn_dim=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    activation_function="relu",
+    do_layer_norm_before=True,
+    word_embed_proj_dim=64,
+    enable_bias=True,
+    layer_norm_elementwise_affine=True,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+OPT_VARIANTS = {
+    # opt-125m style: pre-LN, final layer norm, no projections
+    "opt": dict(),
+    # opt-350m style: post-LN, no final layer norm, project_in/project_out
+    "opt-350m": dict(do_layer_norm_before=False, word_embed_proj_dim=32),
+}
+
+
+def opt_tensors(cfg, rng, prefix="model.", lm_head=False):
+    d, f, e = cfg["hidden_size"], cfg["ffn_dim"], cfg["word_embed_proj_dim"]
+    v, n_pos = cfg["vocab_size"], cfg["max_position_embeddings"] + 2
+    s = 0.08
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    p = prefix + "decoder."
+    t = {p + "embed_tokens.weight": w(v, e), p + "embed_positions.weight": w(n_pos, d)}
+    if e != d:
+        t[p + "project_in.weight"] = w(d, e)
+        t[p + "project_out.weight"] = w(e, d)
+    if cfg["do_layer_norm_before"]:
+        t[p + "final_layer_norm.weight"] = 1 + w(d)
+        t[p + "final_layer_norm.bias"] = w(d)
+    for i in range(cfg["num_hidden_layers"]):
+        q = f"{p}layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            t[q + f"self_attn.{name}.weight"] = w(d, d)
+            t[q + f"self_attn.{name}.bias"] = w(d)
+        for ln in ("self_attn_layer_norm", "final_layer_norm"):
+            t[q + ln + ".weight"] = 1 + w(d)
+            t[q + ln + ".bias"] = w(d)
+        t[q + "fc1.weight"] = w(f, d)
+        t[q + "fc1.bias"] = w(f)
+        t[q + "fc2.weight"] = w(d, f)
+        t[q + "fc2.bias"] = w(d)
+    if lm_head:
+        t["lm_head.weight"] = t[p + "embed_tokens.weight"].copy()
+    return t
+
+
+def make_opt_folder(folder, variant="opt", seed=0, dtype="float32", lm_head=False, **overrides):
+    """A Hugging Face-style OPTForCausalLM folder: config.json, model.safetensors, tokenizer.
+
+    lm_head: also store `lm_head.weight` (a copy of the tied embeddings), as some checkpoints do.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder)
+    cfg = dict(OPT_BASE, **OPT_VARIANTS[variant], vocab_size=vocab, **overrides)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = opt_tensors(cfg, np.random.default_rng(seed), lm_head=lm_head)
+    write_safetensors(folder / "model.safetensors", tensors, dtype)
+    return folder, cfg, tensors

@@ -1,0 +1,44 @@
+# The two commands: `make demo` (set up, build the default model, generate from flash)
+# and `make test` (set up, build the default model, run the test suite).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL := models/smollm2-135m-instruct
+GGUF := models/download/SmolLM2-135M-Instruct.Q4_1.gguf
+PROMPT ?= Write a short story about a robot who learns to paint.
+
+.PHONY: setup model demo test bench-parity clean-model
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/install_system_deps.sh
+	./scripts/install_system_deps.sh
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	# torch (CPU build) + transformers: independent references for OPT and GGUF tests
+	$(BIN)/pip install -q torch==2.13.0
+	touch $@
+
+$(GGUF): | $(VENV)/.installed
+	$(BIN)/python scripts/fetch_default_model.py models/download
+
+$(MODEL)/manifest.json: $(GGUF) | $(VENV)/.installed
+	$(BIN)/mlx_flash.convert --model $(GGUF) --out $(MODEL) --dtype float16
+
+model: $(MODEL)/manifest.json
+
+demo: model
+	$(BIN)/mlx_flash.generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 80 --stats
+
+test: model $(VENV)/.test-installed
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench-parity: model
+	$(BIN)/python scripts/bench_dense_vs_mlx_lm.py --model $(MODEL)
+
+clean-model:
+	rm -rf $(MODEL)

@@ -1,0 +1,24 @@
+"""python -m mlx_flash <command> [args]"""
+
+import sys
+
+COMMANDS = {
+    "convert": "mlx_flash.cli.convert",
+    "generate": "mlx_flash.cli.generate",
+    "chat": "mlx_flash.cli.chat",
+}
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: python -m mlx_flash {{{','.join(COMMANDS)}}} [args]", file=sys.stderr)
+        return 2
+    import importlib
+
+    import mlx_flash  # noqa: F401  (sets up BLAS before mlx is imported)
+
+    return importlib.import_module(COMMANDS[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""mlx_flash.generate: generate text from a prompt with a model loaded from flash."""
+
+import argparse
+import sys
+import time
+
+from . import check_model_arg, default_model, run
+
+
+def add_model_args(p):
+    p.add_argument("--model", default=None,
+                   help=f"converted folder, Hub repo, HF/mlx-lm folder or .gguf (default {default_model()})")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="compute dtype (default float32 on the CPU)")
+    p.add_argument("--no-verify", action="store_true", help="skip sha256 checks at load")
+
+
+def add_sampling_args(p):
+    p.add_argument("--max-tokens", "-m", type=int, default=100)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_kwargs(args):
+    kw = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    if args.repetition_penalty:
+        kw["repetition_penalty"] = args.repetition_penalty
+    return kw
+
+
+def load_for_cli(args):
+    from .. import load
+    from ..blas import blas_info
+
+    model_name = check_model_arg(args.model or default_model())
+    t0 = time.perf_counter()
+    model, tokenizer = load(model_name, dtype=args.dtype, verify=not args.no_verify, progress=True)
+    dt = time.perf_counter() - t0
+    m = model.flash["manifest"]
+    print(
+        f"[mlx_flash] model {model.flash['folder']} ({m.model_type}, flash {m.dtype}, "
+        f"compute {model.flash['dtype']}); BLAS: {blas_info()}; loaded in {dt:.1f} s",
+        file=sys.stderr,
+    )
+    return model, tokenizer
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="mlx_flash.generate", description=__doc__)
+    add_model_args(p)
+    p.add_argument("--prompt", "-p", default="Tell me a short story about a robot.",
+                   help="the prompt ('-' reads stdin)")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--ignore-chat-template", action="store_true")
+    add_sampling_args(p)
+    p.add_argument("--stats", action="store_true", help="print per-token timings")
+    return p
+
+
+def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):
+    if ignore_template or getattr(tokenizer, "chat_template", None) is None:
+        return prompt
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+
+    def body():
+        import mlx.core as mx
+
+        from .. import stream_generate
+
+        if args.seed is not None:
+            mx.random.seed(args.seed)
+        model, tokenizer = load_for_cli(args)
+        prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        prompt = build_prompt(tokenizer, prompt_text, args.system_prompt, args.ignore_chat_template)
+        times, last, resp = [], time.perf_counter(), None
+        for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                    **sampling_kwargs(args)):
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+            print(resp.text, end="", flush=True)
+        print()
+        if resp is None:
+            return
+        print("=" * 10)
+        print(f"Prompt: {resp.prompt_tokens} tokens, {resp.prompt_tps:.1f} tokens-per-sec")
+        print(f"Generation: {resp.generation_tokens} tokens, {resp.generation_tps:.1f} tokens-per-sec")
+        print(f"Peak memory: {resp.peak_memory:.3f} GB")
+        if args.stats and len(times) > 1:
+            decode = sorted(times[1:])
+            n = len(decode)
+            print(
+                f"Per token (decode, ms): mean {1e3 * sum(decode) / n:.1f}, "
+                f"p50 {1e3 * decode[n // 2]:.1f}, p90 {1e3 * decode[int(n * 0.9)]:.1f}, "
+                f"max {1e3 * decode[-1]:.1f}; first token {1e3 * times[0]:.1f} ms"
+            )
+            store = model.flash["store"]
+            print(f"FFN weights in DRAM: {store.weights_bytes / 1e6:.1f} MB (dense: all rows resident)")
+
+    return run(body, "mlx_flash.generate")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The command-line tools, run as a user runs them: real processes, real folders."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlx_flash.convert import convert
+from helpers import make_llama_folder
+
+BIN = os.path.dirname(sys.executable)
+
+
+def run(*args, stdin=None):
+    return subprocess.run(list(args), capture_output=True, text=True, input=stdin, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    src, _, _ = make_llama_folder(d / "hf", "llama")
+    return src, convert(src, d / "flash", dtype="float16", progress=False)
+
+
+def test_generate_cli(tiny):
+    _, flash = tiny
+    r = run(f"{BIN}/mlx_flash.generate", "--model", str(flash), "--prompt", "hello world",
+            "--max-tokens", "6", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert "Generation: 6 tokens" in r.stdout and "Per token (decode, ms)" in r.stdout
+    assert "BLAS:" in r.stderr
+
+
+def test_python_m_entry_point(tiny):
+    _, flash = tiny
+    r = run(sys.executable, "-m", "mlx_flash", "generate", "--model", str(flash), "--prompt",
+            "hi", "--max-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    r = run(sys.executable, "-m", "mlx_flash", "nonsense")
+    assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_chat_through_a_pipe(tiny):
+    _, flash = tiny
+    r = run(f"{BIN}/mlx_flash.chat", "--model", str(flash), "--max-tokens", "5",
+            stdin="hello there\nwhat is the capital?\n")
+    assert r.returncode == 0, r.stderr
+    assert len([l for l in r.stdout.splitlines() if l.strip()]) >= 1
+
+
+def test_generate_converts_a_hf_folder_on_first_use(tiny, tmp_path):
+    src, _ = tiny
+    r = subprocess.run([f"{BIN}/mlx_flash.generate", "--model", str(src), "--prompt", "hi",
+                        "--max-tokens", "2"], capture_output=True, text=True,
+                       env=dict(os.environ, MLX_FLASH_HOME=str(tmp_path)), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert list((tmp_path / "models").glob("*/manifest.json"))

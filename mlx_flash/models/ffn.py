@@ -1,0 +1,95 @@
+"""The feed-forward layer whose weights come from the flash layout.
+
+The FFN never holds its big weights itself: it asks a row store for the rows
+of the neurons it computes on (`FFNRows`), each weight kind as a contiguous
+[n, d_model] matrix ("down" is the transposed down projection, so that its
+rows are neurons too). Neuron order does not change the result, so a store
+may hand out any subset in any order; the dense store hands out all of them.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import FlashError
+
+
+@dataclass
+class FFNRows:
+    up: mx.array  # [n, d_model]
+    down: mx.array  # [n, d_model]
+    gate: Optional[mx.array] = None  # [n, d_model], gated (GLU) FFNs only
+    ids: Optional[mx.array] = None  # neuron ids of the rows; None = all, in order
+
+
+def fatrelu(threshold):
+    """FATReLU (paper App. C.5): x where x >= threshold, else 0."""
+
+    def act(x):
+        return mx.where(x >= threshold, x, mx.zeros_like(x))
+
+    return act
+
+
+def relu2(x):
+    return mx.square(nn.relu(x))
+
+
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "swish": nn.silu,
+    "relu": nn.relu,
+    "relu2": relu2,
+    "gelu": nn.gelu,
+    "gelu_new": nn.gelu_approx,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+}
+
+
+def activation(name, threshold=None):
+    if name == "fatrelu":
+        if threshold is None:
+            raise FlashError("hidden_act 'fatrelu' needs 'fatrelu_threshold' in config.json")
+        return fatrelu(float(threshold))
+    if name not in ACTIVATIONS:
+        raise FlashError(
+            f"unsupported activation '{name}' (supported: {', '.join(ACTIVATIONS)}, fatrelu)"
+        )
+    return ACTIVATIONS[name]
+
+
+class FlashFFN(nn.Module):
+    """y = act(x W_gate^T) * (x W_up^T) W_down^T, or act(x W_up^T + b) W_down^T + b'.
+
+    `store` is set by the loader: `store.rows(layer, x) -> FFNRows`.
+    """
+
+    def __init__(self, layer, d_model, n_neurons, act, gated, bias=False):
+        super().__init__()
+        self.layer = layer
+        self.d_model = d_model
+        self.n_neurons = n_neurons
+        self.gated = gated
+        self._act = act
+        self.store = None
+        if bias:
+            self.up_bias = mx.zeros((n_neurons,))
+            self.down_bias = mx.zeros((d_model,))
+
+    def __call__(self, x):
+        if self.store is None:
+            raise FlashError("FFN has no weight store; load the model with mlx_flash.load")
+        rows = self.store.rows(self.layer, x)
+        h = x @ rows.up.T
+        if "up_bias" in self:
+            h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
+        if self.gated:
+            h = self._act(x @ rows.gate.T) * h
+        else:
+            h = self._act(h)
+        y = h @ rows.down
+        if "down_bias" in self:
+            y = y + self.down_bias
+        return y

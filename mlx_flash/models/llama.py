@@ -1,0 +1,181 @@
+"""Llama family: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+
+Attention follows mlx_lm's llama.py so that, with every FFN row in DRAM, the
+logits match mlx_lm. Unlike mlx_lm, the FFN honours `hidden_act` (silu, relu,
+relu2, fatrelu), so ReLU-fied Llamas run as trained.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import (
+    BaseModelArgs,
+    create_attention_mask,
+    scaled_dot_product_attention,
+)
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .ffn import FlashFFN, activation
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2")
+FFN_KINDS = ("gate", "up", "down")
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    rms_norm_eps: float
+    vocab_size: int
+    head_dim: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float = 10000
+    rope_traditional: bool = False
+    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
+    tie_word_embeddings: bool = True
+    hidden_act: str = "silu"
+    fatrelu_threshold: Optional[float] = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        # Qwen2 always has q/k/v biases (its config does not say so).
+        self.qkv_bias = self.attention_bias or self.model_type == "qwen2"
+        self.qk_norm = self.model_type == "qwen3"
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = n_heads = args.num_attention_heads
+        self.n_kv_heads = n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim or dim // n_heads
+        self.scale = head_dim**-0.5
+        bias = args.qkv_bias
+        self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=args.attention_bias)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            head_dim,
+            args.rope_theta,
+            args.rope_traditional,
+            args.rope_scaling,
+            args.max_position_embeddings,
+        )
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, L, self.n_heads, -1)
+        k = k.reshape(B, L, self.n_kv_heads, -1)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(0, 2, 1, 3)
+        k = k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            q = self.rope(q, offset=cache.offset)
+            k = self.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:
+            q, k = self.rope(q), self.rope(k)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args)
+        act = activation(args.hidden_act, args.fatrelu_threshold)
+        self.mlp = FlashFFN(layer, args.hidden_size, args.intermediate_size, act, gated=True)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, cache=c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = LlamaModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        out = self.model(inputs, cache, input_embeddings)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(out)
+        return self.lm_head(out)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+
+# --- how a Hugging Face checkpoint maps onto this model (used by the converter)
+
+
+def ffn_kinds(args: ModelArgs):
+    return FFN_KINDS
+
+
+def ffn_tensors(args: ModelArgs, layer: int):
+    """{kind: (HF tensor name, transposed?)}: rows of each kind are neurons."""
+    p = f"model.layers.{layer}.mlp."
+    return {
+        "gate": (p + "gate_proj.weight", False),
+        "up": (p + "up_proj.weight", False),
+        "down": (p + "down_proj.weight", True),
+    }
+
+
+def resident_name(args: ModelArgs, hf_name: str):
+    """HF tensor name -> this model's parameter name, or None to drop it."""
+    if "rotary_emb.inv_freq" in hf_name:
+        return None
+    if hf_name == "lm_head.weight" and args.tie_word_embeddings:
+        return None
+    return hf_name
+
+
+def check_supported(args: ModelArgs):
+    from ..errors import FlashError
+
+    if args.mlp_bias:
+        raise FlashError("llama models with mlp_bias=true are not supported yet")
+    activation(args.hidden_act, args.fatrelu_threshold)

@@ -18,9 +18,13 @@ $(VENV)/.installed: pyproject.toml scripts/install_system_deps.sh
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-$(VENV)/.test-installed: $(VENV)/.installed
-	# torch (CPU build) + transformers: independent references for OPT and GGUF tests
-	$(BIN)/pip install -q torch==2.13.0
+# Independent references for the tests (transformers on a CPU torch), in their
+# own venv: torch in the product venv would be imported by every mlx_flash
+# process through mlx_lm -> transformers (+250 MB RSS, +1 s start-up).
+.venv-ref/.installed:
+	$(PYTHON) -m venv .venv-ref
+	.venv-ref/bin/pip install -q --upgrade pip
+	.venv-ref/bin/pip install -q torch==2.13.0 transformers numpy safetensors gguf
 	touch $@
 
 $(GGUF): | $(VENV)/.installed
@@ -34,7 +38,7 @@ model: $(MODEL)/manifest.json
 demo: model
 	$(BIN)/mlx_flash.generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 80 --stats
 
-test: model $(VENV)/.test-installed
+test: model .venv-ref/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench-parity: model

@@ -10,6 +10,7 @@ from mlx_lm.utils import load_model
 import mlx_flash
 from mlx_flash.convert import convert
 from helpers import make_llama_folder
+from reference import reference_logits
 
 TOKENS = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
 
@@ -50,16 +51,11 @@ def test_float16_flash_is_exact_float16_weights(tmp_path):
 @pytest.mark.parametrize("act", ["relu", "relu2"])
 def test_relu_llama_matches_transformers(tmp_path, act):
     """mlx_lm ignores hidden_act (always SwiGLU); we honour it, checked against transformers."""
-    torch = pytest.importorskip("torch")
-    from transformers import LlamaForCausalLM
-
     src, cfg, _ = make_llama_folder(tmp_path / "hf", "llama", hidden_act=act)
     out = convert(src, tmp_path / "flash", dtype="float32", progress=False)
     model, _ = mlx_flash.load(out)
-    ref = LlamaForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = ref(torch.tensor([TOKENS])).logits.numpy()
-    got = np.array(model(mx.array([TOKENS])))
+    want = reference_logits(src, TOKENS)
+    got = np.array(model(mx.array([TOKENS]))[0])
     assert np.abs(got - want).max() < 1e-4
 
 

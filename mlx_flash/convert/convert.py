@@ -107,23 +107,26 @@ def _write_folder(src, tmp, source_name, dtype, align, progress):
     for layer in range(n_layers):
         for kind, (name, transposed) in family.ffn_tensors(args, layer).items():
             ffn_names[name] = (layer, kind, transposed)
-    available = set(src.names())
-    missing = [n for n in ffn_names if n not in available]
+    # Families may accept several namings of one tensor (OPT: decoder.* and
+    # model.decoder.*); the rest of the converter sees the canonical names.
+    canonical = getattr(family, "canonical_name", lambda name: name)
+    original = {canonical(n): n for n in src.names()}
+    missing = [n for n in ffn_names if n not in original]
     if missing:
         raise FlashError(f"source has no tensor {missing[0]} (is config.json right for these weights?)")
 
     d_model = args.hidden_size
-    first = src.shape(family.ffn_tensors(args, 0)[kinds[0]][0])
+    first = src.shape(original[family.ffn_tensors(args, 0)[kinds[0]][0]])
     n_neurons = first[0]
     layout = BundleLayout(tuple(kinds), d_model, n_neurons, dtype, align)
 
     resident = []
-    for name in src.names():
+    for name, orig in original.items():
         if name in ffn_names:
             continue
         new = family.resident_name(args, name)
         if new is not None:
-            resident.append((name, new, src.shape(name)))
+            resident.append((orig, new, src.shape(orig)))
     total = sum(int(np.prod(s)) * DTYPES[dtype] for _, _, s in resident) + layout.file_size * n_layers
     bar = _progress(total, progress, "convert")
 
@@ -140,7 +143,7 @@ def _write_folder(src, tmp, source_name, dtype, align, progress):
     for layer in range(n_layers):
         rows = {}
         for kind, (name, transposed) in family.ffn_tensors(args, layer).items():
-            w = src.read(name)
+            w = src.read(original[name])
             w = w.T if transposed else w
             if w.shape != (n_neurons, d_model):
                 raise FlashError(f"tensor {name} has shape {tuple(w.shape)}, expected neurons x {d_model}")

@@ -1,0 +1,451 @@
+"""A GGUF file as a converter source: HF-named float32 tensors, one at a time.
+
+The file is memory-mapped (gguf's GGUFReader), so `read()` touches only the
+bytes of the tensor asked for. Three things differ from a Hugging Face folder
+and are undone here:
+
+- names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
+- values: quantized blocks are dequantized (gguf.quants), and for the llama
+  architecture the rows of q/k are un-permuted (convert_hf_to_gguf.py permutes
+  them for its rotary kernel);
+- tokenizer: there is no tokenizer.json, only a vocabulary, merges and token
+  types in the metadata, from which a `tokenizers` byte-level BPE is rebuilt.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FlashError
+
+# HF config fields per architecture. Qwen2/3 GGUFs are not permuted; llama's are.
+ARCHS = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "permuted": True},
+    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "permuted": False},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "permuted": False},
+}
+
+# llama.cpp tensor names -> HF names. "{i}" is the layer index.
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LAYER_ORDER = {k: i for i, k in enumerate(LAYER_NAMES)}
+
+# Tensor types gguf.quants can dequantize and that we accept. The issue asks
+# for F32/F16/BF16/Q8_0/Q4_0/Q4_1; Q5_x and the K-quants come for free.
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+# llama.cpp's `tokenizer.ggml.pre` -> how text is split before BPE, with the
+# regexes of llama.cpp's llama-vocab.cpp / the models' own tokenizer.json.
+SPLITS = {
+    "llama3": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+    "tekken": (
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+}
+# name -> (split, ignore_merges, add_bos when the file does not say). "gpt2" is
+# GPT-2's own regex (ByteLevel's); "digits" is that with every digit on its own.
+# llama.cpp tries a whole word against the vocabulary before merging
+# (ignore_merges) and adds BOS by default for the Llama 3 and Tekken families.
+PRE_TOKENIZERS = {
+    **dict.fromkeys(["default", "gpt2", "gpt-2", "mpt", "olmo", "jais"], ("gpt2", False, False)),
+    **dict.fromkeys(
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+        ("digits", False, False),
+    ),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"], ("llama3", True, True)),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False, False)),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"], ("qwen2", False, False)),
+    "tekken": ("tekken", True, True),
+}
+
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # gguf.TokenType
+
+
+def bytes_to_unicode():
+    """GPT-2's byte -> printable character table, the alphabet of byte-level BPE vocabularies."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _short_float(x):
+    """float32 metadata as the decimal a config.json would hold (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(x)))
+
+
+def unpermute(w, n_head):
+    """Undo convert_hf_to_gguf.py's `permute`: rows (head, 2, half) were stored as (head, half, 2)."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def hf_name(gguf_name):
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    parts = gguf_name.split(".")
+    if parts[-1] not in ("weight", "bias"):
+        return None
+    if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def _sort_key(gguf_name):
+    """HF order: embeddings, layers in order, final norm, lm_head."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return (1, int(parts[1]), LAYER_ORDER[parts[2]], parts[3])
+    return ({"token_embd": 0, "output_norm": 2, "output": 3}[parts[0]], 0, 0, parts[-1])
+
+
+def llama3_rope_scaling(freqs, theta, head_dim):
+    """Recover HF's `rope_scaling` (type llama3) from llama.cpp's `rope_freqs` tensor.
+
+    llama.cpp stores the per-frequency divisors instead of the parameters. We
+    try the parameters every Llama 3.x model uses (only `factor` differs) and
+    accept them if they reproduce the tensor; anything else is refused.
+    """
+    factor = float(freqs.max())
+    low, high, old_ctx = 1.0, 4.0, 8192
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv
+    smooth = np.clip((old_ctx / wavelen - low) / (high - low), 0.0, 1.0)
+    expected = 1.0 / ((1 - smooth) / factor + smooth)
+    if freqs.shape != expected.shape or not np.allclose(freqs, expected, rtol=1e-4):
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": old_ctx,
+    }
+
+
+class GGUFSource:
+    """A llama / qwen2 / qwen3 GGUF file, read lazily tensor by tensor."""
+
+    def __init__(self, path):
+        import gguf
+
+        self._gguf = gguf
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FlashError(f"{self.path}: no such GGUF file")
+        try:
+            self._reader = gguf.GGUFReader(self.path, "r")
+        except Exception as e:  # the reader raises ValueError, IndexError, ... on bad bytes
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FlashError(f"{self.path}: not a readable GGUF file, truncated or corrupt ({detail})")
+        self._meta = dict(self._reader.fields)
+
+        if (self._get("split.count") or 1) > 1:
+            raise FlashError(
+                f"{self.path.name}: split GGUF ({self._get('split.count')} files) is not supported; "
+                "merge it first with llama.cpp's `llama-gguf-split --merge`"
+            )
+
+        arch = self._get("general.architecture")
+        if arch not in ARCHS:
+            raise FlashError(
+                f"{self.path.name}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHS)})"
+            )
+        self.arch = arch
+
+        size = self.path.stat().st_size
+        self._tensors = {}
+        rope_freqs = None
+        for t in self._reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise FlashError(f"{self.path}: truncated GGUF file (tensor {t.name} ends past the end)")
+            if t.name == "rope_freqs.weight":
+                rope_freqs = t
+                continue
+            name = hf_name(t.name)
+            if name is None:
+                raise FlashError(f"{self.path.name}: unexpected tensor '{t.name}' for a {arch} GGUF")
+            if t.tensor_type.name not in SUPPORTED_TYPES:
+                raise FlashError(
+                    f"{self.path.name}: tensor '{t.name}' has type {t.tensor_type.name}, "
+                    f"which mlx_flash cannot dequantize (supported: {', '.join(SUPPORTED_TYPES)})"
+                )
+            self._tensors[name] = t
+        if "model.embed_tokens.weight" not in self._tensors:
+            raise FlashError(f"{self.path.name}: no token_embd.weight tensor; not a language model GGUF")
+        self._order = sorted(self._tensors, key=lambda n: _sort_key(self._tensors[n].name))
+
+        self.config = self._build_config(rope_freqs)
+        self._check_tokenizer()
+
+    # --- metadata ---
+
+    def _get(self, key, default=None):
+        """A metadata value as Python: str, int, float, bool, or a list of them."""
+        field = self._meta.get(key)
+        if field is None:
+            return default
+        # The reader keeps each value (each array element too) as its own small array.
+        is_str = field.types[-1] == self._gguf.GGUFValueType.STRING
+        parts = [field.parts[i] for i in field.data]
+        values = [bytes(p).decode("utf-8") if is_str else p.tolist()[0] for p in parts]
+        return values if field.types[0] == self._gguf.GGUFValueType.ARRAY else values[0]
+
+    def _arch_get(self, key, default=None):
+        return self._get(f"{self.arch}.{key}", default)
+
+    def _build_config(self, rope_freqs):
+        n_head = self._arch_get("attention.head_count")
+        hidden = self._arch_get("embedding_length")
+        n_layers = self._arch_get("block_count")
+        if None in (n_head, hidden, n_layers) or isinstance(n_head, list):
+            raise FlashError(
+                f"{self.path.name}: GGUF metadata lacks {self.arch}.block_count/embedding_length/attention.head_count"
+            )
+        n_kv = self._arch_get("attention.head_count_kv", n_head)
+        default_head_dim = hidden // n_head
+        head_dim = self._arch_get("attention.key_length") or default_head_dim
+        theta = _short_float(self._arch_get("rope.freq_base", 10000.0))
+        vocab = self.shape("model.embed_tokens.weight")[0]
+        config = {
+            **{k: v for k, v in ARCHS[self.arch].items() if k != "permuted"},
+            "hidden_size": hidden,
+            "intermediate_size": self._arch_get("feed_forward_length"),
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": n_head,
+            "num_key_value_heads": n_kv,
+            "rms_norm_eps": _short_float(self._arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": theta,
+            "vocab_size": vocab,
+            "max_position_embeddings": self._arch_get("context_length", 4096),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "hidden_act": "silu",
+        }
+        if head_dim != default_head_dim or self.arch == "qwen3":
+            config["head_dim"] = head_dim  # mlx-lm's qwen3 requires it
+        if self.arch == "llama":
+            config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
+            config["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self._tensors
+
+        scaling = self._arch_get("rope.scaling.type")
+        if scaling == "linear":
+            factor = _short_float(self._arch_get("rope.scaling.factor"))
+            config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif scaling not in (None, "none"):
+            raise FlashError(f"{self.path.name}: RoPE scaling '{scaling}' is not supported")
+        if rope_freqs is not None:
+            freqs = self._gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).astype(np.float64)
+            config["rope_scaling"] = llama3_rope_scaling(freqs, theta, head_dim)
+            if config["rope_scaling"] is None:
+                raise FlashError(
+                    f"{self.path.name}: its rope_freqs tensor matches no Llama 3 RoPE scaling we know"
+                )
+
+        for key, gguf_key in (("bos", "bos"), ("pad", "padding"), ("unk", "unknown")):
+            tid = self._get(f"tokenizer.ggml.{gguf_key}_token_id")
+            if tid is not None:
+                config[f"{key}_token_id"] = tid
+        eos = self._eos_ids()
+        if eos:
+            config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+        return config
+
+    def _eos_ids(self):
+        """End-of-generation ids: eos, plus end-of-turn/-message where they differ (Llama 3 instruct)."""
+        ids = []
+        for key in ("eos", "eot", "eom"):
+            tid = self._get(f"tokenizer.ggml.{key}_token_id")
+            if tid is not None and tid not in ids:
+                ids.append(tid)
+        return ids
+
+    def _check_tokenizer(self):
+        """Refuse early what write_tokenizer cannot rebuild, before any tensor is converted."""
+        model = self._get("tokenizer.ggml.model")
+        if model is None:
+            raise FlashError(f"{self.path.name}: GGUF has no tokenizer metadata (tokenizer.ggml.model)")
+        if model != "gpt2":
+            raise FlashError(
+                f"{self.path.name}: GGUF tokenizer '{model}' is not supported (only byte-level BPE, 'gpt2')"
+            )
+        pre = self._get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise FlashError(
+                f"{self.path.name}: GGUF pre-tokenizer '{pre}' is not supported "
+                f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+            )
+
+    # --- tensors ---
+
+    def names(self):
+        return list(self._order)
+
+    def shape(self, name):
+        # GGUF lists dims innermost first: [in, out] for a linear weight.
+        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+
+    def read(self, name):
+        t = self._tensors[name]
+        w = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        # F32 comes back as a view of the mmap: copy so the caller owns its array.
+        w = np.array(w, dtype=np.float32, copy=t.tensor_type.name == "F32")
+        w = w.reshape(self.shape(name))
+        if ARCHS[self.arch]["permuted"]:
+            if ".self_attn.q_proj." in name:
+                w = unpermute(w, self.config["num_attention_heads"])
+            elif ".self_attn.k_proj." in name:
+                w = unpermute(w, self.config["num_key_value_heads"])
+        return np.ascontiguousarray(w)
+
+    # --- tokenizer ---
+
+    def _build_tokenizer(self, tokens):
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        types = self._get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = self._get("tokenizer.ggml.merges") or []
+        split, ignore_merges, _ = self._pre_tokenizer()
+
+        # Normal tokens are spelled in the byte-level alphabet (space = "Ġ"). A
+        # few files store some in plain UTF-8: re-spell those so BPE finds them.
+        # Control/user-defined tokens keep their text, since they are matched
+        # whole in the input, as added tokens.
+        byte_chars = bytes_to_unicode()
+        alphabet = set(byte_chars.values())
+        vocab = {}
+        special, user = [], []
+        for i, (tok, kind) in enumerate(zip(tokens, types)):
+            if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
+                (special if kind == TOKEN_CONTROL else user).append(tok)
+            elif not set(tok) <= alphabet:
+                tok = "".join(byte_chars[b] for b in tok.encode("utf-8"))
+            vocab.setdefault(tok, i)
+
+        model = models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            ignore_merges=ignore_merges,
+        )
+        tk = Tokenizer(model)
+        if split == "gpt2":
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        elif split == "digits":
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
+        else:
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        tk.decoder = decoders.ByteLevel()
+
+        post = [processors.ByteLevel(trim_offsets=False)]
+        bos_id = self._get("tokenizer.ggml.bos_token_id")
+        if self._add_bos() and bos_id is not None:
+            bos = tokens[bos_id]
+            post.append(
+                processors.TemplateProcessing(
+                    single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+                )
+            )
+        tk.post_processor = post[0] if len(post) == 1 else processors.Sequence(post)
+
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+        return tk
+
+    def _pre_tokenizer(self):
+        return PRE_TOKENIZERS[self._get("tokenizer.ggml.pre", "default")]
+
+    def _add_bos(self):
+        return bool(self._get("tokenizer.ggml.add_bos_token", self._pre_tokenizer()[2]))
+
+    def write_tokenizer(self, out_dir):
+        out_dir = Path(out_dir)
+        tokens = self._get("tokenizer.ggml.tokens")
+        tk = self._build_tokenizer(tokens)
+        tk.save(str(out_dir / "tokenizer.json"))
+
+        special = {}
+        for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+            tid = self._get(f"tokenizer.ggml.{key}_token_id")
+            if tid is not None and 0 <= tid < len(tokens):
+                special[f"{name}_token"] = tokens[tid]
+
+        tokenizer_config = {
+            # the generic class: it takes tokenizer.json as is, with no per-model rewriting
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "add_bos_token": self._add_bos(),
+            "add_eos_token": bool(self._get("tokenizer.ggml.add_eos_token", False)),
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": self.config["max_position_embeddings"],
+        }
+        template = self._get("tokenizer.chat_template")
+        if template:
+            tokenizer_config["chat_template"] = template
+        _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+        _write_json(out_dir / "special_tokens_map.json", special)
+
+        keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+        generation = {k: self.config[k] for k in keys if k in self.config}
+        _write_json(out_dir / "generation_config.json", generation)
+
+    def close(self):
+        # Dropping the reader drops the memory map (the tensor views hold it until then).
+        self._tensors = {}
+        self._reader = None
+        self._meta = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _write_json(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")

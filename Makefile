@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml scripts/install_system_deps.sh
 .venv-ref/.installed:
 	$(PYTHON) -m venv .venv-ref
 	.venv-ref/bin/pip install -q --upgrade pip
-	.venv-ref/bin/pip install -q torch==2.13.0 transformers numpy safetensors gguf
+	.venv-ref/bin/pip install -q torch==2.13.0 transformers accelerate numpy safetensors gguf
 	touch $@
 
 $(GGUF): | $(VENV)/.installed

@@ -1,0 +1,1 @@
+from .neuron_cache import NeuronCache

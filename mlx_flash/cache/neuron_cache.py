@@ -1,0 +1,96 @@
+"""The per-layer neuron cache of paper §3.3 (Figure 6): preallocated, no reallocation per token.
+
+One matrix per weight kind (gate, up, down), `capacity` rows each, whose rows
+move together: row r of every matrix holds the weights of neuron
+`row_to_id[r]`. Rows `[:num_used]` are the cached neurons, in no particular
+order (the FFN's result does not depend on it). Deleting neurons moves the
+last used rows into the holes; inserting appends after `num_used`. The
+paper keeps one [up | down] matrix; in MLX a column slice of such a matrix is
+copied slowly (FACTS.md: 91 ms vs 2.8 ms), so each kind has its own matrix
+and the FFN sees contiguous row slices.
+
+The matrices are MLX arrays written in place through NumPy views of their
+buffers (CPU and Apple unified memory). That is only safe once MLX has
+finished every computation that reads them: the sparse FFN evaluates its
+input before it asks the cache for rows, which forces the previous token's
+use of these rows to complete.
+"""
+
+import numpy as np
+
+import mlx.core as mx
+
+
+class NeuronCache:
+    def __init__(self, capacity, n_neurons, d_model, kinds, dtype=mx.float32):
+        self.capacity = capacity
+        self.n_neurons = n_neurons
+        self.kinds = tuple(kinds)
+        self.matrices = {k: mx.zeros((capacity, d_model), dtype=dtype) for k in kinds}
+        mx.eval(list(self.matrices.values()))
+        # Writable views of the MLX buffers: the reader and delete() write here.
+        self.views = {k: np.array(m, copy=False) for k, m in self.matrices.items()}
+        for k, v in self.views.items():
+            assert v.flags.writeable and v.ctypes.data == np.array(self.matrices[k], copy=False).ctypes.data
+        self.row_to_id = np.full(capacity, -1, dtype=np.int64)  # the paper's "pointer"
+        self.id_to_row = np.full(n_neurons, -1, dtype=np.int64)  # inverse map
+        self.num_used = 0
+        self._ids = None  # MLX copy of row_to_id[:num_used], rebuilt when it changes
+
+    @property
+    def weights_bytes(self):
+        return sum(m.nbytes for m in self.matrices.values())
+
+    def contains(self, ids):
+        return self.id_to_row[ids] >= 0
+
+    def cached_ids(self):
+        return self.row_to_id[: self.num_used]
+
+    def delete(self, ids):
+        """Drop neurons `ids` (all cached): the last used rows move into the holes."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size == 0:
+            return 0
+        rows = self.id_to_row[ids]
+        assert (rows >= 0).all(), "deleting neurons that are not cached"
+        n_after = self.num_used - ids.size
+        gone = np.zeros(self.num_used, dtype=bool)
+        gone[rows] = True
+        holes = np.flatnonzero(gone[:n_after])  # deleted rows that stay inside [:n_after]
+        movers = n_after + np.flatnonzero(~gone[n_after:])  # kept rows beyond it
+        if holes.size:
+            for v in self.views.values():
+                v[holes] = v[movers]
+            moved_ids = self.row_to_id[movers]
+            self.row_to_id[holes] = moved_ids
+            self.id_to_row[moved_ids] = holes
+        self.id_to_row[ids] = -1
+        self.row_to_id[n_after : self.num_used] = -1
+        self.num_used = n_after
+        self._ids = None
+        return int(holes.size)
+
+    def append(self, ids):
+        """Reserve rows for new neurons `ids` (none cached); returns their row indices.
+
+        The caller fills those rows of `views` (the reader writes there) before
+        the next computation on the cache.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.num_used + ids.size > self.capacity:
+            raise ValueError(f"cache full: {self.num_used} + {ids.size} > {self.capacity}")
+        assert not self.contains(ids).any(), "appending neurons that are already cached"
+        rows = np.arange(self.num_used, self.num_used + ids.size, dtype=np.int64)
+        self.row_to_id[rows] = ids
+        self.id_to_row[ids] = rows
+        self.num_used += ids.size
+        self._ids = None
+        return rows
+
+    def rows(self):
+        """The cached rows as contiguous MLX row slices, and their neuron ids."""
+        n = self.num_used
+        if self._ids is None:
+            self._ids = mx.array(self.row_to_id[:n])
+        return {k: m[:n] for k, m in self.matrices.items()}, self._ids

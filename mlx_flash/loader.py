@@ -37,13 +37,21 @@ def default_compute_dtype(flash_dtype):
     return flash_dtype
 
 
-def load(path_or_repo, dtype=None, verify=True, progress=False, **options):
+def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sparsity="oracle",
+         density=1.0, memory_budget=None, window=4, threads=32, **options):
     """Load a model for generation.
 
     path_or_repo: a converted mlx_flash folder, or a Hub repo id / HF folder /
       mlx-lm folder / .gguf file (converted once into $MLX_FLASH_HOME).
     dtype: compute dtype (default float32 on the CPU, the flash dtype on a GPU).
     verify: check the sha256 of every file against the manifest while reading.
+    mode: dense (every FFN row in DRAM), naive (every FFN weight read from flash
+      every token), hybrid (half resident, half read every token), flash (the
+      neurons a token needs, through per-layer windowed caches).
+    sparsity, density: the flash mode's sparsity source and kept fraction.
+    memory_budget: "50%" of the model's weights or "4GB"; the weights the
+      process holds in DRAM stay under it.
+    window: tokens whose active neurons stay cached (flash mode).
     Returns (model, tokenizer) like mlx_lm.load.
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -77,14 +85,29 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, **options):
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
     mx.eval(model.parameters())
 
-    from tqdm import tqdm
+    model.flash = {"folder": folder, "manifest": manifest, "dtype": dtype, "mode": mode}
+    if mode == "dense":
+        from .plan import make_plan, parse_budget
 
-    bar = tqdm(total=len(manifest.ffn_files), desc="load ffn", disable=not progress, leave=False)
-    store = DenseStore(folder, manifest, DTYPES[dtype], verify=verify, progress=bar)
-    bar.close()
+        resident = sum(v.nbytes for v in weights.values())
+        lay = manifest.layout
+        neuron_bytes = len(lay.kinds) * lay.d_model * mx.zeros((), DTYPES[dtype]).itemsize
+        budget = parse_budget(memory_budget, resident + neuron_bytes * lay.n_neurons * len(manifest.ffn_files))
+        make_plan("dense", budget, resident, 0, neuron_bytes, len(manifest.ffn_files), lay.n_neurons)
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(manifest.ffn_files), desc="load ffn", disable=not progress, leave=False)
+        store = DenseStore(folder, manifest, DTYPES[dtype], verify=verify, progress=bar)
+        bar.close()
+        model.flash["budget_bytes"] = budget
+    else:
+        from .sparse_loader import make_flash_store
+
+        store = make_flash_store(model, folder, manifest, DTYPES[dtype], weights, mode, sparsity,
+                                 density, memory_budget, window, threads, verify)
     for layer in model.layers:
         layer_ffn(layer).store = store
-    model.flash = {"folder": folder, "manifest": manifest, "store": store, "dtype": dtype}
+    model.flash["store"] = store
     model.eval()
 
     eos = config.get("eos_token_id")

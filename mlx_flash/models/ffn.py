@@ -81,15 +81,37 @@ class FlashFFN(nn.Module):
     def __call__(self, x):
         if self.store is None:
             raise FlashError("FFN has no weight store; load the model with mlx_flash.load")
-        rows = self.store.rows(self.layer, x)
-        h = x @ rows.up.T
-        if "up_bias" in self:
-            h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
-        if self.gated:
-            h = self._act(x @ rows.gate.T) * h
-        else:
-            h = self._act(h)
-        y = h @ rows.down
+        try:
+            parts = self.store.rows(self.layer, x)
+        except Exception as e:
+            if type(e).__name__ != "TooManyNeurons":
+                raise
+            return self._in_halves(x)
+        if isinstance(parts, FFNRows):
+            parts = [parts]
+        # Neuron subsets are independent: the FFN is the sum over its parts.
+        y = None
+        for rows in parts:
+            h = x @ rows.up.T
+            if "up_bias" in self:
+                h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
+            if self.gated:
+                h = self._act(x @ rows.gate.T) * h
+            else:
+                h = self._act(h)
+            y = h @ rows.down if y is None else y + h @ rows.down
         if "down_bias" in self:
             y = y + self.down_bias
         return y
+
+    def _in_halves(self, x):
+        """A prompt chunk whose neurons do not fit the store: run it in two halves.
+
+        Each half is evaluated before the next one changes the store's rows.
+        """
+        L = x.shape[-2]
+        half = L // 2
+        a = self(x[..., :half, :])
+        mx.eval(a)
+        b = self(x[..., half:, :])
+        return mx.concatenate([a, b], axis=-2)

@@ -1,0 +1,177 @@
+"""FlashStore: FFN rows from flash, per token, through per-layer neuron caches.
+
+Per layer and token (paper §3, Figure 6):
+    x -> sparsity source -> active ids
+    window: the neurons active in the last k tokens stay cached; those that left
+            the window are deleted (swap-delete); a full cache shrinks its window
+    active - cached -> FlashReader (coalesced parallel uncached reads) -> appended rows
+    FFN on cache rows [:num_used] (+ the overflow streamed through scratch rows)
+
+Modes share this path: `naive` caches nothing and streams every neuron every
+token (the paper's naive baseline); `hybrid` keeps the first half of each
+layer's neurons resident and streams the other half; `flash` is the method.
+
+Safety of in-place writes: `rows()` evaluates its input first. That input
+depends on every earlier computation, including the previous token's use of
+this layer's cache and the previous layer's use of the scratch rows, so no
+pending MLX computation reads the rows we overwrite.
+"""
+
+import time
+from collections import deque
+
+import numpy as np
+
+import mlx.core as mx
+
+from .cache import NeuronCache
+from .errors import FlashError
+from .models.ffn import FFNRows
+
+
+class TooManyNeurons(Exception):
+    """A chunk of tokens needs more neurons than cache + scratch hold: split it."""
+
+
+class TokenStats:
+    KEYS = ("io_ms", "mem_ms", "predict_ms", "compute_ms", "total_ms", "bytes_read", "reads",
+            "active", "hits", "hit_rate", "window", "tokens")
+
+    def __init__(self):
+        self.rows = []
+        self.cur = None
+        self.t_start = None
+
+    def begin(self, n_tokens):
+        now = time.perf_counter()
+        if self.cur is not None:
+            self.end(now)
+        self.cur = dict.fromkeys(self.KEYS, 0)
+        self.cur["tokens"] = n_tokens
+        self.cur["windows"] = []
+        self.t_start = now
+
+    def end(self, now=None):
+        if self.cur is None:
+            return
+        c = self.cur
+        c["total_ms"] = 1e3 * ((now or time.perf_counter()) - self.t_start)
+        c["compute_ms"] = c["total_ms"] - c["io_ms"] - c["mem_ms"] - c["predict_ms"]
+        c["hit_rate"] = c["hits"] / c["active"] if c["active"] else 1.0
+        w = c.pop("windows")
+        c["window"] = float(np.mean(w)) if w else 0.0
+        self.rows.append(c)
+        self.cur = None
+
+    def summary(self, decode_only=True):
+        rows = [r for r in self.rows if r["tokens"] == 1] if decode_only else self.rows
+        if not rows:
+            return {}
+        return {f"mean_{k}": float(np.mean([r[k] for r in rows])) for k in self.KEYS if k != "tokens"} | {
+            "n_tokens": len(rows)
+        }
+
+
+class FlashStore:
+    def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32):
+        self.plan = plan
+        self.source = source
+        self.reader = reader
+        self.layout = lay = manifest.layout
+        self.kinds = lay.kinds
+        self.files = [reader.open(folder / e["file"], expected_size=e["size"]) for e in manifest.ffn_files]
+        n, d = lay.n_neurons, lay.d_model
+        self.caches = [NeuronCache(max(plan.capacity, 1), n, d, self.kinds, dtype) for _ in self.files]
+        self.scratch = NeuronCache(max(plan.scratch_rows, 1), n, d, self.kinds, dtype)
+        self.window = plan.window
+        self.history = [deque() for _ in self.files]  # active ids of the last tokens
+        self.counts = [np.zeros(n, dtype=np.int32) for _ in self.files]
+        self.stats = TokenStats()
+        if plan.mode == "hybrid":  # the first half of every layer, loaded once
+            half = np.arange(plan.capacity, dtype=np.int64)
+            for layer, cache in enumerate(self.caches):
+                self._read(layer, half, cache, cache.append(half))
+            self.reader.stats.reset()
+
+    @property
+    def weights_bytes(self):
+        return sum(c.weights_bytes for c in self.caches) + self.scratch.weights_bytes
+
+    def _segments(self, cache):
+        lay = self.layout
+        return [(j * lay.row_bytes, lay.d_model, lay.dtype, cache.views[k]) for j, k in enumerate(self.kinds)]
+
+    def _read(self, layer, ids, cache, rows):
+        if ids.size:
+            self.reader.read_bundles(self.files[layer], ids, self.layout.stride, self._segments(cache), rows)
+
+    def _part(self, cache, all_ids=False):
+        m, ids = cache.rows()
+        return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids)
+
+    def rows(self, layer, x):
+        t0 = time.perf_counter()
+        if layer == 0:
+            self.stats.begin(int(np.prod(x.shape[:-1])))
+        mx.eval(x)
+        st = self.stats.cur
+        t1 = time.perf_counter()
+        mode, n = self.plan.mode, self.layout.n_neurons
+        if mode in ("naive", "hybrid"):
+            ids = np.arange(self.plan.capacity if mode == "hybrid" else 0, n, dtype=np.int64)
+            hits = self.caches[layer].num_used if mode == "hybrid" else 0
+        else:
+            ids = self.source.select(layer, x)
+            limit = self.caches[layer].capacity + self.scratch.capacity
+            if ids.size > limit:
+                tokens = int(np.prod(x.shape[:-1]))
+                if tokens > 1:
+                    raise TooManyNeurons()
+                raise FlashError(
+                    f"one token needs {ids.size} neurons in layer {layer}, more than the "
+                    f"{limit} rows the memory budget leaves it; raise --memory-budget or lower --density"
+                )
+        t2 = time.perf_counter()
+        bytes0, reads0 = self.reader.stats.bytes_read, self.reader.stats.reads_issued
+
+        if mode == "flash":
+            cache, counts, hist = self.caches[layer], self.counts[layer], self.history[layer]
+            hist.append(ids)
+            counts[ids] += 1
+            while len(hist) > self.window:
+                counts[hist.popleft()] -= 1
+            # a full cache shrinks this layer's window (oldest tokens first)
+            while len(hist) > 1 and np.count_nonzero(counts) > cache.capacity:
+                counts[hist.popleft()] -= 1
+            cached = cache.cached_ids()
+            cache.delete(cached[counts[cached] == 0])
+            missing = ids[~cache.contains(ids)]
+            hits = ids.size - missing.size
+            room = cache.capacity - cache.num_used
+            keep, overflow = missing[:room], missing[room:]
+            new_rows = cache.append(keep)
+            self.scratch.delete(self.scratch.cached_ids())
+            over_rows = self.scratch.append(overflow)
+            t3 = time.perf_counter()
+            self._read(layer, keep, cache, new_rows)
+            self._read(layer, overflow, self.scratch, over_rows)
+            parts = [self._part(cache)] + ([self._part(self.scratch)] if overflow.size else [])
+            st["windows"].append(len(hist))
+        else:
+            stream = ids[ids >= (self.plan.capacity if mode == "hybrid" else 0)]
+            self.scratch.delete(self.scratch.cached_ids())
+            rows = self.scratch.append(stream)
+            t3 = time.perf_counter()
+            self._read(layer, stream, self.scratch, rows)
+            parts = ([self._part(self.caches[layer])] if mode == "hybrid" else []) + [
+                self._part(self.scratch, all_ids=mode == "naive")
+            ]
+        t4 = time.perf_counter()
+        st["predict_ms"] += 1e3 * (t2 - t1)
+        st["mem_ms"] += 1e3 * (t3 - t2)
+        st["io_ms"] += 1e3 * (t4 - t3)
+        st["bytes_read"] += self.reader.stats.bytes_read - bytes0
+        st["reads"] += self.reader.stats.reads_issued - reads0
+        st["active"] += int(ids.size) if mode == "flash" else n
+        st["hits"] += int(hits)
+        return parts

@@ -1,0 +1,1 @@
+from .budget import MODES, Plan, make_plan, parse_budget

@@ -1,0 +1,97 @@
+"""Memory budget -> what stays resident, each layer's cache size, the window.
+
+The budget counts the weights the process holds in DRAM: resident weights
+(embeddings, attention, norms) in the compute dtype, the sparsity source's own
+weights, every layer's neuron cache and the shared scratch rows that stream
+neurons which do not fit a cache. "50%" means half of the model's weights in
+the compute dtype (what `--mode dense` holds).
+
+The rule without calibration statistics (`Req_i` arrives with calibration):
+every layer gets the same capacity; one scratch of the same size streams the
+overflow. With a window k, a layer whose cache is full shrinks its own window
+(paper App. C.3/C.4).
+"""
+
+import re
+from dataclasses import dataclass
+
+from ..errors import FlashError
+
+MODES = ("dense", "naive", "hybrid", "flash")
+UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_budget(text, model_bytes):
+    """'50%' (of the model's weights) or '4GB' / '512MiB' / a byte count -> bytes."""
+    if text is None:
+        return None
+    s = str(text).strip().upper()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%|[KMGT]?I?B?)", s)
+    if not m or (m.group(2) not in UNITS and m.group(2) != "%"):
+        raise FlashError(f"--memory-budget: cannot read '{text}' (examples: 50%, 4GB, 512MiB)")
+    value = float(m.group(1))
+    if m.group(2) == "%":
+        if not 0 < value <= 100:
+            raise FlashError(f"--memory-budget: {text} is not a percentage in (0, 100]")
+        return int(model_bytes * value / 100)
+    return int(value * UNITS[m.group(2)])
+
+
+@dataclass
+class Plan:
+    mode: str
+    budget_bytes: int | None
+    resident_bytes: int  # attention, embeddings, norms (compute dtype)
+    source_bytes: int  # the sparsity source's own weights
+    neuron_bytes: int  # one neuron, every kind, compute dtype
+    n_layers: int
+    n_neurons: int
+    capacity: int  # rows of each layer's cache
+    scratch_rows: int  # rows of the shared streaming buffer
+    window: int
+
+    @property
+    def ffn_dram_bytes(self):
+        return (self.capacity * self.n_layers + self.scratch_rows) * self.neuron_bytes
+
+    @property
+    def weights_bytes(self):
+        return self.resident_bytes + self.source_bytes + self.ffn_dram_bytes
+
+
+def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
+              n_neurons, window=4):
+    if mode not in MODES:
+        raise FlashError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
+    fixed = resident_bytes + source_bytes
+    n = n_neurons
+    if mode == "dense":
+        capacity, scratch = n, 0
+    elif mode == "naive":
+        capacity, scratch = 0, n
+    elif mode == "hybrid":
+        capacity, scratch = n // 2, n - n // 2
+    else:
+        if budget_bytes is None:
+            capacity, scratch = n, 0
+        else:
+            rows = (budget_bytes - fixed) // neuron_bytes
+            per = rows // (n_layers + 1)
+            capacity, scratch = min(n, per), min(n, per)
+            if per < 1:
+                raise FlashError(_too_small(budget_bytes, fixed))
+    plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
+                capacity, scratch, window)
+    if budget_bytes is not None and plan.weights_bytes > budget_bytes:
+        raise FlashError(
+            f"--mode {mode} needs {plan.weights_bytes / 1e6:.0f} MB of weights in DRAM, over the "
+            f"budget of {budget_bytes / 1e6:.0f} MB" + ("; try --mode flash" if mode != "flash" else "")
+        )
+    return plan
+
+
+def _too_small(budget, fixed):
+    return (
+        f"memory budget {budget / 1e6:.0f} MB is too small: the resident weights alone "
+        f"(embeddings, attention, norms, sparsity source) take {fixed / 1e6:.0f} MB"
+    )

@@ -1,0 +1,93 @@
+"""Sparsity sources: which FFN neurons a token needs, decided from the FFN input.
+
+Every source has `select(layer, x) -> np.ndarray[int64]` (sorted neuron ids:
+the union over the rows of x) and `resident_bytes` (the weights it keeps in
+DRAM to decide, counted in the memory budget).
+
+- oracle: exact. ReLU FFNs: neurons with act(x W_up^T + b) != 0. GLU FFNs: the
+  top-k |act(x W_gate^T) * x W_up^T| (k = density * n). It keeps the dense
+  gate/up weights for that: it is for measurement, and its resident bytes say so.
+- threshold: ReLU / FATReLU: the neurons whose activation is non-zero (exact for
+  these, like the oracle). GLU: the gate as predictor (paper App. C.5): the
+  top-k |act(x W_gate^T)|, the gate weights resident.
+Predictors (low-rank), DIP and DIP-CA come later behind the same call.
+"""
+
+import numpy as np
+
+import mlx.core as mx
+
+from ..errors import FlashError
+
+SOURCES = ("oracle", "threshold")
+
+
+def _top_k_union(scores, k):
+    """scores [t, n] -> union over rows of each row's top-k ids (sorted)."""
+    if k >= scores.shape[-1]:
+        return np.arange(scores.shape[-1], dtype=np.int64)
+    idx = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
+    return np.unique(idx).astype(np.int64)
+
+
+class _WeightsSource:
+    def __init__(self, weights, act, gated, up_bias, density, kinds_needed):
+        # weights: per layer {kind: mx.array [n, d]} for the kinds this source needs
+        self.weights = weights
+        self.act = act
+        self.gated = gated
+        self.up_bias = up_bias  # per layer mx.array [n] or None
+        self.density = density
+        self.resident_bytes = sum(a.nbytes for w in weights for a in w.values())
+
+    def _k(self, n):
+        return max(1, int(round(self.density * n)))
+
+
+class Oracle(_WeightsSource):
+    name = "oracle"
+
+    def select(self, layer, x):
+        w = self.weights[layer]
+        x2 = x.reshape(-1, x.shape[-1])
+        u = x2 @ w["up"].T
+        if self.up_bias is not None and self.up_bias[layer] is not None:
+            u = u + self.up_bias[layer]
+        if self.gated:
+            h = mx.abs(self.act(x2 @ w["gate"].T) * u)
+            return _top_k_union(np.array(h), self._k(h.shape[-1]))
+        h = np.array(self.act(u))
+        return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
+
+
+class Threshold(_WeightsSource):
+    name = "threshold"
+
+    def select(self, layer, x):
+        w = self.weights[layer]
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.gated:
+            g = np.array(mx.abs(self.act(x2 @ w["gate"].T)))
+            if self.density >= 1.0:
+                return np.flatnonzero((g != 0).any(axis=0)).astype(np.int64) if self._sparse_act else np.arange(g.shape[-1], dtype=np.int64)
+            return _top_k_union(g, self._k(g.shape[-1]))
+        u = x2 @ w["up"].T
+        if self.up_bias is not None and self.up_bias[layer] is not None:
+            u = u + self.up_bias[layer]
+        h = np.array(self.act(u))
+        return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
+
+
+def make_source(name, density, layer_weights, act, gated, up_bias, sparse_act=False):
+    """layer_weights(kinds) -> per-layer {kind: mx.array}: the loader reads them from flash."""
+    if name not in SOURCES:
+        raise FlashError(f"unknown sparsity source '{name}' (available: {', '.join(SOURCES)})")
+    if not 0 < density <= 1:
+        raise FlashError(f"--density must be in (0, 1], got {density}")
+    if name == "oracle":
+        kinds = ("gate", "up") if gated else ("up",)
+        return Oracle(layer_weights(kinds), act, gated, up_bias, density, kinds)
+    kinds = ("gate",) if gated else ("up",)
+    src = Threshold(layer_weights(kinds), act, gated, up_bias, density, kinds)
+    src._sparse_act = sparse_act
+    return src

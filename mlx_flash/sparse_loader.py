@@ -41,8 +41,7 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
 
         up_bias = [f.up_bias if "up_bias" in f else None for f in ffns]
         act = ffns[0]._act
-        sparse_act = model.args.hidden_act in ("relu", "relu2", "fatrelu") if hasattr(model.args, "hidden_act") else True
-        source = make_source(sparsity, density, layer_weights, act, ffns[0].gated, up_bias, sparse_act)
+        source = make_source(sparsity, density, layer_weights, act, ffns[0].gated, up_bias)
     plan = make_plan(mode, budget, resident, source.resident_bytes if source else 0, neuron_bytes,
                      n_layers, lay.n_neurons, window=window if window else 10**9)
     reader = FlashReader(threads=threads, direct=True)

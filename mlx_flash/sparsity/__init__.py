@@ -54,8 +54,10 @@ class Oracle(_WeightsSource):
         if self.up_bias is not None and self.up_bias[layer] is not None:
             u = u + self.up_bias[layer]
         if self.gated:
-            h = mx.abs(self.act(x2 @ w["gate"].T) * u)
-            return _top_k_union(np.array(h), self._k(h.shape[-1]))
+            h = np.array(mx.abs(self.act(x2 @ w["gate"].T) * u))
+            if self.density >= 1.0:  # exact: every neuron whose output is not zero
+                return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
+            return _top_k_union(h, self._k(h.shape[-1]))
         h = np.array(self.act(u))
         return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
 
@@ -68,8 +70,8 @@ class Threshold(_WeightsSource):
         x2 = x.reshape(-1, x.shape[-1])
         if self.gated:
             g = np.array(mx.abs(self.act(x2 @ w["gate"].T)))
-            if self.density >= 1.0:
-                return np.flatnonzero((g != 0).any(axis=0)).astype(np.int64) if self._sparse_act else np.arange(g.shape[-1], dtype=np.int64)
+            if self.density >= 1.0:  # exact for ReLU / FATReLU gates: act(gate) == 0 adds nothing
+                return np.flatnonzero((g != 0).any(axis=0)).astype(np.int64)
             return _top_k_union(g, self._k(g.shape[-1]))
         u = x2 @ w["up"].T
         if self.up_bias is not None and self.up_bias[layer] is not None:
@@ -78,7 +80,7 @@ class Threshold(_WeightsSource):
         return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
 
 
-def make_source(name, density, layer_weights, act, gated, up_bias, sparse_act=False):
+def make_source(name, density, layer_weights, act, gated, up_bias):
     """layer_weights(kinds) -> per-layer {kind: mx.array}: the loader reads them from flash."""
     if name not in SOURCES:
         raise FlashError(f"unknown sparsity source '{name}' (available: {', '.join(SOURCES)})")
@@ -88,6 +90,4 @@ def make_source(name, density, layer_weights, act, gated, up_bias, sparse_act=Fa
         kinds = ("gate", "up") if gated else ("up",)
         return Oracle(layer_weights(kinds), act, gated, up_bias, density, kinds)
     kinds = ("gate",) if gated else ("up",)
-    src = Threshold(layer_weights(kinds), act, gated, up_bias, density, kinds)
-    src._sparse_act = sparse_act
-    return src
+    return Threshold(layer_weights(kinds), act, gated, up_bias, density, kinds)

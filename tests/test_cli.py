@@ -56,3 +56,21 @@ def test_generate_converts_a_hf_folder_on_first_use(tiny, tmp_path):
                        env=dict(os.environ, MLX_FLASH_HOME=str(tmp_path)), timeout=300)
     assert r.returncode == 0, r.stderr
     assert list((tmp_path / "models").glob("*/manifest.json"))
+
+
+def test_generate_flash_mode_stats_json(tiny, tmp_path):
+    import json
+
+    _, flash = tiny
+    out = tmp_path / "stats.json"
+    r = run(f"{BIN}/mlx_flash.generate", "--model", str(flash), "--prompt", "hello world",
+            "--max-tokens", "5", "--mode", "flash", "--sparsity", "oracle", "--density", "0.5",
+            "--window", "2", "--stats", "--stats-json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "memory management" in r.stdout
+    d = json.loads(out.read_text())
+    assert d["summary"]["mode"] == "flash" and d["summary"]["density"] == 0.5
+    for key in ("peak_rss_bytes", "weights_in_dram_bytes", "memory_budget_bytes", "mean_io_ms"):
+        assert key in d["summary"]
+    decode = [t for t in d["tokens"] if t["tokens"] == 1]
+    assert decode and all(k in decode[0] for k in ("io_ms", "mem_ms", "compute_ms", "bytes_read", "reads", "hit_rate"))

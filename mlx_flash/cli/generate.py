@@ -13,6 +13,15 @@ def add_model_args(p):
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="compute dtype (default float32 on the CPU)")
     p.add_argument("--no-verify", action="store_true", help="skip sha256 checks at load")
+    p.add_argument("--mode", default="dense", choices=["dense", "naive", "hybrid", "flash"],
+                   help="dense: all FFN rows in DRAM; naive: all read every token; hybrid: half "
+                   "resident; flash: only the needed neurons, windowed cache (default dense)")
+    p.add_argument("--sparsity", default="oracle", choices=["oracle", "threshold"],
+                   help="flash mode's sparsity source")
+    p.add_argument("--density", type=float, default=1.0, help="kept fraction of neurons (top-k sources)")
+    p.add_argument("--memory-budget", default=None, help="weights in DRAM: '50%%' of the model or '4GB'")
+    p.add_argument("--window", type=int, default=4, help="tokens whose neurons stay cached (flash)")
+    p.add_argument("--threads", type=int, default=32, help="reader threads")
 
 
 def add_sampling_args(p):
@@ -38,7 +47,9 @@ def load_for_cli(args):
 
     model_name = check_model_arg(args.model or default_model())
     t0 = time.perf_counter()
-    model, tokenizer = load(model_name, dtype=args.dtype, verify=not args.no_verify, progress=True)
+    model, tokenizer = load(model_name, dtype=args.dtype, verify=not args.no_verify, progress=True,
+                            mode=args.mode, sparsity=args.sparsity, density=args.density,
+                            memory_budget=args.memory_budget, window=args.window, threads=args.threads)
     dt = time.perf_counter() - t0
     m = model.flash["manifest"]
     print(
@@ -57,7 +68,8 @@ def build_parser():
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
     add_sampling_args(p)
-    p.add_argument("--stats", action="store_true", help="print per-token timings")
+    p.add_argument("--stats", action="store_true", help="print per-token timings and the I/O breakdown")
+    p.add_argument("--stats-json", default=None, help="write one row per token and a summary here")
     return p
 
 
@@ -67,6 +79,29 @@ def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def stats_report(model):
+    """Per-token rows and a summary: the paper's Table 3 columns, the budget, the peak RSS."""
+    import resource
+
+    info = model.flash
+    store = info["store"]
+    rows = []
+    summary = {"mode": info["mode"], "sparsity": info.get("sparsity"), "density": info.get("density"),
+               "memory_budget_bytes": info.get("budget_bytes")}
+    from mlx.utils import tree_flatten
+
+    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    source = getattr(getattr(store, "source", None), "resident_bytes", 0) or 0
+    summary["ffn_dram_bytes"] = store.weights_bytes
+    summary["weights_in_dram_bytes"] = resident + source + store.weights_bytes
+    summary["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if hasattr(store, "stats"):
+        store.stats.end()
+        rows = store.stats.rows
+        summary.update(store.stats.summary())
+    return {"tokens": rows, "summary": summary}
 
 
 def main(argv=None):
@@ -104,8 +139,22 @@ def main(argv=None):
                 f"p50 {1e3 * decode[n // 2]:.1f}, p90 {1e3 * decode[int(n * 0.9)]:.1f}, "
                 f"max {1e3 * decode[-1]:.1f}; first token {1e3 * times[0]:.1f} ms"
             )
-            store = model.flash["store"]
-            print(f"FFN weights in DRAM: {store.weights_bytes / 1e6:.1f} MB (dense: all rows resident)")
+        report = stats_report(model)
+        if args.stats:
+            s = report["summary"]
+            print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "
+                  f"all weights in DRAM {s['weights_in_dram_bytes'] / 1e6:.1f} MB, "
+                  + (f"budget {s['memory_budget_bytes'] / 1e6:.0f} MB" if s["memory_budget_bytes"] else "no budget"))
+            if "mean_io_ms" in s:
+                print(f"Per token (decode means): I/O {s['mean_io_ms']:.1f} ms, memory management "
+                      f"{s['mean_mem_ms']:.1f} ms, predict {s['mean_predict_ms']:.1f} ms, compute "
+                      f"{s['mean_compute_ms']:.1f} ms; read {s['mean_bytes_read'] / 1e6:.2f} MB in "
+                      f"{s['mean_reads']:.0f} reads; hit rate {s['mean_hit_rate']:.2f}, window {s['mean_window']:.1f}")
+        if args.stats_json:
+            import json
+
+            with open(args.stats_json, "w") as f:
+                json.dump(report, f, indent=1)
 
     return run(body, "mlx_flash.generate")
 

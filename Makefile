@@ -31,7 +31,7 @@ $(GGUF): | $(VENV)/.installed
 	$(BIN)/python scripts/fetch_default_model.py models/download
 
 $(MODEL)/manifest.json: $(GGUF) | $(VENV)/.installed
-	$(BIN)/mlx_flash.convert --model $(GGUF) --out $(MODEL) --dtype float16
+	$(BIN)/mlx_flash.convert --model $(GGUF) --out $(MODEL) --dtype float16 --dip
 
 model: $(MODEL)/manifest.json
 

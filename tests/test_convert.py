@@ -190,3 +190,26 @@ def test_killed_convert_leaves_no_folder_and_rerun_succeeds(tmp_path):
     assert r.returncode == 0, r.stderr
     assert read_manifest(out).dtype == "float32"
     assert not tmp.exists(), "the stale temporary folder was not cleaned up"
+
+
+def test_dip_orientation_round_trip(tmp_path):
+    """--dip: input dim j's bundle holds gate[:, j] and up[:, j]; down rows stand alone."""
+    src, cfg, t = make_llama_folder(tmp_path / "hf", "llama")
+    out = convert(src, tmp_path / "flash", dtype="float32", progress=False, dip=True)
+    m = read_manifest(out)
+    inp, down = m.dip["input"], m.dip["down"]
+    assert inp["layout"].kinds == ("gate", "up") and inp["layout"].n_neurons == cfg["hidden_size"]
+    assert inp["layout"].d_model == cfg["intermediate_size"]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp."
+        entry = inp["files"][layer]
+        assert sha256_file(out / entry["file"]) == entry["sha256"]
+        rows = inp["layout"].split((out / entry["file"]).read_bytes())
+        np.testing.assert_array_equal(rows["gate"], t[p + "gate_proj.weight"].T)
+        np.testing.assert_array_equal(rows["up"], t[p + "up_proj.weight"].T)
+        rows = down["layout"].split((out / down["files"][layer]["file"]).read_bytes())
+        np.testing.assert_array_equal(rows["down"], t[p + "down_proj.weight"].T)
+    # a folder without --dip is not silently reused when --dip is asked for
+    plain = convert(src, tmp_path / "plain", dtype="float32", progress=False)
+    with pytest.raises(FlashError, match="--force"):
+        convert(src, plain, dtype="float32", progress=False, dip=True)

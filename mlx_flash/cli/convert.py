@@ -17,6 +17,8 @@ def build_parser():
     p.add_argument("--align", type=int, default=512,
                    help="bundle alignment in bytes, for uncached reads (default 512)")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--dip", action="store_true",
+                   help="also write the input orientation for --sparsity dip / dip-ca (+5/3 FFN bytes)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -35,7 +37,7 @@ def main(argv=None):
             raise FlashError(f"--align must be a power of two, got {args.align}")
         t0 = time.perf_counter()
         out = convert(args.model, args.out, dtype=args.dtype, align=args.align,
-                      force=args.force, progress=not args.quiet, revision=args.revision)
+                      force=args.force, progress=not args.quiet, revision=args.revision, dip=args.dip)
         m = read_manifest(out)
         ffn = sum(f["size"] for f in m.ffn_files)
         print(

@@ -14,6 +14,10 @@
                              (O_DIRECT / F_NOCACHE) read fetches one bundle
       manifest.json          this format's name and version, dtypes, the bundle
                              layout, every file's size and sha256
+      dip/in_NNN.bin,        optional (convert --dip), for Dynamic Input Pruning:
+      dip/down_NNN.bin       input dim j's bundle [gate[:, j] | up[:, j]] (the
+                             columns input pruning selects), and neuron i's
+                             down row alone (what GLU pruning selects)
 
 A folder is complete only if manifest.json exists: the converter writes into
 a temporary folder and renames it into place last.
@@ -43,11 +47,17 @@ def round_up(n, align):
 
 @dataclass(frozen=True)
 class BundleLayout:
-    """Where neuron i of a layer lives in that layer's FFN file."""
+    """Where bundle i of a layer lives in a file of bundles.
+
+    For the neuron orientation a bundle is a neuron and its rows have d_model
+    values; for the DIP input orientation a bundle is an input dimension and
+    its rows (columns of gate / up) have n_ff values: `d_model` is the row
+    length, `n_neurons` the number of bundles.
+    """
 
     kinds: tuple  # e.g. ("gate", "up", "down")
-    d_model: int
-    n_neurons: int
+    d_model: int  # values per row
+    n_neurons: int  # bundles per file
     dtype: str  # float32 | float16 | bfloat16
     align: int = 512
 
@@ -108,12 +118,15 @@ class Manifest:
     resident: dict  # {"file", "size", "sha256"}
     source: str = ""
     calibration: dict = field(default_factory=dict)
+    dip: dict = field(default_factory=dict)  # {"input"|"down": {"layout": BundleLayout, "files": [...]}}
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
     def to_json(self):
         d = asdict(self)
         d["layout"]["kinds"] = list(self.layout.kinds)
+        for part in d["dip"].values():
+            part["layout"]["kinds"] = list(part["layout"]["kinds"])
         return json.dumps(d, indent=1)
 
     @classmethod
@@ -130,6 +143,11 @@ class Manifest:
             lay["kinds"] = tuple(lay["kinds"])
             d = dict(d)
             d["layout"] = BundleLayout(**lay)
+            d["dip"] = {
+                name: {"layout": BundleLayout(**dict(part["layout"], kinds=tuple(part["layout"]["kinds"]))),
+                       "files": part["files"]}
+                for name, part in d.get("dip", {}).items()
+            }
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise FlashError(f"{where}: malformed manifest ({e})")

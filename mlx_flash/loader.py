@@ -38,7 +38,8 @@ def default_compute_dtype(flash_dtype):
 
 
 def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sparsity="oracle",
-         density=1.0, memory_budget=None, window=4, threads=32, **options):
+         density=1.0, memory_budget=None, window=4, threads=32, gamma=0.2, eviction="lfu",
+         **options):
     """Load a model for generation.
 
     path_or_repo: a converted mlx_flash folder, or a Hub repo id / HF folder /
@@ -52,6 +53,8 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
     memory_budget: "50%" of the model's weights or "4GB"; the weights the
       process holds in DRAM stay under it.
     window: tokens whose active neurons stay cached (flash mode).
+    gamma, eviction: DIP-CA's re-weighting of uncached entries, and the eviction
+      policy (lru, lfu) of the DIP caches.
     Returns (model, tokenizer) like mlx_lm.load.
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -104,7 +107,8 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
         from .sparse_loader import make_flash_store
 
         store = make_flash_store(model, folder, manifest, DTYPES[dtype], weights, mode, sparsity,
-                                 density, memory_budget, window, threads, verify)
+                                 density, memory_budget, window, threads, verify,
+                                 dip_options={"gamma": gamma, "eviction": eviction})
     for layer in model.layers:
         layer_ffn(layer).store = store
     model.flash["store"] = store

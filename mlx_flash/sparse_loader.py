@@ -14,7 +14,7 @@ from .store import read_layer_file
 
 
 def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, sparsity, density,
-                     memory_budget, window, threads, verify):
+                     memory_budget, window, threads, verify, dip_options=None):
     from .loader import layer_ffn
 
     lay = manifest.layout
@@ -30,6 +30,9 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
 
     ffns = [layer_ffn(layer) for layer in model.layers]
     source = None
+    if mode == "flash" and sparsity in ("dip", "dip-ca"):
+        return _dip_store(model, folder, manifest, dtype, itemsize, resident, budget, model_bytes,
+                          ffns, sparsity, density, threads, dip_options or {})
     if mode == "flash":
         def layer_weights(kinds):
             out = []
@@ -50,4 +53,29 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
         plan=plan, budget_bytes=budget, model_bytes=model_bytes, sparsity=sparsity if source else None,
         density=density if source else None,
     )
+    return store
+
+
+def _dip_store(model, folder, manifest, dtype, itemsize, resident, budget, model_bytes, ffns,
+               sparsity, density, threads, dip_options):
+    from .dip_store import DIPStore
+
+    if not ffns[0].gated or "up_bias" in ffns[0]:
+        raise FlashError("--sparsity dip / dip-ca needs a gated (SwiGLU) FFN without biases")
+    if not 0 < density <= 1:
+        raise FlashError(f"--density must be in (0, 1], got {density}")
+    if not manifest.dip:
+        raise FlashError(f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`")
+    inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
+    k_in, k_out = max(1, round(density * inp.n_neurons)), max(1, round(density * down.n_neurons))
+    dims = (inp.n_neurons, len(inp.kinds) * inp.d_model * itemsize, down.n_neurons,
+            down.d_model * itemsize, k_in, k_out)
+    lay = manifest.layout
+    plan = make_plan("flash", budget, resident, 0, len(lay.kinds) * lay.d_model * itemsize,
+                     len(manifest.ffn_files), lay.n_neurons, dip=dims)
+    reader = FlashReader(threads=threads, direct=True)
+    store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
+                     cache_aware=sparsity == "dip-ca", dtype=dtype, **dip_options)
+    model.flash.update(plan=plan, budget_bytes=budget, model_bytes=model_bytes, sparsity=sparsity,
+                       density=density)
     return store

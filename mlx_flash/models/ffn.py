@@ -22,6 +22,7 @@ class FFNRows:
     down: mx.array  # [n, d_model]
     gate: Optional[mx.array] = None  # [n, d_model], gated (GLU) FFNs only
     ids: Optional[mx.array] = None  # neuron ids of the rows; None = all, in order
+    h: Optional[mx.array] = None  # activations of these neurons, when the store computed them (DIP)
 
 
 def fatrelu(threshold):
@@ -92,6 +93,9 @@ class FlashFFN(nn.Module):
         # Neuron subsets are independent: the FFN is the sum over its parts.
         y = None
         for rows in parts:
+            if rows.h is not None:
+                y = rows.h @ rows.down if y is None else y + rows.h @ rows.down
+                continue
             h = x @ rows.up.T
             if "up_bias" in self:
                 h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])

@@ -49,10 +49,15 @@ class Plan:
     capacity: int  # rows of each layer's cache
     scratch_rows: int  # rows of the shared streaming buffer
     window: int
+    dip_capacity: tuple = (0, 0)  # (input dims, down rows) cached per layer, DIP sources
+    dip_row_bytes: tuple = (0, 0)  # (one input dim's gate+up columns, one down row)
+    dip_scratch: tuple = (0, 0)  # shared rows that stream what a layer's caches cannot hold
 
     @property
     def ffn_dram_bytes(self):
-        return (self.capacity * self.n_layers + self.scratch_rows) * self.neuron_bytes
+        dip = sum((self.n_layers * c + sc) * b
+                  for c, sc, b in zip(self.dip_capacity, self.dip_scratch, self.dip_row_bytes))
+        return (self.capacity * self.n_layers + self.scratch_rows) * self.neuron_bytes + dip
 
     @property
     def weights_bytes(self):
@@ -60,7 +65,10 @@ class Plan:
 
 
 def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
-              n_neurons, window=4):
+              n_neurons, window=4, dip=None):
+    """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
+    DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
+    two caches of every layer get the same fraction of their rows from the rest."""
     if mode not in MODES:
         raise FlashError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
     fixed = resident_bytes + source_bytes
@@ -71,6 +79,19 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         capacity, scratch = 0, n
     elif mode == "hybrid":
         capacity, scratch = n // 2, n - n // 2
+    elif dip is not None:
+        d, in_bytes, n_ff, down_bytes, k_in, k_out = dip
+        full = d * in_bytes + n_ff * down_bytes
+        if budget_bytes is None:
+            frac, scratch = 1.0, (0, 0)
+        else:
+            scratch = (k_in, k_out)
+            frac = (budget_bytes - fixed - k_in * in_bytes - k_out * down_bytes) / n_layers / full
+            if frac < 0:
+                raise FlashError(_too_small(budget_bytes, fixed + k_in * in_bytes + k_out * down_bytes))
+        frac = min(frac, 1.0)
+        return Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
+                    0, 0, window, (int(frac * d), int(frac * n_ff)), (in_bytes, down_bytes), scratch)
     else:
         if budget_bytes is None:
             capacity, scratch = n, 0

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 
-SOURCES = ("oracle", "threshold")
+SOURCES = ("oracle", "threshold")  # dip / dip-ca: see dip_store.py (they own their caches)
 
 
 def _top_k_union(scores, k):

@@ -1,0 +1,194 @@
+"""Dynamic Input Pruning on flash (DIP, Federici et al. §4–5), with cache-aware masking (DIP-CA).
+
+Per layer and token:
+    s_in  = |x|                      (DIP-CA: |x| (c + γ (1 - c)) / max|x|, c = cached input dims)
+    dims  = topK(s_in, k_in)         -> gate/up columns of those input dims: in-cache, read if missing
+    h~    = act(x_dims G_dims) * (x_dims U_dims)        (every neuron, from the pruned input)
+    s_out = |h~|                     (DIP-CA: re-weighted by the down cache's presence mask)
+    ids   = topK(s_out, k_out)       -> down rows of those neurons: down-cache, read if missing
+    y     = h~[ids] D[ids]
+Both caches are full-size-less: when full, an eviction policy (LRU / LFU /
+Belady) picks the victims among ids the token does not need. k_in and k_out
+are the same fraction (`density`) of d_model and of n_ff, so `density` is the
+fraction of FFN weights a token uses.
+
+The store computes h~ itself (it needs it to choose the neurons) and hands the
+FFN the selected activations with the down rows; prompt chunks use per-token
+masks over the union of their selections.
+"""
+
+import time
+
+import numpy as np
+
+import mlx.core as mx
+
+from .cache import NeuronCache
+from .cache.eviction import POLICIES
+from .errors import FlashError
+from .flash_store import TokenStats, TooManyNeurons
+from .models.ffn import FFNRows
+
+
+def topk_mask(scores, k):
+    """Per row: True at the k largest scores."""
+    if k >= scores.shape[-1]:
+        return np.ones(scores.shape, dtype=bool)
+    idx = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
+    mask = np.zeros(scores.shape, dtype=bool)
+    np.put_along_axis(mask, idx, True, axis=-1)
+    return mask
+
+
+class _Side:
+    """One cache (input columns or down rows) of one layer, with its policy and file."""
+
+    def __init__(self, reader, entry_path, size, layout, capacity, policy, dtype):
+        self.file = reader.open(entry_path, expected_size=size)
+        self.layout = layout
+        self.cache = NeuronCache(capacity, layout.n_neurons, layout.d_model, layout.kinds, dtype)
+        self.policy = policy
+
+    def ensure(self, reader, need, step, scratch):
+        """Bring every id of `need` into the cache, or, past its capacity, into `scratch`.
+
+        Returns (hits, t_mem, t_io, streamed?) — streamed ids are read again next time.
+        """
+        t0 = time.perf_counter()
+        c = self.cache
+        present = c.contains(need)
+        missing = need[~present]
+        n_keep = min(missing.size, c.capacity - int(present.sum()))
+        keep, stream = missing[:n_keep], missing[n_keep:]
+        over = c.num_used + keep.size - c.capacity
+        if over > 0:
+            c.delete(self.policy.victims(c.cached_ids(), over, need, step))
+        rows = c.append(keep)
+        self.policy.touch(need, step)
+        scratch.delete(scratch.cached_ids())
+        srows = scratch.append(stream)
+        t1 = time.perf_counter()
+        self._read(reader, keep, c, rows)
+        self._read(reader, stream, scratch, srows)
+        return int(present.sum()), t1 - t0, time.perf_counter() - t1, stream.size > 0
+
+    def _read(self, reader, ids, cache, rows):
+        if ids.size:
+            lay = self.layout
+            segs = [(j * lay.row_bytes, lay.d_model, lay.dtype, cache.views[k]) for j, k in enumerate(lay.kinds)]
+            reader.read_bundles(self.file, ids, lay.stride, segs, rows)
+
+
+class DIPStore:
+    def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False, gamma=0.2,
+                 eviction="lfu", traces=None, dtype=mx.float32):
+        if not manifest.dip:
+            raise FlashError(
+                f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"
+            )
+        if eviction not in POLICIES:
+            raise FlashError(f"unknown eviction policy '{eviction}' (choose from {', '.join(POLICIES)})")
+        self.reader, self.act, self.plan = reader, act, plan
+        self.density, self.cache_aware, self.gamma = density, cache_aware, gamma
+        inp, down = manifest.dip["input"], manifest.dip["down"]
+        self.d_model, self.n_ff = inp["layout"].n_neurons, inp["layout"].d_model
+        self.k_in = max(1, int(round(density * self.d_model)))
+        self.k_out = max(1, int(round(density * self.n_ff)))
+        cap_in, cap_down = plan.dip_capacity
+
+        def policy(n, layer, side):
+            if eviction == "belady":
+                if traces is None:
+                    raise FlashError("--eviction belady needs the access trace of an earlier run")
+                return POLICIES["belady"](n, traces[layer][side])
+            return POLICIES[eviction](n)
+
+        self.sides = []
+        for layer, (fi, fd) in enumerate(zip(inp["files"], down["files"])):
+            self.sides.append((
+                _Side(reader, folder / fi["file"], fi["size"], inp["layout"], cap_in,
+                      policy(self.d_model, layer, "in"), dtype),
+                _Side(reader, folder / fd["file"], fd["size"], down["layout"], cap_down,
+                      policy(self.n_ff, layer, "down"), dtype),
+            ))
+        sc_in, sc_down = plan.dip_scratch
+        self.scratch_in = NeuronCache(max(sc_in, 1), self.d_model, self.n_ff, inp["layout"].kinds, dtype)
+        self.scratch_down = NeuronCache(max(sc_down, 1), self.n_ff, self.d_model, ("down",), dtype)
+        self.stats = TokenStats()
+        self.step = 0
+        self.trace = [{"in": [], "down": []} for _ in self.sides]  # for Belady replays
+
+    @property
+    def weights_bytes(self):
+        caches = sum(s.cache.weights_bytes for pair in self.sides for s in pair)
+        return caches + self.scratch_in.weights_bytes + self.scratch_down.weights_bytes
+
+    def _scores(self, values, cache):
+        """DIP-CA (Eq. 10): cached entries keep their score, the others are scaled by γ."""
+        s = np.abs(values)
+        if not self.cache_aware:
+            return s
+        c = (cache.id_to_row >= 0).astype(s.dtype)
+        return s * (c + self.gamma * (1 - c)) / np.maximum(s.max(axis=-1, keepdims=True), 1e-30)
+
+    def rows(self, layer, x):
+        t0 = time.perf_counter()
+        if layer == 0:
+            self.stats.begin(int(np.prod(x.shape[:-1])))
+            self.step += 1
+        mx.eval(x)
+        st = self.stats.cur
+        bytes0, reads0 = self.reader.stats.bytes_read, self.reader.stats.reads_issued
+        t1 = time.perf_counter()
+        side_in, side_down = self.sides[layer]
+        x2 = x.reshape(-1, x.shape[-1])
+        mask_in = topk_mask(self._scores(np.array(x2, dtype=np.float32), side_in.cache), self.k_in)
+        need_in = np.flatnonzero(mask_in.any(axis=0)).astype(np.int64)
+        self._check_fits(x2, layer, need_in.size, side_in.cache.capacity + self.scratch_in.capacity)
+        t2 = time.perf_counter()
+        hits_in, m_in, io_in, streamed = side_in.ensure(self.reader, need_in, self.step, self.scratch_in)
+        self.trace[layer]["in"].append(need_in)
+
+        g = u = None
+        for cache in [side_in.cache] + ([self.scratch_in] if streamed else []):
+            mats, dims = cache.rows()
+            m_rows = mx.array(mask_in[:, cache.cached_ids()])
+            xs = x2[:, dims] * m_rows.astype(x2.dtype)
+            g = xs @ mats["gate"] if g is None else g + xs @ mats["gate"]
+            u = xs @ mats["up"] if u is None else u + xs @ mats["up"]
+        h = self.act(g) * u
+        h_np = np.array(h.astype(mx.float32))  # evaluates h~: compute
+        t3 = time.perf_counter()
+        mask_out = topk_mask(self._scores(h_np, side_down.cache), self.k_out)
+        need_out = np.flatnonzero(mask_out.any(axis=0)).astype(np.int64)
+        self._check_fits(x2, layer, need_out.size, side_down.cache.capacity + self.scratch_down.capacity)
+        t4 = time.perf_counter()
+        hits_out, m_out, io_out, streamed = side_down.ensure(self.reader, need_out, self.step,
+                                                             self.scratch_down)
+        self.trace[layer]["down"].append(need_out)
+        parts = []
+        for cache in [side_down.cache] + ([self.scratch_down] if streamed else []):
+            dmats, ids = cache.rows()
+            m_rows = mx.array(mask_out[:, cache.cached_ids()])
+            h_sel = (h[:, ids] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
+            parts.append(FFNRows(up=None, down=dmats["down"], h=h_sel))
+
+        st["predict_ms"] += 1e3 * ((t2 - t1) + (t4 - t3))  # choosing inputs and neurons
+        st["mem_ms"] += 1e3 * (m_in + m_out)
+        st["io_ms"] += 1e3 * (io_in + io_out)
+        st["bytes_read"] += self.reader.stats.bytes_read - bytes0
+        st["reads"] += self.reader.stats.reads_issued - reads0
+        st["active"] += int(need_in.size + need_out.size)
+        st["hits"] += hits_in + hits_out
+        st["windows"].append(0)
+        return parts
+
+    def _check_fits(self, x2, layer, n, cap):
+        if n <= cap:
+            return
+        if x2.shape[0] > 1:
+            raise TooManyNeurons()
+        raise FlashError(
+            f"one token needs {n} rows in layer {layer}'s DIP cache of {cap}; "
+            "raise --memory-budget or lower --density"
+        )

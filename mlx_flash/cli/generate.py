@@ -16,8 +16,10 @@ def add_model_args(p):
     p.add_argument("--mode", default="dense", choices=["dense", "naive", "hybrid", "flash"],
                    help="dense: all FFN rows in DRAM; naive: all read every token; hybrid: half "
                    "resident; flash: only the needed neurons, windowed cache (default dense)")
-    p.add_argument("--sparsity", default="oracle", choices=["oracle", "threshold"],
-                   help="flash mode's sparsity source")
+    p.add_argument("--sparsity", default="oracle", choices=["oracle", "threshold", "dip", "dip-ca"],
+                   help="flash mode's sparsity source (dip / dip-ca need a model converted with --dip)")
+    p.add_argument("--gamma", type=float, default=0.2, help="DIP-CA re-weighting of uncached entries")
+    p.add_argument("--eviction", default="lfu", choices=["lru", "lfu"], help="DIP caches' eviction policy")
     p.add_argument("--density", type=float, default=1.0, help="kept fraction of neurons (top-k sources)")
     p.add_argument("--memory-budget", default=None, help="weights in DRAM: '50%%' of the model or '4GB'")
     p.add_argument("--window", type=int, default=4, help="tokens whose neurons stay cached (flash)")
@@ -49,7 +51,8 @@ def load_for_cli(args):
     t0 = time.perf_counter()
     model, tokenizer = load(model_name, dtype=args.dtype, verify=not args.no_verify, progress=True,
                             mode=args.mode, sparsity=args.sparsity, density=args.density,
-                            memory_budget=args.memory_budget, window=args.window, threads=args.threads)
+                            memory_budget=args.memory_budget, window=args.window, threads=args.threads,
+                            gamma=args.gamma, eviction=args.eviction)
     dt = time.perf_counter() - t0
     m = model.flash["manifest"]
     print(

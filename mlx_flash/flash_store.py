@@ -105,9 +105,14 @@ class FlashStore:
         if ids.size:
             self.reader.read_bundles(self.files[layer], ids, self.layout.stride, self._segments(cache), rows)
 
-    def _part(self, cache, all_ids=False):
+    def _part(self, cache, all_ids=False, mask=None, shape=None):
+        """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own neurons."""
         m, ids = cache.rows()
-        return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids)
+        keep = None
+        if mask is not None and not mask[:, cache.cached_ids()].all():
+            keep = mx.array(mask[:, cache.cached_ids()]).reshape(*shape[:-1], -1)
+        return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids,
+                       mask=keep)
 
     def rows(self, layer, x):
         t0 = time.perf_counter()
@@ -121,7 +126,8 @@ class FlashStore:
             ids = np.arange(self.plan.capacity if mode == "hybrid" else 0, n, dtype=np.int64)
             hits = self.caches[layer].num_used if mode == "hybrid" else 0
         else:
-            ids = self.source.select(layer, x)
+            mask = self.source.select(layer, x)
+            ids = np.flatnonzero(mask.any(axis=0)).astype(np.int64)
             limit = self.caches[layer].capacity + self.scratch.capacity
             if ids.size > limit:
                 tokens = int(np.prod(x.shape[:-1]))
@@ -155,7 +161,8 @@ class FlashStore:
             t3 = time.perf_counter()
             self._read(layer, keep, cache, new_rows)
             self._read(layer, overflow, self.scratch, over_rows)
-            parts = [self._part(cache)] + ([self._part(self.scratch)] if overflow.size else [])
+            parts = [self._part(cache, mask=mask, shape=x.shape)] + (
+                [self._part(self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
             st["windows"].append(len(hist))
         else:
             stream = ids[ids >= (self.plan.capacity if mode == "hybrid" else 0)]

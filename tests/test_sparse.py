@@ -78,3 +78,17 @@ def test_budget_errors(relu_llama):
         mlx_flash.load(relu_llama, mode="dense", memory_budget="50%")
     with pytest.raises(FlashError, match="cannot read"):
         mlx_flash.load(relu_llama, mode="flash", memory_budget="lots")
+
+
+def test_top_k_density_is_per_token_whatever_the_window(tmp_path):
+    """Cached neurons of earlier tokens are masked: density means the token's own top-k."""
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=256)
+    path = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    outs = []
+    for window in (1, 8):
+        model, _ = mlx_flash.load(path, mode="flash", sparsity="oracle", density=0.3, window=window)
+        outs.append(greedy(model))
+    assert outs[0] == outs[1]
+    dense, _ = mlx_flash.load(path)
+    full, _ = mlx_flash.load(path, mode="flash", sparsity="oracle", density=1.0, window=1)
+    assert greedy(full) == greedy(dense)

@@ -23,6 +23,7 @@ class FFNRows:
     gate: Optional[mx.array] = None  # [n, d_model], gated (GLU) FFNs only
     ids: Optional[mx.array] = None  # neuron ids of the rows; None = all, in order
     h: Optional[mx.array] = None  # activations of these neurons, when the store computed them (DIP)
+    mask: Optional[mx.array] = None  # [..., n] 0/1: which rows each token uses (cached extras are not)
 
 
 def fatrelu(threshold):
@@ -103,6 +104,8 @@ class FlashFFN(nn.Module):
                 h = self._act(x @ rows.gate.T) * h
             else:
                 h = self._act(h)
+            if rows.mask is not None:
+                h = h * rows.mask.astype(h.dtype)
             y = h @ rows.down if y is None else y + h @ rows.down
         if "down_bias" in self:
             y = y + self.down_bias

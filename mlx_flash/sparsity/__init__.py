@@ -1,8 +1,9 @@
 """Sparsity sources: which FFN neurons a token needs, decided from the FFN input.
 
-Every source has `select(layer, x) -> np.ndarray[int64]` (sorted neuron ids:
-the union over the rows of x) and `resident_bytes` (the weights it keeps in
-DRAM to decide, counted in the memory budget).
+Every source has `select(layer, x) -> np.ndarray[bool] [tokens, n]` (each
+token's neurons; the store loads their union and masks each token to its own)
+and `resident_bytes` (the weights it keeps in DRAM to decide, counted in the
+memory budget).
 
 - oracle: exact. ReLU FFNs: neurons with act(x W_up^T + b) != 0. GLU FFNs: the
   top-k |act(x W_gate^T) * x W_up^T| (k = density * n). It keeps the dense
@@ -22,12 +23,14 @@ from ..errors import FlashError
 SOURCES = ("oracle", "threshold")  # dip / dip-ca: see dip_store.py (they own their caches)
 
 
-def _top_k_union(scores, k):
-    """scores [t, n] -> union over rows of each row's top-k ids (sorted)."""
+def _top_k(scores, k):
+    """scores [t, n] -> bool mask of each row's top-k."""
     if k >= scores.shape[-1]:
-        return np.arange(scores.shape[-1], dtype=np.int64)
+        return np.ones(scores.shape, dtype=bool)
     idx = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
-    return np.unique(idx).astype(np.int64)
+    mask = np.zeros(scores.shape, dtype=bool)
+    np.put_along_axis(mask, idx, True, axis=-1)
+    return mask
 
 
 class _WeightsSource:
@@ -56,10 +59,9 @@ class Oracle(_WeightsSource):
         if self.gated:
             h = np.array(mx.abs(self.act(x2 @ w["gate"].T) * u))
             if self.density >= 1.0:  # exact: every neuron whose output is not zero
-                return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
-            return _top_k_union(h, self._k(h.shape[-1]))
-        h = np.array(self.act(u))
-        return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
+                return h != 0
+            return _top_k(h, self._k(h.shape[-1]))
+        return np.array(self.act(u)) != 0
 
 
 class Threshold(_WeightsSource):
@@ -71,13 +73,12 @@ class Threshold(_WeightsSource):
         if self.gated:
             g = np.array(mx.abs(self.act(x2 @ w["gate"].T)))
             if self.density >= 1.0:  # exact for ReLU / FATReLU gates: act(gate) == 0 adds nothing
-                return np.flatnonzero((g != 0).any(axis=0)).astype(np.int64)
-            return _top_k_union(g, self._k(g.shape[-1]))
+                return g != 0
+            return _top_k(g, self._k(g.shape[-1]))
         u = x2 @ w["up"].T
         if self.up_bias is not None and self.up_bias[layer] is not None:
             u = u + self.up_bias[layer]
-        h = np.array(self.act(u))
-        return np.flatnonzero((h != 0).any(axis=0)).astype(np.int64)
+        return np.array(self.act(u)) != 0
 
 
 def make_source(name, density, layer_weights, act, gated, up_bias):

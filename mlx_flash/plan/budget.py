@@ -78,7 +78,14 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
     elif mode == "naive":
         capacity, scratch = 0, n
     elif mode == "hybrid":
-        capacity, scratch = n // 2, n - n // 2
+        # half of every layer's FFN resident, the rest read every token; under a
+        # budget, the largest resident share it allows (the paper's hybrid holds
+        # half of the model in DRAM)
+        capacity = n // 2
+        if budget_bytes is not None:
+            rows = (budget_bytes - fixed) // neuron_bytes
+            capacity = max(0, min(capacity, (rows - n) // max(n_layers - 1, 1)))
+        scratch = n - capacity
     elif dip is not None:
         d, in_bytes, n_ff, down_bytes, k_in, k_out = dip
         full = d * in_bytes + n_ff * down_bytes

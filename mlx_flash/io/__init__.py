@@ -1,0 +1,23 @@
+"""Parallel uncached reads of flash files: FlashReader (see reader.py)."""
+
+from .reader import (
+    DEFAULT_COALESCE_GAP,
+    DEFAULT_MAX_READ,
+    FlashFile,
+    FlashReader,
+    ReaderStats,
+    ReadError,
+    logical_block_size,
+    native_available,
+)
+
+__all__ = [
+    "FlashReader",
+    "FlashFile",
+    "ReadError",
+    "ReaderStats",
+    "DEFAULT_COALESCE_GAP",
+    "DEFAULT_MAX_READ",
+    "logical_block_size",
+    "native_available",
+]

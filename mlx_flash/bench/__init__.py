@@ -1,0 +1,1 @@
+"""Benchmarks behind `mlx_flash.benchmark` (the CLI is mlx_flash/cli/benchmark.py)."""

@@ -134,3 +134,14 @@ def test_manifest_from_the_future(folders, tmp_path):
 def test_bad_dtype_and_align(folders, tmp_path):
     _, src, _ = folders
     fails_cleanly(convert_cmd(src, tmp_path / "o") + ["--align", "1000"], "power of two")
+
+
+def test_predictor_without_calibration(folders):
+    _, _, flash = folders
+    fails_cleanly(gen_cmd(flash) + ["--mode", "flash", "--sparsity", "predictor"], "run `mlx_flash.calibrate`")
+
+
+def test_budget_too_small_for_a_mode(folders):
+    _, _, flash = folders
+    fails_cleanly(gen_cmd(flash) + ["--mode", "dense", "--memory-budget", "10%"], "over the budget")
+    fails_cleanly(gen_cmd(flash) + ["--mode", "flash", "--memory-budget", "12 parsecs"], "cannot read")

@@ -16,7 +16,7 @@ def add_model_args(p):
     p.add_argument("--mode", default="dense", choices=["dense", "naive", "hybrid", "flash"],
                    help="dense: all FFN rows in DRAM; naive: all read every token; hybrid: half "
                    "resident; flash: only the needed neurons, windowed cache (default dense)")
-    p.add_argument("--sparsity", default="oracle", choices=["oracle", "threshold", "dip", "dip-ca"],
+    p.add_argument("--sparsity", default="oracle", choices=["oracle", "threshold", "dip", "dip-ca", "predictor"],
                    help="flash mode's sparsity source (dip / dip-ca need a model converted with --dip)")
     p.add_argument("--gamma", type=float, default=0.2, help="DIP-CA re-weighting of uncached entries")
     p.add_argument("--eviction", default="lfu", choices=["lru", "lfu"], help="DIP caches' eviction policy")

@@ -83,6 +83,11 @@ class Threshold(_WeightsSource):
 
 def make_source(name, density, layer_weights, act, gated, up_bias):
     """layer_weights(kinds) -> per-layer {kind: mx.array}: the loader reads them from flash."""
+    if name == "predictor":
+        raise FlashError(
+            "--sparsity predictor needs trained low-rank predictors; run `mlx_flash.calibrate` "
+            "on this model first (calibration is not part of this version yet)"
+        )
     if name not in SOURCES:
         raise FlashError(f"unknown sparsity source '{name}' (available: {', '.join(SOURCES)})")
     if not 0 < density <= 1:

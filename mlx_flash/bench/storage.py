@@ -266,16 +266,20 @@ def run(path, size=None, chunks=DEFAULT_CHUNKS, threads=DEFAULT_THREADS, duratio
              f"{'uncached (O_DIRECT/F_NOCACHE)' if f0.direct else 'BUFFERED (figures are the page cache)'}, "
              f"align {f0.align}; load average {os.getloadavg()[0]:.2f}")
         if grid:
-            echo(f"\ngrid: {duration:.1f} s per cell, FlashReader then fio psync; GB/s")
-            for t in threads:
+            echo(f"\ngrid: {duration:.1f} s per cell, FlashReader / fio psync (alternating order); GB/s")
+            for ti, t in enumerate(threads):
                 r, f = reader_for(t, coalesce_gap=-1)
                 line = []
-                for c in chunks:
+                for ci, c in enumerate(chunks):
+                    fio_first = use_fio and (ti + ci) % 2 == 1  # checkerboard order
+                    if fio_first:
+                        fm = fio_throughput(path, c, t, duration)
                     m = reader_throughput(r, f, c, duration, rng)
                     _cell(res["flashreader"], c, t).update(m)
                     txt = f"{m['gbps']:.2f}"
                     if use_fio:
-                        fm = fio_throughput(path, c, t, duration)
+                        if not fio_first:
+                            fm = fio_throughput(path, c, t, duration)
                         _cell(res["fio_psync"], c, t).update(fm)
                         txt += f"/{fm['gbps']:.2f}"
                     line.append(f"{fmt_size(c)}: {txt}")
@@ -320,18 +324,24 @@ def acceptance(path, reader_for, token_reads, bundle, repeat, duration, use_fio,
     rtok, ftok = reader_for(32)
     rows = []
     echo(f"\nacceptance: {repeat} alternating rounds ({duration:.1f} s each measurement)")
+    steps = [("flashreader_32k", lambda: reader_throughput(r32, f32, 32 * KiB, duration, rng))]
+    if use_fio:
+        steps += [("fio_psync_32k", lambda: fio_throughput(path, 32 * KiB, 32, duration)),
+                  ("fio_libaio_32k", lambda: fio_throughput(path, 32 * KiB, 32, duration, "libaio"))]
+    steps += [("token_batch", lambda: token_batch(rtok, ftok, token_reads, bundle, rng)),
+              ("flashreader_16k", lambda: reader_throughput(r32, f32, bundle, duration, rng))]
+    if use_fio:
+        steps += [("fio_psync_16k", lambda: fio_throughput(path, bundle, 32, duration)),
+                  ("fio_libaio_16k", lambda: fio_throughput(path, bundle, 32, duration, "libaio"))]
     for i in range(repeat):
-        row = {"flashreader_32k": reader_throughput(r32, f32, 32 * KiB, duration, rng)["gbps"]}
-        if use_fio:
-            row["fio_psync_32k"] = fio_throughput(path, 32 * KiB, 32, duration)["gbps"]
-            row["fio_libaio_32k"] = fio_throughput(path, 32 * KiB, 32, duration, "libaio")["gbps"]
-        tb = token_batch(rtok, ftok, token_reads, bundle, rng)
-        row["token_batch"] = tb["gbps"]
-        row["token_batch_detail"] = tb
-        row["flashreader_16k"] = reader_throughput(r32, f32, bundle, duration, rng)["gbps"]
-        if use_fio:
-            row["fio_psync_16k"] = fio_throughput(path, bundle, 32, duration)["gbps"]
-            row["fio_libaio_16k"] = fio_throughput(path, bundle, 32, duration, "libaio")["gbps"]
+        row = {}
+        # odd rounds run in reverse order: a drifting disk favours nobody
+        for name, measure in steps if i % 2 == 0 else steps[::-1]:
+            m = measure()
+            row[name] = m["gbps"]
+            if name == "token_batch":
+                row["token_batch_detail"] = m
+        row = {name: row[name] for name, _ in steps} | {"token_batch_detail": row["token_batch_detail"]}
         rows.append(row)
         echo("  round %d: %s" % (i + 1, ", ".join(
             f"{k} {v:.3f}" for k, v in row.items() if not k.endswith("detail"))))

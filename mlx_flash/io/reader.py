@@ -16,18 +16,24 @@ How, and why (measured figures: FACTS.md, `mlx_flash.benchmark storage`):
   file systems) the file is read through the page cache, with a warning logged
   once.
 - O_DIRECT wants the file offset, the length and the buffer address aligned to
-  the device's logical block size. Destinations (NumPy views of MLX arrays)
-  are not aligned, so every read lands in a page-aligned staging buffer (mmap)
-  and each finished read's rows are copied/converted into their destinations.
-  A failed read leaves its destination rows untouched.
+  the device's logical block size (queried from sysfs; 4096 when unknown).
+  Destinations (NumPy views of MLX arrays) are not aligned, so each pool
+  thread reads into its own page-aligned slot and copies/converts the rows of
+  that read into their destinations at once; a failed read leaves its rows
+  untouched. (A small slot reused read after read is also measurably faster
+  here than one batch-sized staging buffer: 128 KiB x 32 threads went from
+  0.75x fio to parity.) read() stages the whole batch instead, because it
+  hands the bytes back.
 - Coalescing: wanted bundles are sorted by offset and neighbours are merged
   into one read when the gap between them costs less to read than issuing
   another read (paper §2.2, "read more than needed and discard"); see
   DEFAULT_COALESCE_GAP for the model and the constant.
 - The pool is native (pthreads, _native.c) when the extension is built: one
   call per batch, GIL released, conversion in C. The pure-Python pool is the
-  fallback (logged once); it costs several microseconds of GIL-held time per
-  read, which on 2 cores caps it below the device for small reads.
+  fallback (logged once). Measured on 2 cores (`mlx_flash.benchmark storage`,
+  12,000 x 16 KiB float16 bundles -> float32 rows, 32 threads): page-cached,
+  the native pool costs ~4 us wall / ~8 us CPU per bundle, the Python one
+  ~60 us / ~90 us; uncached, the batch takes ~0.23 s native, ~1 s in Python.
 """
 
 import errno
@@ -53,11 +59,13 @@ log = logging.getLogger("mlx_flash.io")
 # device's streaming rate), i.e. 1 / throughput = l / c + 1 / B. Reading a
 # gap g instead of issuing a second read pays g / B and saves l, so merging
 # wins while g < l * B. `mlx_flash.benchmark storage` fits l and B to the
-# measured curve and prints l * B. On this machine's disk (2026-11-22, 32
-# threads, O_DIRECT) the fit over 4 KiB - 1 MiB gives l ~ 5 us and
-# B ~ 4 GB/s, so l * B ~ 20 KB: a 16 KiB bundle that nobody wants between two
-# wanted ones is cheaper to read and discard than to skip. We use 16 KiB
-# (under the break-even point, because merging also removes parallelism).
+# measured curve (4 KiB - 1 MiB) and prints l * B. Measured here (2026-11-22,
+# 13 GB file, O_DIRECT): at 32 threads l ~ 11 us, B ~ 1.2-1.4 GB/s, so
+# l * B ~ 13-16 KB (FlashReader's and fio's curves; 16-22 KB at 16 threads);
+# FACTS.md's curve (2 GiB file) gives l ~ 5 us, B ~ 4 GB/s, l * B ~ 20 KB.
+# Hence 16 KiB: a 16 KiB bundle nobody wants between two wanted ones is read
+# and discarded rather than skipped (at the break-even point the two cost
+# the same; anything larger is skipped).
 DEFAULT_COALESCE_GAP = 16 * 1024
 # A merged read never spans more than this: the measured throughput is flat
 # beyond 256 KiB (FACTS.md), and smaller pieces keep more threads busy.
@@ -324,7 +332,7 @@ class _PyBatch:
                     self.failure = (i, 0, 0)
 
     def _buffer(self, i):
-        """(numpy uint8 array, memoryview) the run lands in, and its start."""
+        """-> (uint8 array, start offset): where run i lands."""
         if not self.slot_bytes:
             return self.stage, self.run_stage[i]
         slot = getattr(_tls, "slot", None)  # this worker's own slot, kept between batches

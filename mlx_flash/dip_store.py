@@ -28,16 +28,7 @@ from .cache.eviction import POLICIES
 from .errors import FlashError
 from .flash_store import TokenStats, TooManyNeurons
 from .models.ffn import FFNRows
-
-
-def topk_mask(scores, k):
-    """Per row: True at the k largest scores."""
-    if k >= scores.shape[-1]:
-        return np.ones(scores.shape, dtype=bool)
-    idx = np.argpartition(-scores, k - 1, axis=-1)[:, :k]
-    mask = np.zeros(scores.shape, dtype=bool)
-    np.put_along_axis(mask, idx, True, axis=-1)
-    return mask
+from .sparsity import top_k_mask
 
 
 class _Side:
@@ -142,7 +133,7 @@ class DIPStore:
         t1 = time.perf_counter()
         side_in, side_down = self.sides[layer]
         x2 = x.reshape(-1, x.shape[-1])
-        mask_in = topk_mask(self._scores(np.array(x2, dtype=np.float32), side_in.cache), self.k_in)
+        mask_in = top_k_mask(self._scores(np.array(x2, dtype=np.float32), side_in.cache), self.k_in)
         need_in = np.flatnonzero(mask_in.any(axis=0)).astype(np.int64)
         self._check_fits(x2, layer, need_in.size, side_in.cache.capacity + self.scratch_in.capacity)
         t2 = time.perf_counter()
@@ -159,7 +150,7 @@ class DIPStore:
         h = self.act(g) * u
         h_np = np.array(h.astype(mx.float32))  # evaluates h~: compute
         t3 = time.perf_counter()
-        mask_out = topk_mask(self._scores(h_np, side_down.cache), self.k_out)
+        mask_out = top_k_mask(self._scores(h_np, side_down.cache), self.k_out)
         need_out = np.flatnonzero(mask_out.any(axis=0)).astype(np.int64)
         self._check_fits(x2, layer, need_out.size, side_down.cache.capacity + self.scratch_down.capacity)
         t4 = time.perf_counter()

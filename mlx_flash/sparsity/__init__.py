@@ -23,7 +23,7 @@ from ..errors import FlashError
 SOURCES = ("oracle", "threshold")  # dip / dip-ca: see dip_store.py (they own their caches)
 
 
-def _top_k(scores, k):
+def top_k_mask(scores, k):
     """scores [t, n] -> bool mask of each row's top-k."""
     if k >= scores.shape[-1]:
         return np.ones(scores.shape, dtype=bool)
@@ -60,7 +60,7 @@ class Oracle(_WeightsSource):
             h = np.array(mx.abs(self.act(x2 @ w["gate"].T) * u))
             if self.density >= 1.0:  # exact: every neuron whose output is not zero
                 return h != 0
-            return _top_k(h, self._k(h.shape[-1]))
+            return top_k_mask(h, self._k(h.shape[-1]))
         return np.array(self.act(u)) != 0
 
 
@@ -74,7 +74,7 @@ class Threshold(_WeightsSource):
             g = np.array(mx.abs(self.act(x2 @ w["gate"].T)))
             if self.density >= 1.0:  # exact for ReLU / FATReLU gates: act(gate) == 0 adds nothing
                 return g != 0
-            return _top_k(g, self._k(g.shape[-1]))
+            return top_k_mask(g, self._k(g.shape[-1]))
         u = x2 @ w["up"].T
         if self.up_bias is not None and self.up_bias[layer] is not None:
             u = u + self.up_bias[layer]

@@ -34,7 +34,7 @@ def top_k_mask(scores, k):
 
 
 class _WeightsSource:
-    def __init__(self, weights, act, gated, up_bias, density, kinds_needed):
+    def __init__(self, weights, act, gated, up_bias, density):
         # weights: per layer {kind: mx.array [n, d]} for the kinds this source needs
         self.weights = weights
         self.act = act
@@ -94,6 +94,6 @@ def make_source(name, density, layer_weights, act, gated, up_bias):
         raise FlashError(f"--density must be in (0, 1], got {density}")
     if name == "oracle":
         kinds = ("gate", "up") if gated else ("up",)
-        return Oracle(layer_weights(kinds), act, gated, up_bias, density, kinds)
+        return Oracle(layer_weights(kinds), act, gated, up_bias, density)
     kinds = ("gate",) if gated else ("up",)
-    return Threshold(layer_weights(kinds), act, gated, up_bias, density, kinds)
+    return Threshold(layer_weights(kinds), act, gated, up_bias, density)

@@ -253,9 +253,21 @@ def test_read_bundles_into_an_mlx_array(disk_dir):
 
 
 @pytest.mark.skipif(not native_available(), reason="native extension not built")
-def test_native_conversion_is_exact_for_every_half():
+@pytest.mark.parametrize("simd", [True, False], ids=["f16c", "portable"])
+def test_native_conversion_is_exact_for_every_half(simd):
     from mlx_flash.io import _native
 
+    default = _native.simd(-1)
+    if simd and not default:
+        pytest.skip("no F16C on this CPU")
+    _native.simd(int(simd))
+    try:
+        _check_native_conversion(_native)
+    finally:
+        _native.simd(int(default))
+
+
+def _check_native_conversion(_native):
     bits = np.arange(1 << 16, dtype=np.uint16)
     out = np.empty(1 << 16, dtype=np.float32)
     _native.convert(bits, 1, out, 0, len(bits))  # float16 -> float32

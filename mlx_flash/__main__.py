@@ -6,6 +6,7 @@ COMMANDS = {
     "convert": "mlx_flash.cli.convert",
     "generate": "mlx_flash.cli.generate",
     "chat": "mlx_flash.cli.chat",
+    "calibrate": "mlx_flash.cli.calibrate",
     "benchmark": "mlx_flash.cli.benchmark",
 }
 

@@ -81,7 +81,8 @@ class FlashStore:
         self.kinds = lay.kinds
         self.files = [reader.open(folder / e["file"], expected_size=e["size"]) for e in manifest.ffn_files]
         n, d = lay.n_neurons, lay.d_model
-        self.caches = [NeuronCache(max(plan.capacity, 1), n, d, self.kinds, dtype) for _ in self.files]
+        self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype)
+                       for i in range(len(self.files))]
         self.scratch = NeuronCache(max(plan.scratch_rows, 1), n, d, self.kinds, dtype)
         self.window = plan.window
         self.history = [deque() for _ in self.files]  # active ids of the last tokens

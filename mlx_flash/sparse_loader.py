@@ -44,9 +44,22 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
 
         up_bias = [f.up_bias if "up_bias" in f else None for f in ffns]
         act = ffns[0]._act
-        source = make_source(sparsity, density, layer_weights, act, ffns[0].gated, up_bias)
+        if sparsity == "predictor":
+            from .sparsity import PredictorSource
+
+            if not 0 < density <= 1:
+                raise FlashError(f"--density must be in (0, 1], got {density}")
+            source = PredictorSource(folder, manifest, density, dtype)
+        else:
+            source = make_source(sparsity, density, layer_weights, act, ffns[0].gated, up_bias)
+    req = manifest.calibration.get("req")
+    if req and mode == "flash":  # per-layer capacity from calibration: Req_i at this window
+        k = min(window or 8, max(req["windows"]))
+        req = [r[req["windows"].index(k)] for r in req["per_layer"]]
+    else:
+        req = None
     plan = make_plan(mode, budget, resident, source.resident_bytes if source else 0, neuron_bytes,
-                     n_layers, lay.n_neurons, window=window if window else 10**9)
+                     n_layers, lay.n_neurons, window=window if window else 10**9, req=req)
     reader = FlashReader(threads=threads, direct=True)
     store = FlashStore(folder, manifest, plan, source, reader, dtype)
     model.flash.update(

@@ -138,7 +138,7 @@ def test_bad_dtype_and_align(folders, tmp_path):
 
 def test_predictor_without_calibration(folders):
     _, _, flash = folders
-    fails_cleanly(gen_cmd(flash) + ["--mode", "flash", "--sparsity", "predictor"], "run `mlx_flash.calibrate`")
+    fails_cleanly(gen_cmd(flash) + ["--mode", "flash", "--sparsity", "predictor"], "run `mlx_flash.calibrate")
 
 
 def test_budget_too_small_for_a_mode(folders):

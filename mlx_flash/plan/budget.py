@@ -52,12 +52,17 @@ class Plan:
     dip_capacity: tuple = (0, 0)  # (input dims, down rows) cached per layer, DIP sources
     dip_row_bytes: tuple = (0, 0)  # (one input dim's gate+up columns, one down row)
     dip_scratch: tuple = (0, 0)  # shared rows that stream what a layer's caches cannot hold
+    capacities: list = None  # per-layer cache rows, when calibration measured Req_i
+
+    def layer_capacity(self, layer):
+        return self.capacities[layer] if self.capacities else self.capacity
 
     @property
     def ffn_dram_bytes(self):
         dip = sum((self.n_layers * c + sc) * b
                   for c, sc, b in zip(self.dip_capacity, self.dip_scratch, self.dip_row_bytes))
-        return (self.capacity * self.n_layers + self.scratch_rows) * self.neuron_bytes + dip
+        caches = sum(self.capacities) if self.capacities else self.capacity * self.n_layers
+        return (caches + self.scratch_rows) * self.neuron_bytes + dip
 
     @property
     def weights_bytes(self):
@@ -65,7 +70,7 @@ class Plan:
 
 
 def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
-              n_neurons, window=4, dip=None):
+              n_neurons, window=4, dip=None, req=None):
     """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
     DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
     two caches of every layer get the same fraction of their rows from the rest."""
@@ -99,6 +104,23 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         frac = min(frac, 1.0)
         return Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
                     0, 0, window, (int(frac * d), int(frac * n_ff)), (in_bytes, down_bytes), scratch)
+    elif req is not None:
+        # Req_i (calibration, paper §3.3): layer i's cache is sized by what its
+        # window needs; a budget scales all of them down alike, and one scratch
+        # of a token's worth streams the overflow.
+        capacity = 0
+        if budget_bytes is None:
+            caps, scratch = [min(n, r) for r in req], 0
+        else:
+            scratch = min(n, max(req) // max(window, 1) + 1)
+            rows = (budget_bytes - fixed) // neuron_bytes - scratch
+            if rows < n_layers:
+                raise FlashError(_too_small(budget_bytes, fixed))
+            scale = min(1.0, rows / max(sum(req), 1))
+            caps = [max(1, min(n, int(r * scale))) for r in req]
+        plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
+                    capacity, scratch, window, capacities=caps)
+        return _check(plan, budget_bytes, mode)
     else:
         if budget_bytes is None:
             capacity, scratch = n, 0
@@ -110,6 +132,10 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
                 raise FlashError(_too_small(budget_bytes, fixed))
     plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
                 capacity, scratch, window)
+    return _check(plan, budget_bytes, mode)
+
+
+def _check(plan, budget_bytes, mode):
     if budget_bytes is not None and plan.weights_bytes > budget_bytes:
         raise FlashError(
             f"--mode {mode} needs {plan.weights_bytes / 1e6:.0f} MB of weights in DRAM, over the "

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 
-SOURCES = ("oracle", "threshold")  # dip / dip-ca: see dip_store.py (they own their caches)
+SOURCES = ("oracle", "threshold")  # predictor: PredictorSource; dip / dip-ca: dip_store.py
 
 
 def top_k_mask(scores, k):
@@ -83,11 +83,6 @@ class Threshold(_WeightsSource):
 
 def make_source(name, density, layer_weights, act, gated, up_bias):
     """layer_weights(kinds) -> per-layer {kind: mx.array}: the loader reads them from flash."""
-    if name == "predictor":
-        raise FlashError(
-            "--sparsity predictor needs trained low-rank predictors; run `mlx_flash.calibrate` "
-            "on this model first (calibration is not part of this version yet)"
-        )
     if name not in SOURCES:
         raise FlashError(f"unknown sparsity source '{name}' (available: {', '.join(SOURCES)})")
     if not 0 < density <= 1:
@@ -97,3 +92,43 @@ def make_source(name, density, layer_weights, act, gated, up_bias):
         return Oracle(layer_weights(kinds), act, gated, up_bias, density)
     kinds = ("gate",) if gated else ("up",)
     return Threshold(layer_weights(kinds), act, gated, up_bias, density)
+
+
+class PredictorSource:
+    """The calibrated low-rank predictors (paper §3.1): p(x) >= the layer's threshold.
+
+    With density < 1, at most the top density * n predicted neurons are kept.
+    """
+
+    name = "predictor"
+
+    def __init__(self, folder, manifest, density, dtype=mx.float32):
+        from ..layout.format import check_file
+        from .predictor import LowRankPredictor
+
+        cal = manifest.calibration.get("predictors")
+        if not cal:
+            raise FlashError(
+                f"{folder}: no trained predictors; run `mlx_flash.calibrate --model {folder}` first"
+            )
+        check_file(folder, cal, checksum=True)
+        w = mx.load(str(folder / cal["file"]))
+        self.layers = []
+        for i, r in enumerate(cal["ranks"]):
+            p = LowRankPredictor(w[f"layers.{i}.down.weight"].shape[1], w[f"layers.{i}.up.bias"].shape[0], r)
+            p.load_weights([(k.split(".", 2)[2], v.astype(dtype)) for k, v in w.items()
+                            if k.startswith(f"layers.{i}.")])
+            mx.eval(p.parameters())
+            self.layers.append(p)
+        self.thresholds = cal["thresholds"]
+        self.density = density
+        from mlx.utils import tree_flatten
+
+        self.resident_bytes = sum(v.nbytes for p in self.layers for _, v in tree_flatten(p.parameters()))
+
+    def select(self, layer, x):
+        p = np.array(mx.sigmoid(self.layers[layer](x.reshape(-1, x.shape[-1]))).astype(mx.float32))
+        mask = p >= self.thresholds[layer]
+        if self.density < 1.0:
+            mask &= top_k_mask(p, max(1, int(round(self.density * p.shape[-1]))))
+        return mask

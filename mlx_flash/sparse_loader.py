@@ -55,7 +55,8 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
     req = manifest.calibration.get("req")
     if req and mode == "flash":  # per-layer capacity from calibration: Req_i at this window
         k = min(window or 8, max(req["windows"]))
-        req = [r[req["windows"].index(k)] for r in req["per_layer"]]
+        req = ([r[req["windows"].index(k)] for r in req["per_layer"]],
+               max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
     plan = make_plan(mode, budget, resident, source.resident_bytes if source else 0, neuron_bytes,

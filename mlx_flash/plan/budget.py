@@ -73,7 +73,8 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
               n_neurons, window=4, dip=None, req=None):
     """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
     DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
-    two caches of every layer get the same fraction of their rows from the rest."""
+    two caches of every layer get the same fraction of their rows from the rest.
+    req: (Req_i(k) for every layer, the most neurons one token needs), from calibration."""
     if mode not in MODES:
         raise FlashError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
     fixed = resident_bytes + source_bytes
@@ -109,10 +110,11 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         # window needs; a budget scales all of them down alike, and one scratch
         # of a token's worth streams the overflow.
         capacity = 0
+        req, one_token = req
         if budget_bytes is None:
             caps, scratch = [min(n, r) for r in req], 0
         else:
-            scratch = min(n, max(req) // max(window, 1) + 1)
+            scratch = min(n, one_token)  # a token never needs more than cache + scratch
             rows = (budget_bytes - fixed) // neuron_bytes - scratch
             if rows < n_layers:
                 raise FlashError(_too_small(budget_bytes, fixed))

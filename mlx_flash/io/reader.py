@@ -32,8 +32,9 @@ How, and why (measured figures: FACTS.md, `mlx_flash.benchmark storage`):
   call per batch, GIL released, conversion in C. The pure-Python pool is the
   fallback (logged once). Measured on 2 cores (`mlx_flash.benchmark storage`,
   12,000 x 16 KiB float16 bundles -> float32 rows, 32 threads): page-cached,
-  the native pool costs ~4 us wall / ~8 us CPU per bundle, the Python one
-  ~60 us / ~90 us; uncached, the batch takes ~0.23 s native, ~1 s in Python.
+  the native pool costs ~7-8 us CPU per bundle, the Python one 29-94 us (GIL
+  hand-offs; worst when both cores are free); uncached, the batch takes
+  0.23-0.25 s native (at fio's 16 KiB speed), 0.86-0.98 s in Python.
 """
 
 import errno

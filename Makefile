@@ -11,11 +11,11 @@ PROMPT ?= Write a short story about a robot who learns to paint.
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/install_system_deps.sh
+$(VENV)/.installed: pyproject.toml setup.py mlx_flash/io/_native.c scripts/install_system_deps.sh
 	./scripts/install_system_deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,bench]"
 	touch $@
 
 # Independent references for the tests (transformers on a CPU torch), in their

@@ -8,6 +8,7 @@ COMMANDS = {
     "chat": "mlx_flash.cli.chat",
     "calibrate": "mlx_flash.cli.calibrate",
     "benchmark": "mlx_flash.cli.benchmark",
+    "eval": "mlx_flash.cli.eval",
 }
 
 

@@ -1,0 +1,148 @@
+"""mlx_flash.eval: perplexity and zero-shot accuracy of a model, through the real runtime.
+
+  mlx_flash.eval --task wikitext --limit 4096              # perplexity, windows of --context tokens
+  mlx_flash.eval --task arc_easy --limit 200               # acc / acc_norm (lm-evaluation-harness style)
+  mlx_flash.eval --task hellaswag --mode flash --sparsity dip-ca --density 0.5 --memory-budget 50% --limit 20
+  mlx_flash.eval --task notes.txt --json results/notes.json
+
+Tasks: wikitext (WikiText-2 raw test), c4 (2000 C4 validation documents),
+arc_easy / arc_challenge (Test split; --split dev), hellaswag (validation), or
+a .txt / .jsonl ("text" field) file. --limit caps the tokens scored
+(perplexity) or the items (multiple choice, from the start).
+
+--mode dense scores a whole window (or an item's choices) in one forward;
+every other mode decodes token by token through a KV cache, as a user does,
+because the sparsity sources choose neurons from the state of their caches
+(DIP-CA above all). --batch-prefill scores in one pass instead: faster, but
+an approximation for cache-aware sources. --token-by-token forces the
+incremental path in dense mode too.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from ..errors import FlashError
+from . import run
+from .generate import add_model_args, load_for_cli, stats_report
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="mlx_flash.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--task", required=True,
+                   help="wikitext | c4 | arc_easy | arc_challenge | hellaswag | PATH (.txt, .jsonl)")
+    p.add_argument("--split", default=None, choices=["test", "dev"], help="ARC split (default test)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="tokens scored (perplexity) or items (multiple choice); default all")
+    p.add_argument("--context", type=int, default=512, help="perplexity window in tokens (default 512)")
+    way = p.add_mutually_exclusive_group()
+    way.add_argument("--batch-prefill", action="store_true",
+                     help="sparse modes: one forward per window / item instead of token by token "
+                     "(an approximation for cache-aware sources)")
+    way.add_argument("--token-by-token", action="store_true",
+                     help="dense mode: score token by token through the KV cache (slow; for checks)")
+    p.add_argument("--data-dir", default=None, help="data sets folder (default $MLX_FLASH_DATA or ../shared/data)")
+    p.add_argument("--json", default=None, help="write every figure (and per-item scores) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def fmt_metric(value, stderr):
+    if stderr is None or (isinstance(stderr, float) and math.isnan(stderr)):
+        return f"{value:.4f}"
+    return f"{value:.4f} ± {stderr:.4f}"
+
+
+def summary_lines(res, args, stats):
+    m = res["metrics"]
+    way = "token by token" if res["incremental"] else "one pass"
+    lines = [f"mlx_flash.eval: {res['data']}"]
+    if res["kind"] == "perplexity":
+        lines.append(f"  perplexity      {fmt_metric(m['perplexity'], m['perplexity_stderr'])}"
+                     f"   (mean NLL {m['mean_nll']:.4f} ± {m['mean_nll_stderr']:.4f} nats/token)")
+        if "bits_per_byte" in m:
+            lines.append(f"  bits per byte   {m['bits_per_byte']:.4f}   word perplexity {m['word_perplexity']:.2f}")
+        scope = f"first {res['n']} tokens (--limit)" if args.limit and res["n"] == args.limit \
+            else f"{res['n']} tokens, the whole text"
+        lines.append(f"  n               {scope}; {res['windows']} windows of {res['context']}, {way}")
+    else:
+        lines.append(f"  acc             {fmt_metric(m['acc'], m['acc_stderr'])}")
+        lines.append(f"  acc_norm        {fmt_metric(m['acc_norm'], m['acc_norm_stderr'])}   (log-likelihood / characters)")
+        lines.append(f"  n               {res['n']} items of {res['available']} ({way})")
+    budget = stats.get("memory_budget_bytes")
+    parts = [f"mode {args.mode}"]
+    if args.mode != "dense":
+        parts.append(f"sparsity {args.sparsity}, density {args.density:g}")
+        if args.sparsity == "dip-ca":
+            parts.append(f"gamma {args.gamma:g}, eviction {args.eviction}")
+        elif args.sparsity != "dip" and args.mode == "flash":
+            parts.append(f"window {args.window}")
+    lines.append("  " + ", ".join(parts) + "; " + (
+        f"budget {budget / 1e6:.0f} MB ({args.memory_budget})" if budget and args.memory_budget
+        else f"budget {budget / 1e6:.0f} MB (all weights)" if budget else "no budget"))
+    speed = f"  {res['seconds']:.1f} s, {res['tokens_forwarded']} tokens forwarded, {res['tokens_per_s']:.1f} tokens/s"
+    if res["kind"] == "choice":
+        speed += f", {res['items_per_s']:.2f} items/s"
+    lines.append(speed)
+    dram = f"  weights in DRAM {stats['weights_in_dram_bytes'] / 1e6:.1f} MB (FFN {stats['ffn_dram_bytes'] / 1e6:.1f} MB)"
+    if "mean_io_ms" in stats:
+        dram += (f"; per token: I/O {stats['mean_io_ms']:.1f} ms, read {stats['mean_bytes_read'] / 1e6:.2f} MB, "
+                 f"hit rate {stats['mean_hit_rate']:.2f}")
+    lines.append(dram)
+    return lines
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+
+    def body():
+        from ..eval.harness import evaluate, load_task
+
+        if args.limit is not None and args.limit <= 0:
+            raise FlashError(f"--limit must be positive, not {args.limit}")
+        if args.context < 1:
+            raise FlashError(f"--context must be at least 1, not {args.context}")
+        loaded = load_task(args.task, args.split, args.data_dir)  # data errors before the model loads
+        model, tokenizer = load_for_cli(args)
+        if args.mode == "dense":
+            incremental = args.token_by_token
+        else:
+            incremental = not args.batch_prefill
+        t0 = time.perf_counter()
+        res = evaluate(model, tokenizer, args.task, args.split, args.limit, args.context, incremental,
+                       args.data_dir, progress=not args.no_progress, loaded=loaded)
+        wall = time.perf_counter() - t0
+        stats = stats_report(model)["summary"]
+        print("\n".join(summary_lines(res, args, stats)))
+        if args.json:
+            from pathlib import Path
+
+            out = {k: v for k, v in res.items() if k != "nll"}
+            out.update(
+                model=str(model.flash["folder"]),
+                config={k: getattr(args, k) for k in (
+                    "mode", "sparsity", "density", "memory_budget", "window", "gamma", "eviction",
+                    "dtype", "context", "batch_prefill", "token_by_token", "split", "limit")},
+                compute_dtype=model.flash["dtype"], wall_seconds=wall, stats=stats)
+            if res["kind"] == "perplexity":
+                nll = res["nll"]
+                out["window_mean_nll"] = [float(nll[s: s + res["context"]].mean())
+                                          for s in range(0, len(nll), res["context"])]
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1, default=_jsonable))
+
+    return run(body, "mlx_flash.eval")
+
+
+def _jsonable(v):
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return str(v)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

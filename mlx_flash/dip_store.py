@@ -26,7 +26,7 @@ import mlx.core as mx
 from .cache import NeuronCache
 from .cache.eviction import POLICIES
 from .errors import FlashError
-from .flash_store import TokenStats, TooManyNeurons
+from .flash_store import TokenStats, TooManyNeurons, read_into
 from .models.ffn import FFNRows
 from .sparsity import top_k_mask
 
@@ -64,10 +64,7 @@ class _Side:
         return int(present.sum()), t1 - t0, time.perf_counter() - t1, stream.size > 0
 
     def _read(self, reader, ids, cache, rows):
-        if ids.size:
-            lay = self.layout
-            segs = [(j * lay.row_bytes, lay.d_model, lay.dtype, cache.views[k]) for j, k in enumerate(lay.kinds)]
-            reader.read_bundles(self.file, ids, lay.stride, segs, rows)
+        read_into(reader, self.file, self.layout, ids, cache, rows)
 
 
 class DIPStore:

@@ -29,6 +29,14 @@ from .errors import FlashError
 from .models.ffn import FFNRows
 
 
+def read_into(reader, file, layout, ids, cache, rows):
+    """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind."""
+    if ids.size:
+        segs = [(j * layout.row_bytes, layout.d_model, layout.dtype, cache.views[k])
+                for j, k in enumerate(layout.kinds)]
+        reader.read_bundles(file, ids, layout.stride, segs, rows)
+
+
 class TooManyNeurons(Exception):
     """A chunk of tokens needs more neurons than cache + scratch hold: split it."""
 
@@ -98,13 +106,8 @@ class FlashStore:
     def weights_bytes(self):
         return sum(c.weights_bytes for c in self.caches) + self.scratch.weights_bytes
 
-    def _segments(self, cache):
-        lay = self.layout
-        return [(j * lay.row_bytes, lay.d_model, lay.dtype, cache.views[k]) for j, k in enumerate(self.kinds)]
-
     def _read(self, layer, ids, cache, rows):
-        if ids.size:
-            self.reader.read_bundles(self.files[layer], ids, self.layout.stride, self._segments(cache), rows)
+        read_into(self.reader, self.files[layer], self.layout, ids, cache, rows)
 
     def _part(self, cache, all_ids=False, mask=None, shape=None):
         """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own neurons."""

@@ -29,12 +29,22 @@ from .errors import FlashError
 from .models.ffn import FFNRows
 
 
-def read_into(reader, file, layout, ids, cache, rows):
-    """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind."""
-    if ids.size:
+def read_into(reader, file, layout, ids, cache, rows, bundled=True):
+    """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind.
+
+    bundled=False: one read per neuron and weight kind, never merged across
+    kinds (the paper's layout before row-column bundling, §3.2), for measuring
+    what bundling buys."""
+    if not ids.size:
+        return
+    if bundled:
         segs = [(j * layout.row_bytes, layout.d_model, layout.dtype, cache.views[k])
                 for j, k in enumerate(layout.kinds)]
         reader.read_bundles(file, ids, layout.stride, segs, rows)
+        return
+    for j, k in enumerate(layout.kinds):
+        reader.read_bundles(file, ids, layout.stride, [(0, layout.d_model, layout.dtype, cache.views[k])],
+                            rows, base=j * layout.row_bytes, gap=0)
 
 
 class TooManyNeurons(Exception):
@@ -81,8 +91,9 @@ class TokenStats:
 
 
 class FlashStore:
-    def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32):
+    def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32, bundled=True):
         self.plan = plan
+        self.bundled = bundled
         self.source = source
         self.reader = reader
         self.layout = lay = manifest.layout
@@ -107,7 +118,7 @@ class FlashStore:
         return sum(c.weights_bytes for c in self.caches) + self.scratch.weights_bytes
 
     def _read(self, layer, ids, cache, rows):
-        read_into(self.reader, self.files[layer], self.layout, ids, cache, rows)
+        read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled)
 
     def _part(self, cache, all_ids=False, mask=None, shape=None):
         """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own neurons."""

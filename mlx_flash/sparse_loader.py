@@ -14,7 +14,12 @@ from .store import read_layer_file
 
 
 def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, sparsity, density,
-                     memory_budget, window, threads, verify, dip_options=None):
+                     memory_budget, window, threads, verify, dip_options=None, bundled=True):
+    """sparsity: a source name, or a source object (`select`, `resident_bytes`), as the
+    paper benchmark's trace source. window: None keeps every neuron (no limit); 0 keeps
+    none from one token to the next (the paper's "predictor only" row).
+    bundled=False reads each weight kind of a neuron separately (the paper's layout
+    before row-column bundling)."""
     from .loader import layer_ffn
 
     lay = manifest.layout
@@ -30,10 +35,12 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
 
     ffns = [layer_ffn(layer) for layer in model.layers]
     source = None
-    if mode == "flash" and sparsity in ("dip", "dip-ca"):
+    if mode == "flash" and not isinstance(sparsity, str):
+        source = sparsity
+    elif mode == "flash" and sparsity in ("dip", "dip-ca"):
         return _dip_store(model, folder, manifest, dtype, itemsize, resident, budget, model_bytes,
                           ffns, sparsity, density, threads, dip_options or {})
-    if mode == "flash":
+    elif mode == "flash":
         def layer_weights(kinds):
             out = []
             for e in manifest.ffn_files:
@@ -54,17 +61,18 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
             source = make_source(sparsity, density, layer_weights, act, ffns[0].gated, up_bias)
     req = manifest.calibration.get("req")
     if req and mode == "flash":  # per-layer capacity from calibration: Req_i at this window
-        k = min(window or 8, max(req["windows"]))
+        k = min(8 if window is None else max(window, 1), max(req["windows"]))
         req = ([r[req["windows"].index(k)] for r in req["per_layer"]],
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
     plan = make_plan(mode, budget, resident, source.resident_bytes if source else 0, neuron_bytes,
-                     n_layers, lay.n_neurons, window=window if window else 10**9, req=req)
+                     n_layers, lay.n_neurons, window=10**9 if window is None else window, req=req)
     reader = FlashReader(threads=threads, direct=True)
-    store = FlashStore(folder, manifest, plan, source, reader, dtype)
+    store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=bundled)
+    name = sparsity if isinstance(sparsity, str) else getattr(sparsity, "name", "custom")
     model.flash.update(
-        plan=plan, budget_bytes=budget, model_bytes=model_bytes, sparsity=sparsity if source else None,
+        plan=plan, budget_bytes=budget, model_bytes=model_bytes, sparsity=name if source else None,
         density=density if source else None,
     )
     return store

@@ -3,6 +3,12 @@
   storage   uncached random-read throughput by chunk size and threads
             (the paper's Figure 2b), FlashReader against fio, and the
             token-like batch; table on stdout, CSV, JSON and a PNG plot.
+  paper     the paper's Tables 2 and 3 and Figures 7 and 8 on a random
+            checkpoint of a real shape (OPT-6.7B by default), with the
+            physical floor of each row; markdown, CSV, JSON and PNGs.
+  peers     mlx_flash against mlx_lm and llama.cpp in one run, each system
+            in its own process under the same memory cgroup limit; table
+            (markdown, CSV, JSON) under --out.
 """
 
 import argparse
@@ -51,11 +57,68 @@ def build_parser():
     s.add_argument("--no-grid", action="store_true", help="acceptance rounds only")
     s.add_argument("--no-overhead", action="store_true", help="skip the per-read overhead")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_paper_parser(sub)
+    add_peers_parser(sub)
     return p
+
+
+def add_paper_parser(sub):
+    from ..bench.paper import CONFIGS
+    from ..bench.random_model import SHAPES
+
+    s = sub.add_parser("paper", help="the paper's Tables 2, 3 and Figures 7, 8 at 7B scale",
+                       description="Builds once a flash checkpoint of a real model shape with random "
+                                   "weights ($MLX_FLASH_HOME/bench; 13 GB at float16, 27 GB at float32 "
+                                   "for OPT-6.7B), then runs naive, hybrid, predictor, predictor + "
+                                   "windowing and all (+ bundling) through the real runtime, with "
+                                   "sparsity from a trace fitted to the paper (3%% active, 2.4%% new "
+                                   "per token at k = 5).")
+    s.add_argument("--shape", default="opt-6.7b", choices=sorted(SHAPES))
+    s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights on flash (compute is float32 on the CPU)")
+    s.add_argument("--memory-budget", default="50%",
+                   help="weights in DRAM: a share of the float32 model or bytes (default 50%%)")
+    s.add_argument("--tokens", type=int, default=8, help="measured decode tokens per sparse row "
+                   "(half as many for naive / hybrid)")
+    s.add_argument("--warmup", type=int, default=6, help="decode tokens before measuring (fill the window)")
+    s.add_argument("--configs", type=_list(str), default=list(CONFIGS),
+                   help="rows to run (default " + ",".join(CONFIGS) + ")")
+    s.add_argument("--windows", type=_list(int), default=[0, 1, 2, 3, 4, 5, 6, 8],
+                   help="window sizes of Figure 7 ('' to skip)")
+    s.add_argument("--window-tokens", type=int, default=12, help="tokens per window size (Figure 7)")
+    s.add_argument("--long-tokens", type=int, default=1000, help="tokens of Figure 8 (0 to skip)")
+    s.add_argument("--predictor-rank", type=int, default=128)
+    s.add_argument("--active", type=float, default=0.03, help="trace: active share per token")
+    s.add_argument("--new", type=float, default=0.024, help="trace: new share per token at window k")
+    s.add_argument("--k", type=int, default=5, help="trace: the window the new share is given for")
+    s.add_argument("--threads", type=int, default=32, help="reader threads")
+    s.add_argument("--json", default=None, help="write every row and figure here (JSON)")
+    s.add_argument("--out", default="results", help="folder for the markdown, CSV and PNGs")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def paper_main(args, argv):
+    from ..bench import paper
+
+    res = paper.run(shape=args.shape, dtype=args.dtype, memory_budget=args.memory_budget,
+                    tokens=args.tokens, warmup=args.warmup, configs=args.configs,
+                    windows=args.windows, window_tokens=args.window_tokens,
+                    long_tokens=args.long_tokens, threads=args.threads,
+                    predictor_rank=args.predictor_rank, active=args.active, new=args.new, k=args.k,
+                    progress=not args.quiet)
+    res["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
+    md, written = paper.write_outputs(res, args.out, args.json)
+    print()
+    print(md)
+    print("wrote " + ", ".join(str(w) for w in written + ([args.json] if args.json else [])))
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.what == "peers":
+        return run(lambda: peers_main(args, argv), "mlx_flash.benchmark")
+    if args.what == "paper":
+        return run(lambda: paper_main(args, argv), "mlx_flash.benchmark")
 
     def body():
         from ..bench import storage
@@ -84,6 +147,57 @@ def main(argv=None):
         print("wrote " + ", ".join(str(w) for w in written))
 
     return run(body, "mlx_flash.benchmark")
+
+
+# --- peers ---------------------------------------------------------------------
+
+
+def add_peers_parser(sub):
+    from ..bench.peers import DEFAULT_MODEL, DEFAULT_SYSTEMS, SPEC_HELP
+
+    s = sub.add_parser("peers", help="mlx_flash vs mlx_lm vs llama.cpp under one memory cgroup limit",
+                       description="Every system in its own process, in a fresh memory cgroup "
+                                   "(root), page cache dropped before each run; rounds alternate.")
+    s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted flash folder (default {DEFAULT_MODEL})")
+    s.add_argument("--limit", default="50%",
+                   help="memory limit: N%% = each runtime's baseline RSS + N%% of the model's float32 "
+                        "weights (default 50%%), or a size for every system (400MB), or none")
+    s.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated: {SPEC_HELP} "
+                   f"(default {DEFAULT_SYSTEMS})")
+    s.add_argument("--prompt-tokens", type=int, default=160, help="prompt length in tokens (default 160)")
+    s.add_argument("--tokens", type=int, default=128, help="greedy decode tokens (default 128)")
+    s.add_argument("--rounds", type=int, default=3, help="rounds, alternating the order (default 3)")
+    s.add_argument("--reference", default=None,
+                   help="system the speeds are compared to (default mlx_flash:dense@none if given, else the first)")
+    s.add_argument("--gguf", default=None, help="source GGUF for the llama.cpp systems "
+                   "(default: the one the model was converted from)")
+    s.add_argument("--llama-python", default=None,
+                   help="interpreter that imports llama_cpp (default .venv-peers/bin/python; `make peers-setup`)")
+    s.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
+    s.add_argument("--warm", action="store_true", help="do not drop the page cache before each run")
+    s.add_argument("--json", default=None, help="write every run here (default <out>/peers.json)")
+    s.add_argument("--out", default="results", help="folder for peers.md, peers.csv, peers.json")
+
+
+def peers_main(args, argv):
+    from ..bench import peers
+
+    bench = peers.Peers(args.model, args.systems, limit=args.limit, prompt_tokens=args.prompt_tokens,
+                        tokens=args.tokens, rounds=args.rounds, gguf=args.gguf,
+                        llama_python=args.llama_python, timeout=args.timeout, cold=not args.warm,
+                        reference=args.reference, log=lambda msg: print(msg, flush=True))
+    res = bench.run()
+    res["info"]["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = peers.markdown(res)
+    (out / "peers.md").write_text(md)
+    peers.write_csv(res, out / "peers.csv")
+    js = Path(args.json) if args.json else out / "peers.json"
+    peers.write_json(res, js)
+    print()
+    print(md)
+    print(f"wrote {out / 'peers.md'}, {out / 'peers.csv'}, {js}")
 
 
 if __name__ == "__main__":

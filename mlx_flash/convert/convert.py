@@ -66,8 +66,11 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
     if dtype not in DTYPES:
         raise FlashError(f"unsupported dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     out = Path(out).expanduser().resolve()
-    local = Path(str(source)).expanduser()
-    source_name = str(local.resolve()) if local.exists() else str(source)
+    if hasattr(source, "read"):  # a source object (the paper benchmark's random checkpoints)
+        source_name = source.name
+    else:
+        local = Path(str(source)).expanduser()
+        source_name = str(local.resolve()) if local.exists() else str(source)
     if out.exists():
         if is_flash_folder(out) and not force:
             m = json.loads((out / MANIFEST).read_text())
@@ -83,7 +86,7 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
     for stale in _stale_temp_dirs(out):
         shutil.rmtree(stale, ignore_errors=True)
 
-    src = open_source(source, revision=revision)
+    src = source if hasattr(source, "read") else open_source(source, revision=revision)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir()

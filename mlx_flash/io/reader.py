@@ -500,7 +500,7 @@ class FlashReader:
 
     # ---- batches
 
-    def read_bundles(self, f, neuron_ids, stride, segments, dst_rows):
+    def read_bundles(self, f, neuron_ids, stride, segments, dst_rows, base=0, gap=None):
         """Read bundles and place their segments into destination rows.
 
         For each k: the bundle at neuron_ids[k] * stride; for each segment
@@ -510,6 +510,9 @@ class FlashReader:
         the rows of the failed read(s) are untouched, rows of reads that
         succeeded hold their new values, and the batch as a whole must be
         treated as not done. dst_rows must not repeat within a batch.
+        base: byte offset added to every bundle's start (a part of each bundle);
+        gap: this batch's coalescing gap instead of the reader's (0: merge only
+        touching reads, < 0: never merge).
         """
         t0 = time.perf_counter()
         ids = np.asarray(neuron_ids, dtype=np.int64).reshape(-1)
@@ -521,16 +524,17 @@ class FlashReader:
             return
         if ids.min() < 0:
             raise ValueError("negative neuron id")
-        last = int(ids.max()) * stride
+        last = base + int(ids.max()) * stride
         if last + need > f.size:
             raise ReadError(f.path, last, f"bundle ends beyond the end of the file "
                             f"({last + need} > {f.size} bytes)")
         order = self._order(ids)
         if order is not None:
             ids, rows = ids[order], rows[order]
-        starts = ids * stride
+        starts = base + ids * stride
         with self._lock:
-            plan = self._plan(f, starts, np.full(len(starts), need, dtype=np.int64), private=True)
+            plan = self._plan(f, starts, np.full(len(starts), need, dtype=np.int64), private=True,
+                              gap=gap)
             plan.row_dst = rows
             plan.segs = segs
             plan.seg_table = table
@@ -637,13 +641,13 @@ class FlashReader:
         table = np.array(table, dtype=np.int64).reshape(-1, 6)
         return segs, table, need
 
-    def _plan(self, f, starts, need, private=False):
+    def _plan(self, f, starts, need, private=False, gap=None):
         """private: each pool thread reads into its own small slot and copies
         the rows out at once (read_bundles); else the runs share one staging
         buffer that outlives the batch (read)."""
         plan = _Plan()
         (plan.run_off, plan.run_len, plan.run_need, plan.run_stage, plan.row_start,
-         plan.row_src) = plan_runs(starts, need, f.align, self.coalesce_gap,
+         plan.row_src) = plan_runs(starts, need, f.align, self.coalesce_gap if gap is None else gap,
                                    max(self.max_read, f.align))
         if private:
             plan.slot_bytes = (int(plan.run_len.max()) + 4095) // 4096 * 4096

@@ -1,0 +1,431 @@
+"""The paper's experiments on this machine: `mlx_flash.benchmark paper`.
+
+One process, one random checkpoint of a real shape (random_model.py), the real
+runtime (FlashStore, FlashReader with uncached reads, neuron caches, the
+model's MLX compute), sparsity from a statistical trace fitted to the paper
+(trace.py). The resident weights are loaded once; each configuration gets its
+own store under the same memory budget:
+
+  naive       every FFN weight read from flash every token (attention and
+              embeddings resident: our runtime never streams them)
+  hybrid      as much of every FFN as the budget leaves resident, the rest read
+              every token (no sparsity)
+  predictor   the predicted neurons read every token, nothing reused (window 0),
+              up and down rows read separately (no bundling)
+  windowing   predictor + the sliding window (k = 5), no bundling
+  all         predictor + window + row-column bundling (one read per neuron)
+
+Per configuration: a few prompt tokens, `warmup` decode tokens that fill the
+window, then `tokens` measured decode tokens. Rows of the paper's Table 2
+(flash->DRAM per token, throughput, I/O latency, FFN bytes in DRAM) and
+Table 3 (I/O, memory management, predictor, compute, total), with the
+physical floor of each row: bytes read / the disk's uncached throughput at
+that row's read size (measured on the checkpoint's own files in this run) +
+weights the compute touches / the memory bandwidth (measured in this run).
+
+Figure 7 (window size vs DRAM vs latency) and Figure 8 (I/O latency per
+token over a long generation) drive the store alone (no attention/FFN compute:
+what they plot is the loading).
+"""
+
+import csv
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..errors import FlashError
+from .random_model import build_checkpoint, shape_config
+from .trace import TraceModel, TraceSource
+
+CONFIGS = {  # name: (mode, window, bundled, predictor)
+    "naive": ("naive", None, True, False),
+    "hybrid": ("hybrid", None, True, False),
+    "predictor": ("flash", 0, False, True),
+    "windowing": ("flash", 5, False, True),
+    "all": ("flash", 5, True, True),
+}
+KiB, MiB = 1024, 1024 * 1024
+
+
+# --- the machine's limits, measured in this run
+
+
+def memory_bandwidth(nbytes=1 << 30, repeat=5):
+    """GB/s of a float32 reduction over a large array (the weights' path to the cores)."""
+    a = mx.random.uniform(shape=(nbytes // 4,))
+    mx.eval(a)
+    best = 0.0
+    for _ in range(repeat):
+        t = time.perf_counter()
+        mx.eval(mx.sum(a))
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    del a
+    return best
+
+
+def matvec_bandwidth(rows=16384, cols=4096, repeat=10):
+    """GB/s of a float32 matrix-vector product (what a decode step's compute runs at)."""
+    w = mx.random.normal((rows, cols))
+    x = mx.random.normal((1, cols))
+    mx.eval(w, x)
+    mx.eval(x @ w.T)
+    t = time.perf_counter()
+    for _ in range(repeat):
+        mx.eval(x @ w.T)
+    gbps = w.nbytes * repeat / (time.perf_counter() - t) / 1e9
+    del w
+    return gbps
+
+
+def disk_curve(files, chunks, threads=32, seconds=1.0, seed=0):
+    """{chunk bytes: GB/s} of uncached random reads of `chunks`-sized pieces of `files`."""
+    from ..io import FlashReader
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    with FlashReader(threads=threads, direct=True, coalesce_gap=-1) as r:
+        fs = [r.open(p) for p in files]
+        for c in [c for c in chunks if c <= min(f.size for f in fs)]:
+            n_per = max(64, int(64 * MiB // c))
+            done, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                f = fs[rng.integers(len(fs))]
+                offs = rng.integers(0, f.size // c, n_per) * c
+                r.read_discard(f, offs, np.full(n_per, c))
+                done += n_per * c
+            out[c] = done / (time.perf_counter() - t0) / 1e9
+    return out
+
+
+def throughput_at(curve, size):
+    """Interpolate the disk curve (log chunk size) at a read size."""
+    xs = np.log(sorted(curve))
+    ys = [curve[c] for c in sorted(curve)]
+    return float(np.interp(np.log(max(size, 1)), xs, ys))
+
+
+# --- the runs
+
+
+def _resident_bytes(model):
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def attach(model, folder, manifest, config, trace, budget, threads, predictor_rank, resident):
+    """A fresh FlashStore for `config` on the loaded model; returns it."""
+    from ..loader import layer_ffn
+    from ..sparse_loader import make_flash_store
+
+    mode, window, bundled, predictor = CONFIGS[config]
+    source = None
+    if mode == "flash":
+        source = TraceSource(trace, manifest.layout.d_model,
+                             predictor_rank=predictor_rank if predictor else 0)
+    store = make_flash_store(model, folder, manifest, mx.float32, resident, mode,
+                             source if source else "oracle", 1.0, budget, window, threads,
+                             verify=False, bundled=bundled)
+    for layer in model.layers:
+        layer_ffn(layer).store = store
+    return store
+
+
+def release(model, store):
+    from ..loader import layer_ffn
+
+    for layer in model.layers:
+        layer_ffn(layer).store = None
+    store.reader.close()
+    store.caches = store.scratch = None
+    gc.collect()
+    mx.clear_cache()
+
+
+def decode(model, store, prompt, warmup, tokens):
+    """Prompt, warmup tokens, then `tokens` measured decode tokens -> per-token stats rows."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = mx.argmax(model(mx.array([prompt]), cache=cache)[:, -1], axis=-1)
+    mx.eval(y)
+    walls = []
+    for i in range(warmup + tokens + 1):
+        t = time.perf_counter()
+        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(y)
+        walls.append(1e3 * (time.perf_counter() - t))
+    store.stats.end()
+    rows = [r for r in store.stats.rows if r["tokens"] == 1][warmup: warmup + tokens]
+    return rows, walls[warmup: warmup + tokens]
+
+
+def held_rows(store):
+    """FFN rows holding weights right now (caches + scratch in use)."""
+    return sum(c.num_used for c in store.caches) + store.scratch.num_used
+
+
+def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, curve, mem_bw,
+              source_stats=None):
+    mean = {k: float(np.mean([r[k] for r in rows])) for k in
+            ("io_ms", "mem_ms", "predict_ms", "compute_ms", "total_ms", "bytes_read", "reads",
+             "hit_rate")}
+    wall = float(np.median(walls))
+    read_size = mean["bytes_read"] / mean["reads"] if mean["reads"] else 0
+    disk_bw = throughput_at(curve, read_size) if read_size else float("inf")
+    computed = resident_bytes + plan.source_bytes + held_rows(store) * neuron_bytes
+    io_floor = 1e3 * mean["bytes_read"] / disk_bw / 1e9 if mean["bytes_read"] else 0.0
+    mem_floor = 1e3 * computed / mem_bw / 1e9
+    row = {
+        "config": config,
+        "flash_to_dram_gb": mean["bytes_read"] / 1e9,
+        "reads": mean["reads"],
+        "read_kib": read_size / KiB,
+        "throughput_gbs": mean["bytes_read"] / 1e9 / (mean["io_ms"] / 1e3) if mean["io_ms"] else 0.0,
+        "io_ms": mean["io_ms"],
+        "mem_ms": mean["mem_ms"],
+        "predict_ms": mean["predict_ms"],
+        "compute_ms": mean["compute_ms"],
+        "total_ms": wall,
+        "ffn_dram_gb": held_rows(store) * neuron_bytes / 1e9,
+        "ffn_dram_alloc_gb": plan.ffn_dram_bytes / 1e9,
+        "weights_dram_gb": plan.weights_bytes / 1e9,
+        "hit_rate": mean["hit_rate"],
+        "floor_io_ms": io_floor,
+        "floor_mem_ms": mem_floor,
+        "floor_ms": io_floor + mem_floor,
+        "measured_over_floor": wall / (io_floor + mem_floor),
+        "io_over_floor": mean["io_ms"] / io_floor if io_floor else None,
+        "disk_gbs_at_read_size": disk_bw,
+        "tokens": len(rows),
+    }
+    if source_stats and source_stats["active"]:
+        s = source_stats
+        row["predictor_fn"] = s["missed"] / s["active"]
+        row["predictor_fp"] = s["extra"] / s["active"]
+    return row
+
+
+def drive_store(store, d_model, tokens, warmup=5):
+    """The store alone, token after token (Figures 7, 8): per-token stats rows."""
+    x = mx.random.normal((1, 1, d_model))
+    mx.eval(x)
+    for _ in range(warmup + tokens):
+        for layer in range(len(store.files)):
+            store.rows(layer, x)
+    store.stats.end()
+    return store.stats.rows[warmup:]
+
+
+def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup=6,
+        prompt_tokens=8, configs=tuple(CONFIGS), windows=(0, 1, 2, 3, 4, 5, 6, 8),
+        window_tokens=12, long_tokens=1000, threads=32, predictor_rank=128, active=0.03,
+        new=0.024, k=5, home=None, progress=True, log=print):
+    """Everything of `mlx_flash.benchmark paper`; returns a dict (rows, figures, machine)."""
+    from ..blas import blas_info
+    from ..layout.format import read_manifest
+    from ..loader import load
+
+    folder = build_checkpoint(shape, dtype, home=home, progress=progress)
+    manifest = read_manifest(folder)
+    lay = manifest.layout
+    n_layers = len(manifest.ffn_files)
+    log(f"checkpoint {folder} ({shape}, {dtype} on flash)")
+    model, _ = load(folder, mode="naive", verify=False)  # resident weights once; stores swap below
+    store0 = model.flash["store"]
+    resident = dict(tree_flatten(model.parameters()))
+    resident_bytes = _resident_bytes(model)
+    release(model, store0)
+    neuron_bytes = len(lay.kinds) * lay.d_model * 4
+    model_bytes = resident_bytes + neuron_bytes * lay.n_neurons * n_layers
+
+    log("measuring the disk (uncached random reads of the checkpoint) and memory bandwidth")
+    files = [folder / e["file"] for e in manifest.ffn_files]
+    bundle = lay.bundle_bytes
+    chunks = sorted({4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB,
+                     bundle, lay.row_bytes})
+    curve = disk_curve(files, chunks)
+    mv_bw = matvec_bandwidth(lay.n_neurons, lay.d_model)
+    mem_bw = max(memory_bandwidth(), mv_bw)  # the fastest the weights were seen to stream
+    log("disk GB/s: " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items())
+        + f"; memory {mem_bw:.1f} GB/s (sum), {mv_bw:.1f} GB/s (float32 matvec)")
+
+    trace = TraceModel(n_layers, lay.n_neurons, active=active, new=new, k=k)
+    trace_stats = trace.statistics()
+    log(f"trace: {trace_stats['active']:.2%} active, {trace_stats['new']:.2%} new at k={k}, "
+        f"window union {trace_stats['union']:.1%}")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 256, prompt_tokens).tolist()
+
+    rows = []
+    for config in configs:
+        if config not in CONFIGS:
+            raise FlashError(f"unknown configuration '{config}' (available: {', '.join(CONFIGS)})")
+        store = attach(model, folder, manifest, config, trace, memory_budget, threads,
+                       predictor_rank, resident)
+        plan = store.plan
+        n_tok = tokens if CONFIGS[config][0] == "flash" else max(2, tokens // 2)
+        n_warm = warmup if CONFIGS[config][0] == "flash" else 1
+        log(f"{config}: {n_warm} warm-up + {n_tok} decode tokens")
+        r, walls = decode(model, store, prompt, n_warm, n_tok)
+        src_stats = store.source.stats if store.source is not None else None
+        row = summarize(config, r, walls, store, plan, neuron_bytes, resident_bytes, curve,
+                        mem_bw, src_stats)
+        rows.append(row)
+        log(f"  {row['total_ms']:.0f} ms/token: I/O {row['io_ms']:.0f}, mem {row['mem_ms']:.0f}, "
+            f"predictor {row['predict_ms']:.0f}, compute {row['compute_ms']:.0f}; "
+            f"{row['flash_to_dram_gb']:.3f} GB read at {row['throughput_gbs']:.2f} GB/s; "
+            f"floor {row['floor_ms']:.0f} ms")
+        release(model, store)
+
+    fig7 = []
+    for w in windows or ():
+        store = attach(model, folder, manifest, "all", trace, memory_budget, threads,
+                       predictor_rank, resident)
+        store.window = w
+        r = drive_store(store, lay.d_model, window_tokens)
+        fig7.append({"window": w, "io_ms": float(np.mean([x["io_ms"] for x in r])),
+                     "mem_ms": float(np.mean([x["mem_ms"] for x in r])),
+                     "load_ms": float(np.mean([x["total_ms"] for x in r])),
+                     "flash_to_dram_gb": float(np.mean([x["bytes_read"] for x in r])) / 1e9,
+                     "ffn_dram_gb": held_rows(store) * neuron_bytes / 1e9,
+                     "window_kept": float(np.mean([x["window"] for x in r]))})
+        log(f"window {w}: FFN in DRAM {fig7[-1]['ffn_dram_gb']:.2f} GB, "
+            f"{fig7[-1]['flash_to_dram_gb'] * 1e3:.0f} MB/token, I/O {fig7[-1]['io_ms']:.0f} ms")
+        release(model, store)
+
+    fig8 = []
+    if long_tokens:
+        store = attach(model, folder, manifest, "all", trace, memory_budget, threads,
+                       predictor_rank, resident)
+        log(f"long generation: {long_tokens} tokens through the store")
+        r = drive_store(store, lay.d_model, long_tokens)
+        fig8 = [{"token": i, "io_ms": x["io_ms"], "mem_ms": x["mem_ms"],
+                 "flash_to_dram_mb": x["bytes_read"] / 1e6} for i, x in enumerate(r)]
+        release(model, store)
+
+    return {
+        "shape": shape, "flash_dtype": dtype, "compute_dtype": "float32",
+        "memory_budget": memory_budget, "model_bytes_float32": model_bytes,
+        "resident_bytes": resident_bytes, "neuron_bytes": neuron_bytes,
+        "checkpoint": str(folder), "trace": trace_stats | {"concentration": trace.concentration},
+        "predictor_rank": predictor_rank, "disk_curve_gbs": {str(c): v for c, v in curve.items()},
+        "memory_gbs": mem_bw, "matvec_gbs": mv_bw, "rows": rows, "fig7": fig7, "fig8": fig8,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "blas": blas_info()},
+        "tokens": tokens, "warmup": warmup,
+    }
+
+
+# --- reports
+
+
+TABLE2 = [("config", "config", "{}"), ("FFN in DRAM (GB)", "ffn_dram_gb", "{:.2f}"),
+          ("flash→DRAM (GB/token)", "flash_to_dram_gb", "{:.3f}"), ("reads", "reads", "{:.0f}"),
+          ("read size (KiB)", "read_kib", "{:.1f}"), ("throughput (GB/s)", "throughput_gbs", "{:.2f}"),
+          ("I/O latency (ms)", "io_ms", "{:.0f}")]
+TABLE3 = [("config", "config", "{}"), ("I/O (ms)", "io_ms", "{:.0f}"), ("mem (ms)", "mem_ms", "{:.0f}"),
+          ("predictor (ms)", "predict_ms", "{:.0f}"), ("compute (ms)", "compute_ms", "{:.0f}"),
+          ("total (ms)", "total_ms", "{:.0f}"), ("vs naive", "speedup", "{:.2f}x"),
+          ("floor (ms)", "floor_ms", "{:.0f}"), ("measured / floor", "measured_over_floor", "{:.2f}")]
+
+
+def _table(rows, cols):
+    out = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + " --- |" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(fmt.format(r[k]) if r.get(k) is not None else "—"
+                                     for _, k, fmt in cols) + " |")
+    return "\n".join(out)
+
+
+def report(res):
+    rows = res["rows"]
+    base = next((r for r in rows if r["config"] == "naive"), None)
+    for r in rows:
+        r["speedup"] = base["total_ms"] / r["total_ms"] if base else None
+        r["io_vs_naive"] = r["flash_to_dram_gb"] / base["flash_to_dram_gb"] if base else None
+    m = res["machine"]
+    t = res["trace"]
+    head = (f"{res['shape']} shape, random weights; {res['flash_dtype']} on flash, float32 compute; "
+            f"memory budget {res['memory_budget']} of the float32 model "
+            f"({res['model_bytes_float32'] / 1e9:.1f} GB; resident attention + embeddings "
+            f"{res['resident_bytes'] / 1e9:.1f} GB); {m['platform']}, {m['blas']}; "
+            f"trace {t['active']:.1%} active, {t['new']:.1%} new at k={t['k']}; predictor rank "
+            f"{res['predictor_rank']}; {res['tokens']} decode tokens per row after the warm-up; "
+            f"disk {', '.join(f'{int(c) // KiB} KiB {v:.2f}' for c, v in res['disk_curve_gbs'].items())} GB/s "
+            f"(uncached, 32 threads); memory {res['memory_gbs']:.1f} GB/s, float32 matvec "
+            f"{res['matvec_gbs']:.1f} GB/s.")
+    md = [f"# Paper benchmark: {res['shape']}", "", head, "", "## Table 2 (loading)", "",
+          _table(rows, TABLE2), "", "## Table 3 (latency per token)", "", _table(rows, TABLE3)]
+    if res["fig7"]:
+        md += ["", "## Figure 7 (window size vs DRAM vs loading latency)", "",
+               _table(res["fig7"], [("window", "window", "{}"), ("window kept", "window_kept", "{:.1f}"),
+                                    ("FFN in DRAM (GB)", "ffn_dram_gb", "{:.2f}"),
+                                    ("flash→DRAM (GB/token)", "flash_to_dram_gb", "{:.4f}"),
+                                    ("I/O (ms)", "io_ms", "{:.0f}"), ("mem (ms)", "mem_ms", "{:.0f}"),
+                                    ("load total (ms)", "load_ms", "{:.0f}")])]
+    if res["fig8"]:
+        io = np.array([x["io_ms"] for x in res["fig8"]])
+        md += ["", "## Figure 8 (long generation)", "",
+               f"{len(io)} tokens: I/O per token median {np.median(io):.0f} ms, p10 "
+               f"{np.percentile(io, 10):.0f}, p90 {np.percentile(io, 90):.0f}; first 100 "
+               f"{io[:100].mean():.0f} ms, last 100 {io[-100:].mean():.0f} ms."]
+    return "\n".join(md) + "\n"
+
+
+def write_outputs(res, out="results", json_path=None):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"paper-{res['shape']}-{res['flash_dtype']}"
+    md = report(res)
+    (stem.with_suffix(".md")).write_text(md)
+    keys = list(res["rows"][0]) if res["rows"] else []
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(res["rows"])
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(res, indent=1))
+    plots = _plots(res, stem)
+    return md, [stem.with_suffix(".md"), stem.with_suffix(".csv")] + plots
+
+
+def _plots(res, stem):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    if res["fig7"]:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        xs = [r["ffn_dram_gb"] for r in res["fig7"]]
+        ax.plot(xs, [r["load_ms"] for r in res["fig7"]], "o-")
+        for r, x in zip(res["fig7"], xs):
+            ax.annotate(f"k={r['window']}", (x, r["load_ms"]), fontsize=7)
+        ax.set_xlabel("FFN weights in DRAM (GB)")
+        ax.set_ylabel("loading latency per token (ms)")
+        ax.set_title(f"{res['shape']}: window size trade-off (Fig. 7)")
+        fig.tight_layout()
+        paths.append(Path(f"{stem}-fig7.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    if res["fig8"]:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["token"] for r in res["fig8"]], [r["io_ms"] for r in res["fig8"]], lw=0.7)
+        ax.set_xlabel("token")
+        ax.set_ylabel("I/O latency (ms)")
+        ax.set_title(f"{res['shape']}: long generation (Fig. 8)")
+        fig.tight_layout()
+        paths.append(Path(f"{stem}-fig8.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths

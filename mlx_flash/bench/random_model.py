@@ -1,0 +1,149 @@
+"""Checkpoints of real model shapes with random weights, for the paper benchmark.
+
+The paper measures OPT-6.7B (and Falcon 7B, Llama 2 7B...). No such model can
+be downloaded here, and for I/O and compute timings only the shapes matter:
+`RandomSource` is a converter source (config, tensor names, float32 tensors in
+Hugging Face orientation) whose tensors are seeded Gaussian noise (std 0.02,
+norms 1, biases 0), and `build_checkpoint` runs the real converter on it once
+into $MLX_FLASH_HOME/bench/<shape>-<dtype> (atomic: an interrupted build
+leaves nothing behind and is started again by the next run).
+"""
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FlashError
+
+OPT = dict(model_type="opt", architectures=["OPTForCausalLM"], activation_function="relu",
+           do_layer_norm_before=True, enable_bias=True, tie_word_embeddings=True,
+           max_position_embeddings=2048, bos_token_id=2, eos_token_id=2)
+LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
+             rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2)
+
+SHAPES = {
+    "opt-6.7b": dict(OPT, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                     num_attention_heads=32, vocab_size=50272),
+    "opt-1.3b": dict(OPT, hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
+                     num_attention_heads=32, vocab_size=50272),
+    "opt-125m": dict(OPT, hidden_size=768, ffn_dim=3072, num_hidden_layers=12,
+                     num_attention_heads=12, vocab_size=50272),
+    # Llama 2 sparsified with FATReLU, as in the paper's Table 3 (threshold 0.01)
+    "llama-2-7b": dict(LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                       hidden_act="fatrelu", fatrelu_threshold=0.01),
+    # for tests
+    "tiny-opt": dict(OPT, hidden_size=64, ffn_dim=512, num_hidden_layers=2,
+                     num_attention_heads=4, vocab_size=512, max_position_embeddings=256),
+}
+
+
+def tensor_shapes(cfg):
+    """{HF name: shape} of a checkpoint of this config (OPTForCausalLM / LlamaForCausalLM)."""
+    d, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    t = {}
+    if cfg["model_type"] == "opt":
+        f, p = cfg["ffn_dim"], "model.decoder."
+        t[p + "embed_tokens.weight"] = (V, d)
+        t[p + "embed_positions.weight"] = (cfg["max_position_embeddings"] + 2, d)
+        t[p + "final_layer_norm.weight"] = t[p + "final_layer_norm.bias"] = (d,)
+        for i in range(L):
+            q = f"{p}layers.{i}."
+            for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                t[q + f"self_attn.{name}.weight"] = (d, d)
+                t[q + f"self_attn.{name}.bias"] = (d,)
+            for ln in ("self_attn_layer_norm", "final_layer_norm"):
+                t[q + ln + ".weight"] = t[q + ln + ".bias"] = (d,)
+            t[q + "fc1.weight"], t[q + "fc1.bias"] = (f, d), (f,)
+            t[q + "fc2.weight"], t[q + "fc2.bias"] = (d, f), (d,)
+        return t
+    f, kv = cfg["intermediate_size"], cfg["num_key_value_heads"] * d // cfg["num_attention_heads"]
+    t["model.embed_tokens.weight"] = (V, d)
+    t["model.norm.weight"] = (d,)
+    t["lm_head.weight"] = (V, d)
+    for i in range(L):
+        q = f"model.layers.{i}."
+        t[q + "self_attn.q_proj.weight"] = t[q + "self_attn.o_proj.weight"] = (d, d)
+        t[q + "self_attn.k_proj.weight"] = t[q + "self_attn.v_proj.weight"] = (kv, d)
+        t[q + "mlp.gate_proj.weight"] = t[q + "mlp.up_proj.weight"] = (f, d)
+        t[q + "mlp.down_proj.weight"] = (d, f)
+        t[q + "input_layernorm.weight"] = t[q + "post_attention_layernorm.weight"] = (d,)
+    return t
+
+
+def shape_config(shape):
+    if shape not in SHAPES:
+        raise FlashError(f"unknown shape '{shape}' (available: {', '.join(SHAPES)})")
+    return dict(SHAPES[shape])
+
+
+def parameter_count(shape):
+    return sum(int(np.prod(s)) for s in tensor_shapes(shape_config(shape)).values())
+
+
+class RandomSource:
+    """A converter source: the tensors of `shape`, seeded noise, made when read."""
+
+    def __init__(self, shape, seed=0, std=0.02):
+        self.config = shape_config(shape)
+        self.shapes = tensor_shapes(self.config)
+        self.seed, self.std = seed, std
+        self.name = f"random:{shape}:seed{seed}"
+
+    def names(self):
+        return list(self.shapes)
+
+    def shape(self, name):
+        return self.shapes[name]
+
+    def read(self, name):
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            base = name.rsplit(".", 1)[-1]
+            return np.ones(shape, np.float32) if base == "weight" else np.zeros(shape, np.float32)
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        x = rng.standard_normal(shape, dtype=np.float32)
+        x *= self.std
+        return x
+
+    def write_tokenizer(self, out_dir):
+        write_byte_tokenizer(out_dir, self.config["vocab_size"])
+
+    def close(self):
+        pass
+
+
+def write_byte_tokenizer(folder, vocab_size):
+    """A byte-level tokenizer (256 byte tokens + an end token) for random checkpoints:
+    mlx_flash.load wants one; the benchmark feeds token ids directly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["</s>"] = len(vocab)
+    if vocab_size < len(vocab):
+        raise FlashError(f"vocab_size {vocab_size} is too small for a byte tokenizer")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    folder = Path(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "bos_token": "</s>"}))
+
+
+def checkpoint_dir(shape, dtype, home=None):
+    from ..loader import default_home
+
+    return Path(home or default_home()) / "bench" / f"{shape}-{dtype}"
+
+
+def build_checkpoint(shape, dtype="float16", home=None, progress=True, seed=0):
+    """The flash-layout checkpoint of `shape` with random weights; built once, then reused."""
+    from ..convert import convert
+
+    return convert(RandomSource(shape, seed=seed), checkpoint_dir(shape, dtype, home), dtype=dtype,
+                   progress=progress)

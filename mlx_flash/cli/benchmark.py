@@ -79,7 +79,8 @@ def add_paper_parser(sub):
     s.add_argument("--memory-budget", default="50%",
                    help="weights in DRAM: a share of the float32 model or bytes (default 50%%)")
     s.add_argument("--tokens", type=int, default=8, help="measured decode tokens per sparse row "
-                   "(half as many for naive / hybrid)")
+                   "and round (a quarter for naive / hybrid)")
+    s.add_argument("--rounds", type=int, default=2, help="alternating rounds over the rows (medians)")
     s.add_argument("--warmup", type=int, default=6, help="decode tokens before measuring (fill the window)")
     s.add_argument("--configs", type=_list(str), default=list(CONFIGS),
                    help="rows to run (default " + ",".join(CONFIGS) + ")")
@@ -101,7 +102,7 @@ def paper_main(args, argv):
     from ..bench import paper
 
     res = paper.run(shape=args.shape, dtype=args.dtype, memory_budget=args.memory_budget,
-                    tokens=args.tokens, warmup=args.warmup, configs=args.configs,
+                    tokens=args.tokens, warmup=args.warmup, rounds=args.rounds, configs=args.configs,
                     windows=args.windows, window_tokens=args.window_tokens,
                     long_tokens=args.long_tokens, threads=args.threads,
                     predictor_rank=args.predictor_rank, active=args.active, new=args.new, k=args.k,

@@ -7,7 +7,7 @@ MODEL := models/smollm2-135m-instruct
 GGUF := models/download/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Write a short story about a robot who learns to paint.
 
-.PHONY: setup model demo test bench-parity clean-model
+.PHONY: setup model demo test bench-parity clean-model peers-setup
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,18 @@ $(VENV)/.installed: pyproject.toml setup.py mlx_flash/io/_native.c scripts/insta
 	$(PYTHON) -m venv .venv-ref
 	.venv-ref/bin/pip install -q --upgrade pip
 	.venv-ref/bin/pip install -q torch==2.13.0 transformers accelerate numpy safetensors gguf
+	touch $@
+
+# Peers for `mlx_flash.benchmark peers`: llama-cpp-python built from its sdist for
+# this CPU, in its own venv so the product venv and CI stay light (about 3 min).
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+
+peers-setup: .venv-peers/.installed
+
+.venv-peers/.installed:
+	$(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/pip install -q --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-peers/bin/pip install -q --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
 	touch $@
 
 $(GGUF): | $(VENV)/.installed

@@ -1,0 +1,203 @@
+"""mlx_flash.benchmark peers: system specs, the memory cgroup runner, skipping llama.cpp,
+the F32/F16 GGUFs, and one tiny end-to-end run through real child processes."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mlx_flash.bench import peers
+from mlx_flash.errors import FlashError
+
+MiB = 1 << 20
+
+
+# --- system specs ---
+
+
+def test_parse_system_forms():
+    s = peers.parse_system("mlx_flash:flash:dip:0.5")
+    assert (s.runtime, s.mode, s.sparsity, s.density, s.limit) == ("mlx_flash", "flash", "dip", 0.5, None)
+    s = peers.parse_system("mlx_flash:dense@none")
+    assert (s.runtime, s.mode, s.limit, s.name) == ("mlx_flash", "dense", "none", "mlx_flash:dense")
+    assert peers.parse_system("mlx_flash:naive@400MB").limit == "400MB"
+    assert peers.parse_system("mlx_lm").runtime == "mlx_lm"
+    assert peers.parse_system("llama.cpp-f16").gguf == "f16"
+    names = [s.spec for s in peers.parse_systems(peers.DEFAULT_SYSTEMS)]
+    assert names[0] == "mlx_flash:dense@none" and "llama.cpp-f32" in names
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("", "empty"),
+    ("vllm", "unknown system 'vllm'"),
+    ("mlx_flash", "needs a mode"),
+    ("mlx_flash:turbo", "unknown mlx_flash mode 'turbo'"),
+    ("mlx_flash:dense:dip", "takes no sparsity"),
+    ("mlx_flash:flash", "needs a sparsity source and a density"),
+    ("mlx_flash:flash:dip", "needs a sparsity source and a density"),
+    ("mlx_flash:flash:magic:0.5", "unknown sparsity 'magic'"),
+    ("mlx_flash:flash:dip:half", "'half' is not a number"),
+    ("mlx_flash:flash:dip:1.5", "not in (0, 1]"),
+    ("mlx_flash:flash:dip:0", "not in (0, 1]"),
+    ("mlx_lm:fast", "takes no options"),
+    ("llama.cpp-q2", "unknown llama.cpp weights 'q2'"),
+    ("llama.cpp", "unknown system"),
+    ("mlx_lm@lots", "cannot read 'lots'"),
+    ("mlx_lm@10", "under 1 MiB"),
+])
+def test_parse_system_rejects_bad_specs(spec, words):
+    with pytest.raises(FlashError) as e:
+        peers.parse_system(spec)
+    msg = str(e.value)
+    assert words in msg
+    assert "valid:" in msg or "limit" in msg  # names the valid forms (or the bad limit)
+
+
+def test_parse_systems_rejects_duplicates_and_nothing():
+    with pytest.raises(FlashError, match="given twice"):
+        peers.parse_systems("mlx_lm,mlx_lm")
+    with pytest.raises(FlashError, match="no systems"):
+        peers.parse_systems(" , ")
+
+
+def test_parse_limit():
+    assert peers.parse_limit("50%") == ("fraction", 0.5)
+    assert peers.parse_limit("400MB") == ("bytes", 400 * 10**6)
+    assert peers.parse_limit("512MiB") == ("bytes", 512 * MiB)
+    assert peers.parse_limit("none") == ("none", None)
+    for bad in ("-5%", "x%", "fifty"):
+        with pytest.raises(FlashError, match="--limit"):
+            peers.parse_limit(bad)
+
+
+# --- the memory cgroup runner ---
+
+
+def _cgroup_or_skip():
+    version, why = peers.cgroup_support()
+    if version is None:
+        pytest.skip(f"memory cgroup runner not testable here: {why}")
+    return version
+
+
+ALLOC = "import sys; b = b'x' * (int(sys.argv[1]) << 20); print(len(b))"
+
+
+def test_cgroup_runner_reports_oom_kill_over_the_limit():
+    _cgroup_or_skip()
+    with peers.MemoryCgroupRunner() as runner:
+        over = runner.run([sys.executable, "-c", ALLOC, "256"], limit_bytes=64 * MiB, timeout=120,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        under = runner.run([sys.executable, "-c", ALLOC, "8"], limit_bytes=64 * MiB, timeout=120,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        free = runner.run([sys.executable, "-c", ALLOC, "96"], limit_bytes=None, timeout=120,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        path = runner.path
+    assert over.oom_killed and over.returncode == -9, over
+    assert over.oom_kills >= 1 and over.limit_bytes == 64 * MiB
+    assert not under.oom_killed and under.returncode == 0, under
+    assert 8 * MiB < under.peak_bytes <= 64 * MiB
+    assert not free.oom_killed and free.returncode == 0 and free.peak_bytes > 96 * MiB
+    assert not path.exists()  # cleaned up
+
+
+def test_cgroup_runner_moves_the_child_before_it_runs(tmp_path):
+    _cgroup_or_skip()
+    with peers.MemoryCgroupRunner() as runner, open(tmp_path / "out", "w") as out:
+        r = runner.run([sys.executable, "-c", "print(open('/proc/self/cgroup').read())"],
+                       limit_bytes=256 * MiB, timeout=60, stdout=out, stderr=subprocess.DEVNULL)
+        name = runner.path.name
+    assert r.returncode == 0
+    assert f"/{name}/run1" in (tmp_path / "out").read_text()
+
+
+def test_cgroup_support_explains_itself(tmp_path):
+    version, why = peers.cgroup_support(v1_root=tmp_path / "nope", v2_root=tmp_path / "nope2")
+    assert version is None
+    assert "not root" in why or "no memory cgroup" in why
+
+
+# --- llama.cpp ---
+
+
+def test_llama_cpp_is_skipped_with_a_clear_message_when_not_importable():
+    ok, _ = peers.check_import(sys.executable, "llama_cpp")
+    if ok:
+        pytest.skip("llama_cpp is importable in this venv")
+    py, why = peers.llama_cpp_python(sys.executable)
+    assert py is None
+    assert "llama_cpp is not importable" in why and "make peers-setup" in why
+    py, why = peers.llama_cpp_python("/nonexistent/python")
+    assert py is None and "not found" in why
+
+
+def test_float_ggufs_hold_the_float16_values(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from test_gguf import write_gguf
+
+    src = tmp_path / "q.gguf"
+    write_gguf(src)
+    r_src = gguf.GGUFReader(str(src))
+    for kind, ftype in (("f16", gguf.GGMLQuantizationType.F16), ("f32", gguf.GGMLQuantizationType.F32)):
+        out = peers.write_float_gguf(src, tmp_path / f"{kind}.gguf", kind)
+        r = gguf.GGUFReader(str(out))
+        assert r.fields["general.file_type"].contents() == (0 if kind == "f32" else 1)
+        assert r.fields["tokenizer.ggml.tokens"].contents() == r_src.fields["tokenizer.ggml.tokens"].contents()
+        got = {t.name: t for t in r.tensors}
+        assert [t.name for t in r.tensors] == [t.name for t in r_src.tensors]
+        for t in r_src.tensors:
+            o = got[t.name]
+            assert o.shape.tolist() == t.shape.tolist()
+            want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16).astype(np.float32)
+            have = gguf.quants.dequantize(o.data, o.tensor_type)
+            np.testing.assert_array_equal(have, want)
+            assert o.tensor_type == (gguf.GGMLQuantizationType.F32 if len(t.shape) == 1 else ftype)
+    assert not list(tmp_path.glob("*.partial"))
+
+
+# --- end to end on a tiny model ---
+
+
+@pytest.fixture(scope="module")
+def tiny_flash(tmp_path_factory):
+    from helpers import make_llama_folder
+
+    from mlx_flash.convert import convert
+
+    d = tmp_path_factory.mktemp("peers")
+    src, _, _ = make_llama_folder(d / "hf", "llama", intermediate_size=256)
+    return convert(src, d / "flash", dtype="float16", progress=False)
+
+
+def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    logs = []
+    bench = peers.Peers(tiny_flash, "mlx_flash:naive,mlx_lm@none,llama.cpp-f32",
+                        limit="200MB", prompt_tokens=120, tokens=4, rounds=1, cold=False,
+                        llama_python="/nonexistent/python", log=logs.append)
+    res = bench.run()
+    rows = {r["system"]: r for r in res["rows"]}
+    assert rows["llama.cpp-f32"]["status"] == "skipped"
+    assert "not importable" in rows["llama.cpp-f32"]["message"]
+    for name in ("mlx_flash:naive", "mlx_lm@none"):
+        assert rows[name]["status"] == "ok", (name, rows[name], logs)
+        assert rows[name]["decode_tps"] > 0 and rows[name]["prompt_tps"] > 0
+        assert rows[name]["rss_peak_bytes"] > 0
+    assert res["info"]["reference"] == "mlx_flash:naive"
+    assert rows["mlx_flash:naive"]["decode_vs_reference"] == 1.0
+    runs = {r["system"]: r for r in res["runs"]}
+    for r in runs.values():
+        assert len(r["tokens"]) == 4 and r["prompt_tokens"] == res["info"]["prompt_tokens"]
+    assert 100 < res["info"]["prompt_tokens"] <= 120
+    if res["info"]["cgroup"] != "none":
+        base = res["info"]["baselines"]["mlx_flash"]["rss_bytes"]
+        naive = rows["mlx_flash:naive"]
+        assert naive["limit_bytes"] == 200 * 10**6
+        assert naive["memory_budget_bytes"] == naive["limit_bytes"] - base
+        assert rows["mlx_lm@none"]["limit_bytes"] is None
+        assert naive["cgroup_peak_bytes"] > 0
+    md = peers.markdown(res)
+    assert "| mlx_flash:naive |" in md and "baselines" in md
+    peers.write_csv(res, tmp_path / "p.csv")
+    assert (tmp_path / "p.csv").read_text().count("\n") == 4

@@ -71,6 +71,16 @@ def test_parse_limit():
             peers.parse_limit(bad)
 
 
+def test_parse_flash_budget():
+    assert peers.parse_flash_budget("auto") == ("auto", None)
+    assert peers.parse_flash_budget("full") == ("full", None)
+    assert peers.parse_flash_budget("40%") == ("fraction", 0.4)
+    assert peers.parse_flash_budget("200MB") == ("bytes", 200 * 10**6)
+    for bad in ("none", "most"):
+        with pytest.raises(FlashError, match="--flash-budget"):
+            peers.parse_flash_budget(bad)
+
+
 # --- the memory cgroup runner ---
 
 
@@ -170,6 +180,17 @@ def tiny_flash(tmp_path_factory):
     return convert(src, d / "flash", dtype="float16", progress=False)
 
 
+def test_several_limits_expand_every_system_without_its_own(tiny_flash):
+    bench = peers.Peers(tiny_flash, "mlx_flash:dense@none,mlx_flash:naive,mlx_lm", limit="50%,300MB")
+    assert [s.spec for s in bench.systems] == [
+        "mlx_flash:dense@none", "mlx_flash:naive@50%", "mlx_flash:naive@300MB", "mlx_lm@50%", "mlx_lm@300MB"]
+    assert bench.systems[2].limit == "300MB" and bench.reference == "mlx_flash:dense@none"
+    with pytest.raises(FlashError, match="--limit"):
+        peers.Peers(tiny_flash, "mlx_lm", limit="50%,lots")
+    with pytest.raises(FlashError, match="--reference"):
+        peers.Peers(tiny_flash, "mlx_lm", reference="llama.cpp-f32")
+
+
 def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
     logs = []
@@ -194,7 +215,10 @@ def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):
         base = res["info"]["baselines"]["mlx_flash"]["rss_bytes"]
         naive = rows["mlx_flash:naive"]
         assert naive["limit_bytes"] == 200 * 10**6
-        assert naive["memory_budget_bytes"] == naive["limit_bytes"] - base
+        cal = res["info"]["calibration"]["mlx_flash:naive"]  # --flash-budget auto sized it
+        assert cal["other_bytes"] == cal["rss_peak_bytes"] - cal["weights_bytes"] > base
+        assert naive["memory_budget_bytes"] == cal["budget_bytes"] == int(
+            naive["limit_bytes"] - cal["other_bytes"] - 0.05 * naive["limit_bytes"])
         assert rows["mlx_lm@none"]["limit_bytes"] is None
         assert naive["cgroup_peak_bytes"] > 0
     md = peers.markdown(res)

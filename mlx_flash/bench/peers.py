@@ -7,14 +7,21 @@ system, so the interpreter and the imports are counted from the first byte.
 The page cache is dropped before every run (cold start), and the cgroup's
 limit counts page cache too: a peer that memory-maps its weights (llama.cpp)
 keeps re-reading them from disk when they do not fit, one that reads them
-into anonymous memory (mlx_lm) is OOM-killed, and mlx_flash's planner gets
-the same bytes as its `memory_budget`.
+into anonymous memory (mlx_lm) is OOM-killed, and mlx_flash's planner is
+told, through `memory_budget`, how much of the limit its weights may take.
 
 The limit: "50%" (the default) gives each runtime its own baseline (the RSS of
 a process that has imported the runtime but loaded no weights, measured once
 per runtime in a probe run) plus 50 % of the model's float32 weights; a byte
-count gives every system that limit. `system@none` runs a system without a
-limit (still in a cgroup, so its peak is measured the same way).
+count gives every system that limit; several limits ("50%,100%") run every
+system at each. `system@none` runs a system without a limit (still in a
+cgroup, so its peak is measured the same way).
+
+mlx_flash's `memory_budget` counts weights only. By default (`--flash-budget
+auto`) each limited mlx_flash system first runs once without a limit at the
+full budget (limit - baseline); its peak RSS minus the weights its plan held is
+what it needs besides weights, and its budget under the limit is the limit
+minus that, minus 5 %. `full` passes limit - baseline as is.
 
 Systems (the same prompt token ids for all, greedy, the end tokens forbidden
 so that every system decodes exactly N tokens):
@@ -683,7 +690,8 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
                     oom_killed=res.oom_killed, phase=last, cgroup_peak_bytes=res.peak_bytes,
                     limit_hits=res.limit_hits, wall_s=res.wall_s)
     hwm = [e.get("hwm") for e in events if e.get("hwm")]
-    rec.rss_peak_bytes = max(hwm) if hwm else None
+    # a killed process reports no final peak: the last one it wrote would understate it
+    rec.rss_peak_bytes = max(hwm) if hwm and last in ("done", "error") else None
     if "loaded" in ev:
         rec.load_s = ev["loaded"].get("load_s")
         rec.read_load_bytes = _delta(ev.get("loading", {}).get("read_bytes"), ev["loaded"].get("read_bytes"))
@@ -757,12 +765,23 @@ class Peers:
 
     def __init__(self, model, systems, limit="50%", prompt_tokens=160, tokens=128, rounds=3,
                  gguf=None, llama_python=None, timeout=1800, cold=True, reference=None,
-                 log=print):
+                 flash_budget="auto", log=print):
         self.model = Path(model)
         if not (self.model / "manifest.json").is_file():
             raise FlashError(f"{model}: not a converted mlx_flash folder (build the default one with `make model`)")
-        self.systems = parse_systems(systems) if isinstance(systems, str) else list(systems)
-        self.limit = parse_limit(limit)
+        systems = parse_systems(systems) if isinstance(systems, str) else list(systems)
+        self.limit_texts = [t.strip() for t in str(limit).split(",") if t.strip()] or ["50%"]
+        for t in self.limit_texts:
+            parse_limit(t)
+        self.limit = parse_limit(self.limit_texts[0])
+        if len(self.limit_texts) > 1:  # every system without a limit of its own, at every limit
+            systems = [s if s.limit else System(f"{s.spec}@{t}", s.runtime, s.mode, s.sparsity, s.density,
+                                                s.gguf, "none" if t.lower() == "none" else t)
+                       for s in systems for t in (self.limit_texts if not s.limit else [None])]
+            systems = list({s.spec: s for s in systems}.values())
+        self.systems = systems
+        self.flash_budget = parse_flash_budget(flash_budget)
+        self.calibration = {}  # spec -> the unconstrained run that sized mlx_flash's budget
         self.prompt_tokens, self.tokens, self.rounds = prompt_tokens, tokens, rounds
         if tokens < 2:
             raise FlashError("--tokens must be at least 2 (decode speed is timed after the first token)")
@@ -881,10 +900,46 @@ class Peers:
         limit = int(base + value * self.f32_bytes) if kind == "fraction" else int(value)
         budget = None
         if system.runtime == "mlx_flash":
-            budget = limit - base  # the weights get what the runtime leaves
-            if budget <= 0:
-                budget = 1 << 20
+            how, v = self.flash_budget
+            if how == "fraction":
+                budget = int(v * self.f32_bytes)
+            elif how == "bytes":
+                budget = int(v)
+            elif how == "auto" and system.spec in self.calibration:
+                budget = self.calibration[system.spec]["budget_bytes"]
+            else:  # full, or auto without a calibration: the weights get what the runtime leaves
+                budget = limit - base
+            budget = max(budget, 1 << 20)
         return limit, budget
+
+    def calibrate(self, runner):
+        """--flash-budget auto: mlx_flash's memory_budget counts weights only, so each limited
+        mlx_flash system first runs once without a limit at the full budget (limit - baseline);
+        its peak RSS minus the weights its plan holds is everything else it needs (imports,
+        load-time copies, MLX's buffer cache, KV cache, activations, reader staging), and the
+        budget becomes limit - that - 5 % of the limit."""
+        if self.flash_budget[0] != "auto":
+            return
+        for s in self.systems:
+            if s.runtime != "mlx_flash" or s.mode == "dense" or s.spec in self.skipped:
+                continue
+            limit, full = self.limits(s)
+            if limit is None:
+                continue
+            self.log(f"[peers] sizing {s.spec}'s budget: one run without a limit at memory_budget {_mb(full)} ...")
+            res, events, tail = self._launch(runner, s, limit=None, budget=full)
+            rec = record_from(s, -1, res, events, tail, None, full)
+            weights = rec.extra.get("plan_weights_bytes")
+            if rec.status != "ok" or not weights or not rec.rss_peak_bytes:
+                self.log(f"[peers]   {rec.status}: {rec.message}; {s.spec} keeps memory_budget {_mb(full)}")
+                continue
+            other = rec.rss_peak_bytes - weights
+            budget = int(limit - other - 0.05 * limit)
+            self.calibration[s.spec] = {"full_budget_bytes": full, "rss_peak_bytes": rec.rss_peak_bytes,
+                                        "weights_bytes": weights, "other_bytes": other, "budget_bytes": budget,
+                                        "decode_tps": rec.decode_tps}
+            self.log(f"[peers]   peak RSS {_mb(rec.rss_peak_bytes)} = weights {_mb(weights)} + the rest "
+                     f"{_mb(other)}; memory_budget under the limit: {_mb(budget)}")
 
     def run(self):
         self.prepare()
@@ -893,6 +948,7 @@ class Peers:
         with self.runner() as runner:
             self.cgroup = runner.version
             self.probe(runner)
+            self.calibrate(runner)
             active = [s for s in self.systems if s.spec not in self.skipped]
             for r in range(self.rounds):
                 order = active if r % 2 == 0 else active[::-1]
@@ -952,7 +1008,9 @@ class Peers:
             "model": str(self.model), "model_float32_bytes": self.f32_bytes,
             "dtype": ("mlx: float16 on flash, float32 compute (mlx_lm: float32 export of the same values); "
                       "llama.cpp: F32 / F16 GGUF of the same float16-rounded values"),
-            "limit": _limit_text(self.limit), "cgroup": self.cgroup or "none",
+            "limit": "; ".join(_limit_text(parse_limit(t)) for t in self.limit_texts),
+            "cgroup": self.cgroup or "none",
+            "flash_budget": _flash_budget_text(self.flash_budget), "calibration": self.calibration,
             "baselines": self.baselines, "prompt_tokens": len(self.prompt), "decode_tokens": self.tokens,
             "rounds": self.rounds, "reference": self.reference, "cold": self.cold, "notes": self.notes,
             "prompt_text": self.prompt_text,
@@ -1009,6 +1067,27 @@ def _limit_text(limit):
     return f"{v / MB:.0f} MB for every system"
 
 
+def parse_flash_budget(text):
+    """--flash-budget: auto | full | N% (of the float32 model) | a size."""
+    t = str(text).strip().lower()
+    if t in ("auto", "full"):
+        return (t, None)
+    kind, v = parse_limit(text, what="--flash-budget")
+    if kind == "none":
+        raise FlashError("--flash-budget: none is not a budget (auto, full, 40%, 200MB)")
+    return (kind, v)
+
+
+def _flash_budget_text(fb):
+    how, v = fb
+    if how == "auto":
+        return ("auto: limit - (peak RSS - weights held) of one unconstrained run of the same system at "
+                "the full budget - 5% of the limit")
+    if how == "full":
+        return "full: limit - the runtime's baseline"
+    return f"{v * 100:g}% of the float32 model" if how == "fraction" else f"{v / MB:.0f} MB"
+
+
 def _summary_line(r):
     if r.status == "ok":
         return (f"decode {r.decode_tps:.1f} tok/s, prompt {r.prompt_tps:.0f} tok/s, load {r.load_s:.1f} s, "
@@ -1062,10 +1141,16 @@ def markdown(res):
     lines += [
         f"- model: {i['model']} ({i['model_float32_bytes'] / MB:.0f} MB of float32 weights)",
         f"- dtype: {i['dtype']}",
-        f"- limit: {i['limit']} (memory cgroup {i['cgroup']}, page cache counted); mlx_flash's "
-        "memory_budget = limit - its baseline",
+        f"- limit: {i['limit']} (memory cgroup {i['cgroup']}, page cache counted)",
+        f"- mlx_flash's memory_budget (weights only): {i['flash_budget']}",
         "- baselines (RSS after imports, no weights): "
         + ", ".join(f"{rt} {b['rss_bytes'] / MB:.0f} MB" for rt, b in i["baselines"].items()),
+    ]
+    for spec, c in (i.get("calibration") or {}).items():
+        lines.append(f"- sizing {spec} (no limit, memory_budget {c['full_budget_bytes'] / MB:.0f} MB): peak RSS "
+                     f"{c['rss_peak_bytes'] / MB:.0f} MB = weights {c['weights_bytes'] / MB:.0f} MB + the rest "
+                     f"{c['other_bytes'] / MB:.0f} MB -> memory_budget {c['budget_bytes'] / MB:.0f} MB")
+    lines += [
         f"- prompt {i['prompt_tokens']} tokens (the same ids for all), {i['decode_tokens']} greedy decode tokens "
         f"(end tokens forbidden), {i['rounds']} rounds alternating the order, "
         + ("page cache dropped before every run" if i["cold"] else "warm page cache"),

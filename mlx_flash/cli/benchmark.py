@@ -162,7 +162,8 @@ def add_peers_parser(sub):
     s.add_argument("--model", default=DEFAULT_MODEL, help=f"converted flash folder (default {DEFAULT_MODEL})")
     s.add_argument("--limit", default="50%",
                    help="memory limit: N%% = each runtime's baseline RSS + N%% of the model's float32 "
-                        "weights (default 50%%), or a size for every system (400MB), or none")
+                        "weights (default 50%%), or a size for every system (400MB), or none; "
+                        "several, comma-separated (50%%,75%%), run every system at each")
     s.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated: {SPEC_HELP} "
                    f"(default {DEFAULT_SYSTEMS})")
     s.add_argument("--prompt-tokens", type=int, default=160, help="prompt length in tokens (default 160)")
@@ -170,6 +171,10 @@ def add_peers_parser(sub):
     s.add_argument("--rounds", type=int, default=3, help="rounds, alternating the order (default 3)")
     s.add_argument("--reference", default=None,
                    help="system the speeds are compared to (default mlx_flash:dense@none if given, else the first)")
+    s.add_argument("--flash-budget", default="auto",
+                   help="mlx_flash's memory_budget (weights only) under a limit: auto = the limit minus "
+                        "what one unconstrained run of the system needs besides its weights, minus 5%%; "
+                        "full = limit - baseline; or N%% of the float32 model, or a size (default auto)")
     s.add_argument("--gguf", default=None, help="source GGUF for the llama.cpp systems "
                    "(default: the one the model was converted from)")
     s.add_argument("--llama-python", default=None,
@@ -186,7 +191,8 @@ def peers_main(args, argv):
     bench = peers.Peers(args.model, args.systems, limit=args.limit, prompt_tokens=args.prompt_tokens,
                         tokens=args.tokens, rounds=args.rounds, gguf=args.gguf,
                         llama_python=args.llama_python, timeout=args.timeout, cold=not args.warm,
-                        reference=args.reference, log=lambda msg: print(msg, flush=True))
+                        reference=args.reference, flash_budget=args.flash_budget,
+                        log=lambda msg: print(msg, flush=True))
     res = bench.run()
     res["info"]["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)

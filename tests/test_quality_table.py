@@ -1,0 +1,101 @@
+"""scripts/quality_table.py on a tiny calibrated model: the rows, the files, resume, and batch == token by token."""
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_flash.calibrate import calibrate
+from mlx_flash.convert import convert
+from mlx_flash.eval.tasks import MCItem
+from helpers import make_llama_folder
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "quality_table.py"
+WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("quality_table", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def words(seed, n):
+    return " ".join(np.random.default_rng(seed).choice(WORDS, n))
+
+
+ITEMS = [
+    MCItem("a", "Question: what is the capital?\nAnswer:", ["paris", "the lazy dog", "fox"], 0),
+    MCItem("b", "the quick brown", ["fox jumps", "dog", "world, hello there", "x"], 1),
+    MCItem("c", "hello", ["world", "capital is paris", "q", "the"], 2),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quality")
+    src, _, _ = make_llama_folder(d / "hf", "llama")  # SwiGLU
+    out = convert(src, d / "flash", dtype="float32", progress=False, dip=True)
+    (d / "cal.txt").write_text(words(0, 1500))
+    calibrate(out, data=str(d / "cal.txt"), tokens=512, seq_len=64, rank=16, max_rank=16, epochs=1,
+              progress=False, log=lambda m: None)
+    return out, d
+
+
+def test_table_rows_files_and_batch_equals_token_by_token(tiny):
+    qt = _script()
+    folder, d = tiny
+    tasks = {"wikitext": ("perplexity", words(1, 400), "words"),
+             "arc_easy": ("choice", ITEMS, "items"), "arc_challenge": ("choice", ITEMS[:2], "items"),
+             "hellaswag": ("choice", ITEMS, "items")}
+    items = {"arc_easy": 3, "arc_challenge": 2, "hellaswag": 2}
+    configs = qt.plan_configs([0.75, 0.5], [0.5], "85%", 64, items, 24, 0)
+    assert [c["key"] for c in configs] == ["dense"] + [f"{s}@{x}" for x in (0.75, 0.5) for s in qt.SOURCES]
+    out = d / "res" / "quality"
+    checks = [("predictor", 0.5, "85%", 40), ("threshold", 0.5, None, 40)]
+    state = qt.run_table(folder, out, tasks, configs, checks, probe_tokens=64, probe_densities=(0.5,),
+                         context=32, progress=False, meta=dict(model="tiny", limits=dict(items, tokens=64)),
+                         log=lambda m: None)
+    rows = state["rows"]
+    assert not [k for k, r in rows.items() if "error" in r]
+    # multiple choice only at the mc densities (and dense); dip-ca token by token, WikiText only
+    assert set(rows["dense"]["tasks"]) == set(rows["oracle@0.5"]["tasks"]) == set(qt.TASKS)
+    assert set(rows["oracle@0.75"]["tasks"]) == set(rows["dip-ca@0.5"]["tasks"]) == {"wikitext"}
+    assert rows["dip-ca@0.5"]["tasks"]["wikitext"]["incremental"] and rows["dip-ca@0.5"]["tasks"]["wikitext"]["n"] == 24
+    assert not rows["dip@0.5"]["tasks"]["wikitext"]["incremental"]
+    assert rows["dense"]["tasks"]["hellaswag"]["n"] == 2
+    # the sources that do not look at their caches score the same either way, budget or not
+    for ch in state["checks"].values():
+        assert ch["tokens"] == 40
+        assert ch["max_abs_nll_diff"] < 1e-4, ch
+        assert ch["mean_predict_ms"] > 0 and ch["mean_total_ms"] > ch["mean_predict_ms"]
+    # the files
+    table = list(csv.DictReader(open(out.with_suffix(".csv"))))
+    assert [r["key"] for r in table] == [c["key"] for c in configs]
+    assert table[0]["arc_easy_items"] == "3" and table[1]["arc_easy_items"] == ""
+    md = out.with_suffix(".md").read_text()
+    for s in ("| dense | 100% |", "| oracle | 75% |", "| dip-ca | 50% | 85%", "| predictor | 50% |",
+              "| threshold | 50% | none | batch prefill |", "## The predictor", "| mean |"):
+        assert s in md, s
+    assert md.count("\n| 1 | 16 |") == 1  # layer 1 of the per-layer table
+    layers = list(csv.DictReader(open(out.with_name("quality_predictor.csv"))))
+    assert len(layers) == 2 and 0 <= float(layers[0]["fn_rate"]) <= 1
+    assert json.loads(out.with_suffix(".json").read_text())["order"] == [c["key"] for c in configs]
+
+
+def test_resume_keeps_finished_rows(tiny, tmp_path):
+    qt = _script()
+    folder, _ = tiny
+    tasks = {"wikitext": ("perplexity", words(2, 200), "words")}
+    configs = qt.plan_configs([0.5], [], "85%", 32, {}, 16, 0)[:2]  # dense, oracle@0.5
+    out = tmp_path / "q"
+    first = qt.run_table(folder, out, tasks, configs[:1], context=32, progress=False, log=lambda m: None)
+    kept = []
+    second = qt.run_table(folder, out, tasks, configs, context=32, progress=False, resume=True, log=kept.append)
+    assert kept == ["[resume] dense: kept"]
+    assert second["rows"]["dense"] == json.loads(json.dumps(first["rows"]["dense"]))
+    assert "oracle@0.5" in second["rows"]

@@ -867,7 +867,7 @@ class Peers:
             with open(tmp / "log.txt", "wb") as logf:
                 res = runner.run([self.python[system.runtime], str(CHILD), str(cfg)], limit_bytes=limit,
                                  timeout=self.timeout, stdout=logf, stderr=subprocess.STDOUT,
-                                 env=_child_env(), cwd=os.getcwd())
+                                 env=_child_env(system.runtime), cwd=os.getcwd())
             events = read_events(tmp / "events.jsonl")
             tail = (tmp / "log.txt").read_text(errors="replace").strip().splitlines()[-3:]
         return res, events, " | ".join(tail)
@@ -945,6 +945,17 @@ class Peers:
         self.prepare()
         started = datetime.datetime.now().isoformat(timespec="seconds")
         runs = []
+        try:  # kill -TERM (or -INT, ignored in background jobs) still kills the child, removes the cgroup
+            old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+        except ValueError:  # not the main thread
+            old = {}
+        try:
+            return self._run(runs, started)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def _run(self, runs, started):
         with self.runner() as runner:
             self.cgroup = runner.version
             self.probe(runner)
@@ -1003,7 +1014,9 @@ class Peers:
             "command": None, "started": started, "machine": machine_info(),
             "blas": (self.baselines.get("mlx_flash") or self.baselines.get("mlx_lm") or {}).get("blas"),
             "llama_cpp": ({"version": self.baselines["llama.cpp"].get("version"),
-                           "system_info": self.baselines["llama.cpp"].get("system_info")}
+                           "system_info": self.baselines["llama.cpp"].get("system_info"),
+                           "env": {k: _child_env("llama.cpp")[k] for k in LLAMA_ENV},
+                           "threads": os.cpu_count()}
                           if "llama.cpp" in self.baselines else None),
             "model": str(self.model), "model_float32_bytes": self.f32_bytes,
             "dtype": ("mlx: float16 on flash, float32 compute (mlx_lm: float32 export of the same values); "
@@ -1020,10 +1033,25 @@ class Peers:
         return {"info": info, "rows": rows, "runs": [asdict(r) for r in runs]}
 
 
-def _child_env():
+# llama.cpp's OpenMP threads spin while they wait for each other. On a shared
+# 2-core machine one of the two is often descheduled and the spinning one burns
+# its slice: llama.cpp F16 decoded 0.3 tok/s with 2 threads under a load of 4,
+# 28 tok/s with OMP_WAIT_POLICY=passive, 25 with 1 thread (2026-11-22). MLX's
+# OpenBLAS threads yield instead. A value set by the caller is kept.
+LLAMA_ENV = {"OMP_WAIT_POLICY": "passive"}
+
+
+def _child_env(runtime=None):
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if runtime == "llama.cpp":
+        for k, v in LLAMA_ENV.items():
+            env.setdefault(k, v)
     return env
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _status(runs):
@@ -1137,7 +1165,10 @@ def markdown(res):
         f"- BLAS (mlx): {i['blas']}",
     ]
     if i.get("llama_cpp"):
-        lines.append(f"- llama.cpp: llama-cpp-python {i['llama_cpp']['version']} ({i['llama_cpp']['system_info']})")
+        ll = i["llama_cpp"]
+        lines.append(f"- llama.cpp: llama-cpp-python {ll['version']}, {ll.get('threads')} threads, mmap, "
+                     + " ".join(f"{k}={v}" for k, v in (ll.get("env") or {}).items())
+                     + f" ({ll['system_info']})")
     lines += [
         f"- model: {i['model']} ({i['model_float32_bytes'] / MB:.0f} MB of float32 weights)",
         f"- dtype: {i['dtype']}",

@@ -45,10 +45,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
-
-import mlx_flash  # noqa: F401  (BLAS set-up before mlx is imported)
+import mlx_flash  # first: it loads OpenBLAS for MLX, and sees numpy's own OpenBLAS as "preloaded"
 import mlx.core as mx
+import numpy as np
 
 from mlx_flash.blas import blas_info
 from mlx_flash.cli.generate import stats_report

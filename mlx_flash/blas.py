@@ -25,12 +25,15 @@ OPENBLAS_CANDIDATES = [
 _state = {"blas": None}
 
 
-def _loaded_libraries():
+def _global_openblas():
+    """True if an OpenBLAS already serves the global `cblas_*` symbols (LD_PRELOAD, or
+    loaded with RTLD_GLOBAL). NumPy's bundled OpenBLAS does not count: its symbols are
+    renamed (scipy_openblas), so MLX would still bind to the reference BLAS."""
     try:
-        with open("/proc/self/maps") as f:
-            return f.read()
-    except OSError:
-        return ""
+        ctypes.CDLL(None).openblas_get_config
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 def _cpu_flags():
@@ -74,7 +77,7 @@ def setup_blas():
         _state["blas"] = "Accelerate (macOS)"
         return _state["blas"]
     choice = os.environ.get("MLX_FLASH_BLAS", "")
-    if "openblas" in _loaded_libraries():
+    if _global_openblas():
         _state["blas"] = "OpenBLAS (preloaded)"
         return _state["blas"]
     if choice == "reference":

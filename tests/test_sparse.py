@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 import mlx_flash
@@ -92,3 +93,26 @@ def test_top_k_density_is_per_token_whatever_the_window(tmp_path):
     dense, _ = mlx_flash.load(path)
     full, _ = mlx_flash.load(path, mode="flash", sparsity="oracle", density=1.0, window=1)
     assert greedy(full) == greedy(dense)
+
+
+def test_too_many_neurons_splits_a_batch_of_single_tokens():
+    """4 sequences x 1 position whose union does not fit: split the batch, not the length-1 axis."""
+    from mlx_flash.flash_store import TooManyNeurons
+    from mlx_flash.models.ffn import FFNRows, FlashFFN
+
+    rng = np.random.default_rng(0)
+    up, down = (mx.array(rng.standard_normal((32, 8)).astype(np.float32)) for _ in range(2))
+
+    class OneAtATime:  # a store whose caches hold one token's rows at a time
+        def rows(self, layer, x):
+            if int(np.prod(x.shape[:-1])) > 1:
+                raise TooManyNeurons()
+            return FFNRows(up=up, down=down)
+
+    ffn = FlashFFN(0, 8, 32, nn.relu, gated=False)
+    ffn.store = OneAtATime()
+    x = mx.array(rng.standard_normal((4, 1, 8)).astype(np.float32))
+    want = nn.relu(x @ up.T) @ down
+    np.testing.assert_allclose(np.array(ffn(x)), np.array(want), rtol=1e-5, atol=1e-5)
+    y = mx.array(rng.standard_normal((1, 3, 8)).astype(np.float32))
+    np.testing.assert_allclose(np.array(ffn(y)), np.array(nn.relu(y @ up.T) @ down), rtol=1e-5, atol=1e-5)

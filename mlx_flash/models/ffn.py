@@ -116,9 +116,13 @@ class FlashFFN(nn.Module):
 
         Each half is evaluated before the next one changes the store's rows.
         """
-        L = x.shape[-2]
-        half = L // 2
-        a = self(x[..., :half, :])
+        axis = -2 if x.shape[-2] > 1 else 0  # one position of several sequences: split the batch
+        if x.ndim < 3 and axis == 0 or x.shape[axis] < 2:
+            raise FlashError("one token needs more neurons than the memory budget leaves its layer; "
+                             "raise --memory-budget or lower --density")
+        half = x.shape[axis] // 2
+        first, rest = (x[..., :half, :], x[..., half:, :]) if axis == -2 else (x[:half], x[half:])
+        a = self(first)
         mx.eval(a)
-        b = self(x[..., half:, :])
-        return mx.concatenate([a, b], axis=-2)
+        b = self(rest)
+        return mx.concatenate([a, b], axis=axis)

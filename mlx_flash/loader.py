@@ -9,6 +9,7 @@ import mlx.core as mx
 from .errors import FlashError
 from .layout.format import check_file, is_flash_folder, read_manifest
 
+BUDGET_CACHE_LIMIT = 32 << 20  # MLX buffer cache under --memory-budget (bytes)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -81,12 +82,23 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:
         raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
-    weights = {k: v.astype(DTYPES[dtype]) for k, v in weights.items()}
+    converted = {}
+    for k in list(weights):  # one tensor at a time: the file's copy of all of them never lives at once
+        converted[k] = weights.pop(k).astype(DTYPES[dtype])
+        mx.eval(converted[k])
+    weights = converted
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
     mx.eval(model.parameters())
+    # The file's float16 buffers, freed by the conversion, stay in MLX's buffer
+    # cache: give them back. Under a budget, also keep that cache small while
+    # decoding (the budget counts weights; the process's other memory is what
+    # a memory limit leaves for activations, the KV cache and this cache).
+    mx.clear_cache()
+    if memory_budget is not None:
+        mx.set_cache_limit(BUDGET_CACHE_LIMIT)
 
     model.flash = {"folder": folder, "manifest": manifest, "dtype": dtype, "mode": mode}
     if mode == "dense":

@@ -71,7 +71,7 @@ def test_table_rows_files_and_batch_equals_token_by_token(tiny):
     # the sources that do not look at their caches score the same either way, budget or not
     for ch in state["checks"].values():
         assert ch["tokens"] == 40
-        assert ch["max_abs_nll_diff"] < 1e-4, ch
+        assert ch["max_abs_nll_diff"] < 1e-4 and ch["first_apart"] is None, ch  # no near-tie flips here
         assert ch["mean_predict_ms"] > 0 and ch["mean_total_ms"] > ch["mean_predict_ms"]
     # the files
     table = list(csv.DictReader(open(out.with_suffix(".csv"))))

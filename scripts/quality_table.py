@@ -476,9 +476,8 @@ def markdown(state):
     if not (meta.get("limits") or {}).get("dip_ca_items"):
         lines.append(
             "- dip-ca multiple choice is not run by default: token by token an ARC item costs ~50-100 tokens and "
-            "a HellaSwag item ~100-400 (0.4-0.8 s each here), and the batch-prefill approximation under the "
-            "budget fails for multi-row batches (FlashFFN._in_halves splits the sequence axis down to length 0 "
-            "when 4 choices x 1 token need more rows than the DIP caches hold); without a budget dip-ca's cache "
+            "a HellaSwag item ~100-400 (0.4-0.8 s each here), and batch prefill is not what a user of dip-ca "
+            "gets (its choices depend on the cache state token by token); without a budget dip-ca's cache "
             "holds everything and it is no longer dip-ca. `--dip-ca-items N` runs N items token by token.")
     if state.get("checks"):
         lines += ["", "Batch prefill vs token by token (WikiText-2, the first tokens; token by token through the "

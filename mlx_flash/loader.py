@@ -78,6 +78,8 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
 
     model = family.Model(args)
     check_file(folder, manifest.resident, checksum=verify)
+    if memory_budget is not None and mode != "dense":  # dense says what it needs instead
+        _check_resident_fits(folder, manifest, DTYPES[dtype], memory_budget)
     try:
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:
@@ -132,6 +134,25 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
     except Exception as e:
         raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
     return model, tokenizer
+
+
+def _check_resident_fits(folder, manifest, dtype, memory_budget):
+    """Refuse a budget the resident weights alone exceed, from the file's header, before
+    reading them (else the process can be killed by a memory limit before the planner speaks)."""
+    import numpy as np
+
+    from .layout.safetensors_io import SafetensorsFile
+    from .plan import parse_budget
+    from .plan.budget import _too_small
+
+    st = SafetensorsFile(folder / manifest.resident["file"])
+    itemsize = mx.zeros((), dtype).itemsize
+    resident = sum(int(np.prod(st.shape(n))) * itemsize for n in st.names())
+    lay = manifest.layout
+    ffn = len(lay.kinds) * lay.d_model * lay.n_neurons * len(manifest.ffn_files) * itemsize
+    budget = parse_budget(memory_budget, resident + ffn)
+    if budget < resident:
+        raise FlashError(_too_small(budget, resident))
 
 
 def layer_ffn(layer):

@@ -116,3 +116,14 @@ def test_too_many_neurons_splits_a_batch_of_single_tokens():
     np.testing.assert_allclose(np.array(ffn(x)), np.array(want), rtol=1e-5, atol=1e-5)
     y = mx.array(rng.standard_normal((1, 3, 8)).astype(np.float32))
     np.testing.assert_allclose(np.array(ffn(y)), np.array(nn.relu(y @ up.T) @ down), rtol=1e-5, atol=1e-5)
+
+
+def test_too_small_budget_is_refused_before_reading_weights(relu_llama, monkeypatch):
+    """A budget below the resident weights is refused from the file header: a memory limit
+    must not kill the process while it loads weights the planner would refuse anyway."""
+    def no_load(*a, **k):
+        raise AssertionError("resident weights were read")
+
+    monkeypatch.setattr(mx, "load", no_load)
+    with pytest.raises(FlashError, match="too small"):
+        mlx_flash.load(relu_llama, mode="flash", sparsity="oracle", memory_budget="1%")

@@ -114,10 +114,6 @@ def throughput_at(curve, size):
 # --- the runs
 
 
-def _resident_bytes(model):
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
 def attach(model, folder, manifest, config, trace, budget, threads, predictor_rank, resident):
     """A fresh FlashStore for `config` on the loaded model; returns it."""
     from ..loader import layer_ffn
@@ -251,7 +247,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     model, _ = load(folder, mode="naive", verify=False)  # resident weights once; stores swap below
     store0 = model.flash["store"]
     resident = dict(tree_flatten(model.parameters()))
-    resident_bytes = _resident_bytes(model)
+    resident_bytes = sum(v.nbytes for v in resident.values())
     release(model, store0)
     neuron_bytes = len(lay.kinds) * lay.d_model * 4
     model_bytes = resident_bytes + neuron_bytes * lay.n_neurons * n_layers
@@ -423,28 +419,30 @@ def _plots(res, stem):
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    paths = []
-    if res["fig7"]:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+    def save(name, title, xlabel, ylabel, draw, figsize):
+        fig, ax = plt.subplots(figsize=figsize)
+        draw(ax)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{res['shape']}: {title}")
+        fig.tight_layout()
+        paths.append(Path(f"{stem}-{name}.png"))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    def fig7(ax):
         xs = [r["ffn_dram_gb"] for r in res["fig7"]]
         ax.plot(xs, [r["load_ms"] for r in res["fig7"]], "o-")
         for r, x in zip(res["fig7"], xs):
             ax.annotate(f"k={r['window']}", (x, r["load_ms"]), fontsize=7)
-        ax.set_xlabel("FFN weights in DRAM (GB)")
-        ax.set_ylabel("loading latency per token (ms)")
-        ax.set_title(f"{res['shape']}: window size trade-off (Fig. 7)")
-        fig.tight_layout()
-        paths.append(Path(f"{stem}-fig7.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-    if res["fig8"]:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+
+    def fig8(ax):
         ax.plot([r["token"] for r in res["fig8"]], [r["io_ms"] for r in res["fig8"]], lw=0.7)
-        ax.set_xlabel("token")
-        ax.set_ylabel("I/O latency (ms)")
-        ax.set_title(f"{res['shape']}: long generation (Fig. 8)")
-        fig.tight_layout()
-        paths.append(Path(f"{stem}-fig8.png"))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+
+    paths = []
+    if res["fig7"]:
+        save("fig7", "window size trade-off (Fig. 7)", "FFN weights in DRAM (GB)",
+             "loading latency per token (ms)", fig7, (5, 3.5))
+    if res["fig8"]:
+        save("fig8", "long generation (Fig. 8)", "token", "I/O latency (ms)", fig8, (6, 3.5))
     return paths

@@ -93,22 +93,28 @@ class MLXFlashRuntime:
             out["plan_weights_bytes"] = plan.weights_bytes
         return out
 
+    def stream_generate(self):
+        return self.mlx_flash.stream_generate
+
     def generate(self, cfg):
         import mlx.core as mx
 
         bias = _eos_bias(mx, cfg["suppress_ids"])
         self.last = None
-        for resp in self.mlx_flash.stream_generate(
-                self.model, self.tok, cfg["prompt_ids"], max_tokens=cfg["tokens"],
-                logits_processors=[bias]):
+        for resp in self.stream_generate()(self.model, self.tok, cfg["prompt_ids"],
+                                           max_tokens=cfg["tokens"], logits_processors=[bias]):
             self.last = resp
             yield int(resp.token)
 
+    def lib_stats(self):
+        """The library's own figures for the last generation (mlx_lm's response fields)."""
+        if self.last is None:
+            return {}
+        return dict(lib_prompt_tps=self.last.prompt_tps, lib_decode_tps=self.last.generation_tps,
+                    mlx_peak_memory=int(self.last.peak_memory * 1e9))
+
     def extra(self):
-        out = {}
-        if self.last is not None:
-            out.update(lib_prompt_tps=self.last.prompt_tps, lib_decode_tps=self.last.generation_tps,
-                       mlx_peak_memory=int(self.last.peak_memory * 1e9))
+        out = self.lib_stats()
         store = self.model.flash.get("store")
         stats = getattr(store, "stats", None)
         if stats is not None:
@@ -132,22 +138,11 @@ class MLXLMRuntime(MLXFlashRuntime):
         self.model, self.tok = self.mlx_lm.load(cfg["path"])
         return {}
 
-    def generate(self, cfg):
-        import mlx.core as mx
-
-        bias = _eos_bias(mx, cfg["suppress_ids"])
-        self.last = None
-        for resp in self.mlx_lm.stream_generate(self.model, self.tok, cfg["prompt_ids"],
-                                                max_tokens=cfg["tokens"], logits_processors=[bias]):
-            self.last = resp
-            yield int(resp.token)
+    def stream_generate(self):
+        return self.mlx_lm.stream_generate
 
     def extra(self):
-        out = {}
-        if self.last is not None:
-            out.update(lib_prompt_tps=self.last.prompt_tps, lib_decode_tps=self.last.generation_tps,
-                       mlx_peak_memory=int(self.last.peak_memory * 1e9))
-        return out
+        return self.lib_stats()
 
 
 def _eos_bias(mx, ids):

@@ -9,7 +9,8 @@ Per layer and token (paper §3, Figure 6):
 
 Modes share this path: `naive` caches nothing and streams every neuron every
 token (the paper's naive baseline); `hybrid` keeps the first half of each
-layer's neurons resident and streams the other half; `flash` is the method.
+layer's neurons resident and streams the other half (a model held at float16
+keeps as many as the budget allows, at float16); `flash` is the method.
 
 Safety of in-place writes: `rows()` evaluates its input first. That input
 depends on every earlier computation, including the previous token's use of
@@ -100,7 +101,12 @@ class FlashStore:
         self.kinds = lay.kinds
         self.files = [reader.open(folder / e["file"], expected_size=e["size"]) for e in manifest.ffn_files]
         n, d = lay.n_neurons, lay.d_model
-        self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype)
+        self.arena = None
+        if plan.held_neuron_bytes:  # float16 caches, converted into one arena before use
+            from .models.half import Arena
+
+            self.arena = Arena(max(plan.arena_rows, 1) * d * len(self.kinds))
+        self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype, self.arena)
                        for i in range(len(self.files))]
         self.scratch = NeuronCache(max(plan.scratch_rows, 1), n, d, self.kinds, dtype)
         self.window = plan.window
@@ -115,7 +121,8 @@ class FlashStore:
 
     @property
     def weights_bytes(self):
-        return sum(c.weights_bytes for c in self.caches) + self.scratch.weights_bytes
+        arena = self.arena.nbytes if self.arena is not None else 0
+        return sum(c.weights_bytes for c in self.caches) + self.scratch.weights_bytes + arena
 
     def _read(self, layer, ids, cache, rows):
         read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled)

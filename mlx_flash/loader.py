@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .errors import FlashError
 from .layout.format import check_file, is_flash_folder, read_manifest
@@ -40,7 +41,7 @@ def default_compute_dtype(flash_dtype):
 
 def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sparsity="oracle",
          density=1.0, memory_budget=None, window=4, threads=32, gamma=0.2, eviction="lfu",
-         **options):
+         resident_dtype=None, **options):
     """Load a model for generation.
 
     path_or_repo: a converted mlx_flash folder, or a Hub repo id / HF folder /
@@ -56,6 +57,10 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
     window: tokens whose active neurons stay cached (flash mode).
     gamma, eviction: DIP-CA's re-weighting of uncached entries, and the eviction
       policy (lru, lfu) of the DIP caches.
+    resident_dtype: hold the resident weights (embeddings, attention) in DRAM at
+      this 16-bit dtype, the model's flash dtype, and convert them to the compute
+      dtype just before each use (exact; half the DRAM of float32). None: hold
+      them at the compute dtype.
     Returns (model, tokenizer) like mlx_lm.load.
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -76,23 +81,34 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
     if dtype not in DTYPES:
         raise FlashError(f"unsupported compute dtype '{dtype}' (choose from {', '.join(DTYPES)})")
 
+    held = _held_dtype(resident_dtype, manifest.dtype, dtype)
     model = family.Model(args)
     check_file(folder, manifest.resident, checksum=verify)
     if memory_budget is not None and mode != "dense":  # dense says what it needs instead
-        _check_resident_fits(folder, manifest, DTYPES[dtype], memory_budget)
+        _check_resident_fits(folder, manifest, DTYPES[dtype], memory_budget, held)
     try:
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:
         raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
     converted = {}
     for k in list(weights):  # one tensor at a time: the file's copy of all of them never lives at once
-        converted[k] = weights.pop(k).astype(DTYPES[dtype])
+        converted[k] = weights.pop(k)
+        if held is None or converted[k].ndim != 2:  # 2-D: weights a held model may keep as they are
+            converted[k] = converted[k].astype(DTYPES[dtype])
         mx.eval(converted[k])
     weights = converted
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    itemsize = mx.zeros((), DTYPES[dtype]).itemsize
+    resident_compute_bytes = sum(v.size * itemsize for v in weights.values())  # what "50%" is of
+    if held is not None:
+        from .models.ffn import FlashFFN
+        from .models.half import hold_at_16_bits
+
+        arena = hold_at_16_bits(model, held, DTYPES[dtype], skip=(FlashFFN,))
+        weights = dict(tree_flatten(model.parameters())) | {"<float32 arena>": arena.array}
     mx.eval(model.parameters())
     # The file's float16 buffers, freed by the conversion, stay in MLX's buffer
     # cache: give them back. Under a budget, also keep that cache small while
@@ -102,19 +118,24 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
     if memory_budget is not None:
         mx.set_cache_limit(BUDGET_CACHE_LIMIT)
 
-    model.flash = {"folder": folder, "manifest": manifest, "dtype": dtype, "mode": mode}
+    model.flash = {"folder": folder, "manifest": manifest, "dtype": dtype, "mode": mode,
+                   "resident_dtype": resident_dtype if held is not None else dtype,
+                   "resident_compute_bytes": resident_compute_bytes}
     if mode == "dense":
         from .plan import make_plan, parse_budget
 
         resident = sum(v.nbytes for v in weights.values())
         lay = manifest.layout
         neuron_bytes = len(lay.kinds) * lay.d_model * mx.zeros((), DTYPES[dtype]).itemsize
-        budget = parse_budget(memory_budget, resident + neuron_bytes * lay.n_neurons * len(manifest.ffn_files))
-        make_plan("dense", budget, resident, 0, neuron_bytes, len(manifest.ffn_files), lay.n_neurons)
+        budget = parse_budget(memory_budget, resident_compute_bytes
+                              + neuron_bytes * lay.n_neurons * len(manifest.ffn_files))
+        held_ffn = held is not None and held == mx.float16  # numpy has no bfloat16: a bfloat16 FFN stays float32
+        make_plan("dense", budget, resident, 0, neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
+                  held_neuron_bytes=neuron_bytes // 2 if held_ffn else 0)
         from tqdm import tqdm
 
         bar = tqdm(total=len(manifest.ffn_files), desc="load ffn", disable=not progress, leave=False)
-        store = DenseStore(folder, manifest, DTYPES[dtype], verify=verify, progress=bar)
+        store = DenseStore(folder, manifest, DTYPES[dtype], verify=verify, progress=bar, held=held_ffn)
         bar.close()
         model.flash["budget_bytes"] = budget
     else:
@@ -136,7 +157,27 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
     return model, tokenizer
 
 
-def _check_resident_fits(folder, manifest, dtype, memory_budget):
+def _held_dtype(resident_dtype, flash_dtype, compute_dtype):
+    """The MLX dtype resident weights are held at, or None for the compute dtype."""
+    if resident_dtype in (None, compute_dtype):
+        return None
+    from .models.half import HELD_DTYPES
+
+    if resident_dtype not in HELD_DTYPES:
+        raise FlashError(f"unsupported resident dtype '{resident_dtype}' (choose from "
+                         f"{', '.join(HELD_DTYPES)}, or the compute dtype {compute_dtype})")
+    if compute_dtype != "float32":
+        raise FlashError(f"--resident-dtype {resident_dtype} needs float32 compute (got {compute_dtype})")
+    if resident_dtype != flash_dtype:
+        raise FlashError(f"--resident-dtype {resident_dtype}: the model is {flash_dtype} on flash; holding "
+                         f"it at another 16-bit dtype would round it (choose {flash_dtype} or float32)"
+                         if flash_dtype in HELD_DTYPES else
+                         f"--resident-dtype {resident_dtype}: the model is {flash_dtype} on flash; holding "
+                         f"it at 16 bits would round it (convert it with --dtype {resident_dtype})")
+    return HELD_DTYPES[resident_dtype]
+
+
+def _check_resident_fits(folder, manifest, dtype, memory_budget, held=None):
     """Refuse a budget the resident weights alone exceed, from the file's header, before
     reading them (else the process can be killed by a memory limit before the planner speaks)."""
     import numpy as np
@@ -147,10 +188,13 @@ def _check_resident_fits(folder, manifest, dtype, memory_budget):
 
     st = SafetensorsFile(folder / manifest.resident["file"])
     itemsize = mx.zeros((), dtype).itemsize
-    resident = sum(int(np.prod(st.shape(n))) * itemsize for n in st.names())
+    held_size = itemsize if held is None else mx.zeros((), held).itemsize
+    resident = sum(int(np.prod(st.shape(n))) * (held_size if len(st.shape(n)) == 2 else itemsize)
+                   for n in st.names())
     lay = manifest.layout
     ffn = len(lay.kinds) * lay.d_model * lay.n_neurons * len(manifest.ffn_files) * itemsize
-    budget = parse_budget(memory_budget, resident + ffn)
+    full = sum(int(np.prod(st.shape(n))) * itemsize for n in st.names())
+    budget = parse_budget(memory_budget, full + ffn)
     if budget < resident:
         raise FlashError(_too_small(budget, resident))
 

@@ -27,7 +27,9 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
     itemsize = mx.zeros((), dtype).itemsize
     neuron_bytes = len(lay.kinds) * lay.d_model * itemsize
     resident = sum(v.nbytes for v in resident_weights.values())
-    model_bytes = resident + neuron_bytes * lay.n_neurons * n_layers
+    # "50%" is of the model at the compute dtype, however its resident part is held
+    full = getattr(model, "flash", {}).get("resident_compute_bytes", resident)
+    model_bytes = full + neuron_bytes * lay.n_neurons * n_layers
     budget = parse_budget(memory_budget, model_bytes)
     if verify:
         for e in manifest.ffn_files:
@@ -66,8 +68,11 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
+    # a model held at float16 holds hybrid's resident neurons at float16 too
+    held = mode == "hybrid" and getattr(model, "flash", {}).get("resident_dtype") == "float16"
     plan = make_plan(mode, budget, resident, source.resident_bytes if source else 0, neuron_bytes,
-                     n_layers, lay.n_neurons, window=10**9 if window is None else window, req=req)
+                     n_layers, lay.n_neurons, window=10**9 if window is None else window, req=req,
+                     held_neuron_bytes=neuron_bytes // 2 if held else 0)
     reader = FlashReader(threads=threads, direct=True)
     store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=bundled)
     name = sparsity if isinstance(sparsity, str) else getattr(sparsity, "name", "custom")

@@ -22,10 +22,17 @@ import mlx.core as mx
 
 
 class NeuronCache:
-    def __init__(self, capacity, n_neurons, d_model, kinds, dtype=mx.float32):
+    """arena: hold the rows at float16 and hand them out converted to float32 through
+    this Arena (models/half.py), which must hold capacity * len(kinds) * d_model values."""
+
+    def __init__(self, capacity, n_neurons, d_model, kinds, dtype=mx.float32, arena=None):
         self.capacity = capacity
         self.n_neurons = n_neurons
         self.kinds = tuple(kinds)
+        self.arena = arena
+        if arena is not None:
+            assert arena.values >= capacity * len(self.kinds) * d_model, "arena too small for the cache"
+            dtype = mx.float16
         self.matrices = {k: mx.zeros((capacity, d_model), dtype=dtype) for k in kinds}
         mx.eval(list(self.matrices.values()))
         # Writable views of the MLX buffers: the reader and delete() write here.
@@ -93,4 +100,6 @@ class NeuronCache:
         n = self.num_used
         if self._ids is None:
             self._ids = mx.array(self.row_to_id[:n])
+        if self.arena is not None:  # float16 rows, converted for this use (see models/half.py)
+            return self.arena.fill_rows({k: v[:n] for k, v in self.views.items()}), self._ids
         return {k: m[:n] for k, m in self.matrices.items()}, self._ids

@@ -24,6 +24,9 @@ def add_model_args(p):
     p.add_argument("--memory-budget", default=None, help="weights in DRAM: '50%%' of the model or '4GB'")
     p.add_argument("--window", type=int, default=4, help="tokens whose neurons stay cached (flash)")
     p.add_argument("--threads", type=int, default=32, help="reader threads")
+    p.add_argument("--resident-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="hold embeddings and attention in DRAM at the model's 16-bit flash dtype and "
+                   "convert them just before use (exact, half the DRAM; default: the compute dtype)")
 
 
 def add_sampling_args(p):
@@ -52,12 +55,13 @@ def load_for_cli(args):
     model, tokenizer = load(model_name, dtype=args.dtype, verify=not args.no_verify, progress=True,
                             mode=args.mode, sparsity=args.sparsity, density=args.density,
                             memory_budget=args.memory_budget, window=args.window, threads=args.threads,
-                            gamma=args.gamma, eviction=args.eviction)
+                            gamma=args.gamma, eviction=args.eviction,
+                            resident_dtype=args.resident_dtype)
     dt = time.perf_counter() - t0
     m = model.flash["manifest"]
     print(
         f"[mlx_flash] model {model.flash['folder']} ({m.model_type}, flash {m.dtype}, "
-        f"compute {model.flash['dtype']}); BLAS: {blas_info()}; loaded in {dt:.1f} s",
+        f"compute {model.flash['dtype']}, resident {model.flash['resident_dtype']}); BLAS: {blas_info()}; loaded in {dt:.1f} s",
         file=sys.stderr,
     )
     return model, tokenizer

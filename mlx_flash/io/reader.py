@@ -111,6 +111,26 @@ def native_available():
     return _native_module()[0] is not None
 
 
+def native_convert():
+    """convert(src, src_code, dst, dst_code, n): 16-bit rows -> float32 (codes 1 float16,
+    2 bfloat16; 0 float32), F16C in C when the extension is built, NumPy otherwise."""
+    mod = _native_module()[0]
+    if mod is not None:
+        return mod.convert
+
+    def convert(src, src_code, dst, dst_code, n):
+        bits = np.asarray(src).reshape(-1)[:n].view(np.uint16)
+        out = dst.reshape(-1)[:n]
+        if src_code == 2:
+            o = out.view(np.uint32)
+            o[:] = bits
+            o <<= 16
+        else:
+            out[:] = bits.view(np.float16)
+
+    return convert
+
+
 @dataclass
 class ReaderStats:
     """Counters of a FlashReader since it was made or last reset()."""

@@ -53,6 +53,8 @@ class Plan:
     dip_row_bytes: tuple = (0, 0)  # (one input dim's gate+up columns, one down row)
     dip_scratch: tuple = (0, 0)  # shared rows that stream what a layer's caches cannot hold
     capacities: list = None  # per-layer cache rows, when calibration measured Req_i
+    held_neuron_bytes: int = 0  # one cached neuron held at float16 (0: caches at the compute dtype)
+    arena_rows: int = 0  # float32 rows the held caches are converted into before use
 
     def layer_capacity(self, layer):
         return self.capacities[layer] if self.capacities else self.capacity
@@ -62,7 +64,8 @@ class Plan:
         dip = sum((self.n_layers * c + sc) * b
                   for c, sc, b in zip(self.dip_capacity, self.dip_scratch, self.dip_row_bytes))
         caches = sum(self.capacities) if self.capacities else self.capacity * self.n_layers
-        return (caches + self.scratch_rows) * self.neuron_bytes + dip
+        cache_bytes = caches * (self.held_neuron_bytes or self.neuron_bytes)
+        return cache_bytes + (self.scratch_rows + self.arena_rows) * self.neuron_bytes + dip
 
     @property
     def weights_bytes(self):
@@ -70,17 +73,24 @@ class Plan:
 
 
 def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
-              n_neurons, window=4, dip=None, req=None):
+              n_neurons, window=4, dip=None, req=None, held_neuron_bytes=0):
     """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
     DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
     two caches of every layer get the same fraction of their rows from the rest.
-    req: (Req_i(k) for every layer, the most neurons one token needs), from calibration."""
+    req: (Req_i(k) for every layer, the most neurons one token needs), from calibration.
+    held_neuron_bytes (dense, hybrid): the caches hold float16 rows, converted into a
+    float32 arena of one cache before use; cache + arena + scratch of a layer then
+    cost one float32 layer, and every other layer's cache its float16 rows."""
+    if held_neuron_bytes and mode not in ("dense", "hybrid"):
+        raise FlashError(f"float16 neuron caches are for --mode dense / hybrid, not {mode}")
     if mode not in MODES:
         raise FlashError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
     fixed = resident_bytes + source_bytes
     n = n_neurons
+    arena = 0
     if mode == "dense":
         capacity, scratch = n, 0
+        arena = n if held_neuron_bytes else 0
     elif mode == "naive":
         capacity, scratch = 0, n
     elif mode == "hybrid":
@@ -88,10 +98,15 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         # budget, the largest resident share it allows (the paper's hybrid holds
         # half of the model in DRAM)
         capacity = n // 2
-        if budget_bytes is not None:
+        if budget_bytes is not None and held_neuron_bytes:
+            # float16 caches: as much of every layer as the budget allows, up to all of it
+            capacity = max(0, min(n, (budget_bytes - fixed - n * neuron_bytes)
+                                  // (n_layers * held_neuron_bytes)))
+        elif budget_bytes is not None:
             rows = (budget_bytes - fixed) // neuron_bytes
             capacity = max(0, min(capacity, (rows - n) // max(n_layers - 1, 1)))
         scratch = n - capacity
+        arena = capacity if held_neuron_bytes else 0
     elif dip is not None:
         d, in_bytes, n_ff, down_bytes, k_in, k_out = dip
         full = d * in_bytes + n_ff * down_bytes
@@ -133,7 +148,7 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
             if per < 1:
                 raise FlashError(_too_small(budget_bytes, fixed))
     plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
-                capacity, scratch, window)
+                capacity, scratch, window, held_neuron_bytes=held_neuron_bytes, arena_rows=arena)
     return _check(plan, budget_bytes, mode)
 
 

@@ -1,0 +1,165 @@
+"""Weights held in DRAM at 16 bits, computed on at float32.
+
+On the CPU only float32 matmuls use BLAS (FACTS.md: float16 / bfloat16 / 4- and
+8-bit matmuls run at ~1 GB/s, MLX's own float16 -> float32 `astype` at 1.4 GB/s).
+A model converted at float16 can still be held at float16, half the DRAM of
+float32, and stay exact: just before a weight is used, a chunk of its rows is
+converted (F16C, in C, 15-25 GB/s) into a small float32 arena and multiplied
+there by BLAS, while the chunk is hot in the L2 cache.
+
+The arena is one preallocated MLX float32 array written through a NumPy view,
+like the neuron caches. Each use evaluates its input first (which finishes
+every earlier computation that read the arena: they are its ancestors), fills
+the arena, and evaluates its own result before the next chunk overwrites it.
+So a HalfLinear is eager where nn.Linear is lazy: an eval per chunk
+(~30 us; a decode token of SmolLM2 makes ~150 of them).
+"""
+
+import numpy as np
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..io import reader as _reader
+
+HELD_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+_CODES = {mx.float16: 1, mx.bfloat16: 2}  # the native converter's dtype codes
+ARENA_VALUES = 1 << 20  # float32 values (4 MiB: the L2 of one core here)
+
+
+class Arena:
+    """A float32 scratch that 16-bit weights are converted into just before use."""
+
+    def __init__(self, values=ARENA_VALUES):
+        self.convert = _reader.native_convert()
+        self.resize(values)
+
+    def resize(self, values):
+        """Before first use only: users slice `array` when they use it, never keep it."""
+        self.values = values
+        self.array = mx.zeros((values,), dtype=mx.float32)
+        mx.eval(self.array)
+        self.view = np.array(self.array, copy=False)
+        assert self.view.flags.writeable
+
+    @property
+    def nbytes(self):
+        return self.array.nbytes
+
+    def fill(self, half_rows, code):
+        """Convert `half_rows` ([n, d], 16-bit as uint16) into the arena; returns an MLX [n, d] view."""
+        n = half_rows.size
+        self.convert(half_rows, code, self.view, 0, n)
+        return self.array[:n].reshape(half_rows.shape)
+
+    def fill_rows(self, matrices):
+        """{kind: float16 numpy [n, d]} -> {kind: MLX float32 [n, d]}, side by side in the arena.
+
+        The caller evaluated its input first, and its result reads these rows:
+        nothing converted here may be overwritten before that result is evaluated."""
+        out, off = {}, 0
+        for k, m in matrices.items():
+            n = m.size
+            self.convert(m, 1, self.view[off:], 0, n)
+            out[k] = self.array[off : off + n].reshape(m.shape)
+            off += n
+        return out
+
+
+def _uint16_view(w):
+    mx.eval(w)
+    return np.array(w.view(mx.uint16), copy=False)
+
+
+def chunked_matmul(x, weight, rows16, code, arena, bias=None):
+    """x @ weight.T for a 16-bit [out, in] weight, in row chunks through the arena; eager."""
+    mx.eval(x)
+    out, d = rows16.shape
+    step = max(1, arena.values // d)
+    parts = []
+    for start in range(0, out, step):
+        y = x @ arena.fill(rows16[start : start + step], code).T
+        if bias is not None:
+            y = y + bias[start : start + step]
+        mx.eval(y)
+        parts.append(y)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+class HalfLinear(nn.Module):
+    """nn.Linear whose weight stays at 16 bits in DRAM (exact: float16 -> float32 is lossless)."""
+
+    def __init__(self, weight, bias, arena):
+        super().__init__()
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        self._arena = arena
+        self._rows16 = _uint16_view(weight)
+        self._code = _CODES[weight.dtype]
+
+    def __call__(self, x):
+        return chunked_matmul(x, self.weight, self._rows16, self._code, self._arena,
+                              self.bias if "bias" in self else None)
+
+
+class HalfEmbedding(nn.Module):
+    """nn.Embedding at 16 bits: lookups convert their rows; as_linear goes through the arena."""
+
+    def __init__(self, weight, arena, dtype=mx.float32):
+        super().__init__()
+        self.weight = weight
+        self._dtype = dtype
+        self._arena = arena
+        self._rows16 = _uint16_view(weight)
+        self._code = _CODES[weight.dtype]
+
+    def __call__(self, x):
+        return self.weight[x].astype(self._dtype)
+
+    def as_linear(self, x):
+        return chunked_matmul(x, self.weight, self._rows16, self._code, self._arena)
+
+
+def hold_at_16_bits(model, held, compute, skip=()):
+    """Swap every nn.Linear / nn.Embedding of `model` (outside modules of the types
+    `skip`) for its 16-bit held version; every other parameter goes to `compute`.
+    Returns the arena they share: ARENA_VALUES, or the largest weight if smaller.
+
+    The weights must already be at `held` (the flash dtype): nothing is rounded here."""
+    swaps = []
+    arena = Arena(1)  # resized below, once the weights are known
+
+    def walk(module, prefix):
+        for name, child in module.children().items():
+            for i, c in enumerate(child if isinstance(child, list) else [child]):
+                if not isinstance(c, nn.Module) or isinstance(c, skip):
+                    continue
+                key = (name, i if isinstance(child, list) else None)
+                if isinstance(c, nn.Linear) and c.weight.dtype == held:
+                    swaps.append((module, key, HalfLinear(c.weight, c.get("bias"), arena)))
+                elif isinstance(c, nn.Embedding) and c.weight.dtype == held:
+                    swaps.append((module, key, HalfEmbedding(c.weight, arena, compute)))
+                else:
+                    walk(c, f"{prefix}{name}.")
+
+    walk(model, "")
+    if swaps:
+        biggest = max(new.weight.size for _, _, new in swaps)
+        widest = max(new.weight.shape[1] for _, _, new in swaps)
+        arena.resize(max(widest, min(ARENA_VALUES, biggest)))
+    for parent, (name, i), new in swaps:
+        if "bias" in new:
+            new.bias = new.bias.astype(compute)
+        if i is None:
+            setattr(parent, name, new)
+        else:
+            parent[name][i] = new
+    # norms, biases, anything not swapped: the compute dtype
+    held_ids = {id(new.weight) for _, _, new in swaps}
+    params = tree_flatten(model.parameters())
+    model.update(tree_unflatten(
+        [(k, v if id(v) in held_ids or v.dtype == compute else v.astype(compute)) for k, v in params]))
+    mx.eval(model.parameters())
+    return arena

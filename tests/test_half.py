@@ -1,0 +1,125 @@
+"""Weights held in DRAM at 16 bits, converted to float32 just before use (models/half.py)."""
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+import mlx_flash
+from mlx_flash.cache import NeuronCache
+from mlx_flash.convert import convert
+from mlx_flash.errors import FlashError
+from mlx_flash.models.half import Arena, HalfEmbedding, HalfLinear
+from mlx_flash.plan import make_plan
+from helpers import make_llama_folder
+
+PROMPT = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
+
+
+def greedy(model, n=16):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_linear_and_embedding_equal_float32(dtype):
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((1000, 96)).astype(np.float32)).astype(dtype)
+    b = mx.array(rng.standard_normal(1000).astype(np.float32))
+    x = mx.array(rng.standard_normal((2, 3, 96)).astype(np.float32))
+    arena = Arena(96 * 128)  # 8 chunks of 128 rows: the chunking is exercised
+    w32 = w.astype(mx.float32)
+    lin = HalfLinear(w, b, arena)
+    np.testing.assert_allclose(np.array(lin(x)), np.array(x @ w32.T + b), rtol=1e-6, atol=1e-5)
+    emb = HalfEmbedding(w, arena)
+    ids = mx.array([[0, 999, 5]])
+    assert (np.array(emb(ids)) == np.array(w32[ids])).all()  # lookups: bit-exact
+    np.testing.assert_allclose(np.array(emb.as_linear(x)), np.array(x @ w32.T), rtol=1e-6, atol=1e-5)
+    assert lin.weight.dtype == dtype and emb.weight.dtype == dtype  # nothing float32 kept
+
+
+def test_held_neuron_cache_hands_out_float32_rows():
+    rng = np.random.default_rng(1)
+    kinds, d = ("gate", "up", "down"), 8
+    arena = Arena(10 * len(kinds) * d)
+    cache = NeuronCache(10, 50, d, kinds, arena=arena)
+    assert all(v.dtype == np.float16 for v in cache.views.values())
+    truth = {k: rng.standard_normal((50, d)).astype(np.float16) for k in kinds}
+    ids = np.array([3, 7, 11, 40, 2])
+    rows = cache.append(ids)
+    for k in kinds:
+        cache.views[k][rows] = truth[k][ids]
+    cache.delete(np.array([7, 40]))  # swap-delete moves float16 rows
+    m, got_ids = cache.rows()
+    for k in kinds:
+        assert m[k].dtype == mx.float32
+        assert (np.array(m[k]) == truth[k][np.array(got_ids)].astype(np.float32)).all()
+    with pytest.raises(AssertionError):
+        NeuronCache(11, 50, d, kinds, arena=arena)  # the arena must hold a whole cache
+
+
+@pytest.fixture(scope="module")
+def llama16(tmp_path_factory):
+    d = tmp_path_factory.mktemp("half")
+    src, _, _ = make_llama_folder(d / "hf", "llama", intermediate_size=256)
+    return convert(src, d / "flash", dtype="float16", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(llama16):
+    model, _ = mlx_flash.load(llama16)
+    weights = model.flash["store"].weights_bytes
+    return greedy(model), np.array(model(mx.array([PROMPT]))), weights
+
+
+@pytest.mark.parametrize("mode,budget", [("dense", None), ("naive", "75%"), ("hybrid", "75%"),
+                                         ("hybrid", None)])
+def test_held_model_matches_float32(llama16, reference, mode, budget):
+    model, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget, resident_dtype="float16")
+    assert model.flash["resident_dtype"] == "float16"
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.q_proj, HalfLinear) and attn.q_proj.weight.dtype == mx.float16
+    assert isinstance(model.model.embed_tokens, HalfEmbedding)
+    assert model.layers[0].input_layernorm.weight.dtype == mx.float32
+    np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)
+    assert greedy(model) == reference[0]
+    if mode == "dense":  # every FFN row at float16 + one float32 layer of arena
+        lay = model.flash["manifest"].layout
+        layer32 = len(lay.kinds) * lay.d_model * lay.n_neurons * 4
+        assert model.flash["store"].weights_bytes == reference[2] // 2 + layer32
+    if budget:
+        plan = model.flash["plan"]
+        assert plan.weights_bytes <= model.flash["budget_bytes"]
+        if mode == "hybrid":  # float16 caches: twice the resident neurons of float32 ones, or more
+            f32, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget)
+            assert plan.held_neuron_bytes and plan.capacity >= 2 * f32.flash["plan"].capacity
+            assert model.flash["store"].weights_bytes <= plan.ffn_dram_bytes
+
+
+def test_held_budget_is_a_share_of_the_float32_model(llama16):
+    a, _ = mlx_flash.load(llama16, mode="naive", memory_budget="90%")
+    b, _ = mlx_flash.load(llama16, mode="naive", memory_budget="90%", resident_dtype="float16")
+    assert a.flash["budget_bytes"] == b.flash["budget_bytes"]
+    arena = b.layers[0].self_attn.q_proj._arena.nbytes  # counted in the resident bytes
+    assert b.flash["plan"].resident_bytes - arena < 0.6 * a.flash["plan"].resident_bytes
+
+
+def test_held_dtype_errors(llama16, tmp_path):
+    with pytest.raises(FlashError, match="would round"):
+        mlx_flash.load(llama16, resident_dtype="bfloat16")
+    with pytest.raises(FlashError, match="unsupported resident dtype"):
+        mlx_flash.load(llama16, resident_dtype="int8")
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama")
+    f32 = convert(src, tmp_path / "flash32", dtype="float32", progress=False)
+    with pytest.raises(FlashError, match="convert it with --dtype float16"):
+        mlx_flash.load(f32, resident_dtype="float16")
+
+
+def test_held_hybrid_plan_fills_the_budget():
+    n, layers, f = 100, 4, 12  # 12 bytes per float32 neuron, 6 held
+    plan = make_plan("hybrid", 1000 + n * f + 3 * layers * 6 * 10, 1000, 0, f, layers, n,
+                     held_neuron_bytes=6)
+    assert plan.capacity == 30 and plan.scratch_rows == 70 and plan.arena_rows == 30
+    assert plan.weights_bytes <= plan.budget_bytes
+    with pytest.raises(FlashError):
+        make_plan("flash", None, 0, 0, f, layers, n, held_neuron_bytes=6)

@@ -23,6 +23,11 @@ def test_parse_system_forms():
     assert (s.runtime, s.mode, s.limit, s.name) == ("mlx_flash", "dense", "none", "mlx_flash:dense")
     assert peers.parse_system("mlx_flash:naive@400MB").limit == "400MB"
     assert peers.parse_system("mlx_lm").runtime == "mlx_lm"
+    s = peers.parse_system("mlx_flash:hybrid:f16@none")
+    assert (s.mode, s.resident_dtype, s.limit) == ("hybrid", "float16", "none")
+    s = peers.parse_system("mlx_flash:flash:dip:0.5:f16")
+    assert (s.sparsity, s.density, s.resident_dtype) == ("dip", 0.5, "float16")
+    assert peers.parse_system("mlx_flash:naive").resident_dtype is None
     assert peers.parse_system("llama.cpp-f16").gguf == "f16"
     names = [s.spec for s in peers.parse_systems(peers.DEFAULT_SYSTEMS)]
     assert names[0] == "mlx_flash:dense@none" and "llama.cpp-f32" in names

@@ -85,7 +85,7 @@ class MLXFlashRuntime:
         self.model, self.tok = self.mlx_flash.load(
             cfg["path"], mode=cfg["mode"], sparsity=cfg.get("sparsity") or "oracle",
             density=cfg.get("density") or 1.0, memory_budget=cfg.get("memory_budget"),
-            progress=False)
+            resident_dtype=cfg.get("resident_dtype"), progress=False)
         info = self.model.flash
         plan = info.get("plan")
         out = {"memory_budget_bytes": info.get("budget_bytes")}

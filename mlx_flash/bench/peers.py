@@ -76,7 +76,8 @@ BLAS_MODULE = Path(__file__).resolve().parent.parent / "blas.py"
 REPO = Path(__file__).resolve().parents[2]
 
 SPEC_HELP = ("mlx_flash:dense, mlx_flash:naive, mlx_flash:hybrid, mlx_flash:flash:<sparsity>:<density> "
-             "(e.g. mlx_flash:flash:dip:0.5), mlx_lm, llama.cpp-f32, llama.cpp-f16, llama.cpp-q4_1; "
+             "(e.g. mlx_flash:flash:dip:0.5), each with ':f16' to hold the weights at float16 in DRAM "
+             "(e.g. mlx_flash:hybrid:f16), mlx_lm, llama.cpp-f32, llama.cpp-f16, llama.cpp-q4_1; "
              "append @none for no memory limit or @<size> (e.g. @400MB) for a limit of its own")
 
 
@@ -92,6 +93,7 @@ class System:
     density: float = None
     gguf: str = None  # llama.cpp: f32 | f16 | q4_1
     limit: str = None  # None: the run's --limit; "none": no limit; else a size
+    resident_dtype: str = None  # mlx_flash: "float16" holds the weights at 16 bits (":f16")
 
     @property
     def name(self):
@@ -118,6 +120,9 @@ def parse_system(spec):
     parts = base.split(":")
     head = parts[0]
     if head == "mlx_flash":
+        held = None
+        if len(parts) > 2 and parts[-1] == "f16":  # weights held at float16 in DRAM
+            held, parts = "float16", parts[:-1]
         if len(parts) < 2:
             raise bad("mlx_flash needs a mode")
         mode = parts[1]
@@ -126,7 +131,7 @@ def parse_system(spec):
         if mode != "flash":
             if len(parts) > 2:
                 raise bad(f"mode {mode} takes no sparsity or density")
-            return System(text, "mlx_flash", mode=mode, limit=limit)
+            return System(text, "mlx_flash", mode=mode, limit=limit, resident_dtype=held)
         if len(parts) != 4:
             raise bad("the flash mode needs a sparsity source and a density, e.g. mlx_flash:flash:dip:0.5")
         sparsity, density = parts[2], parts[3]
@@ -138,7 +143,8 @@ def parse_system(spec):
             raise bad(f"density '{density}' is not a number")
         if not 0 < d <= 1:
             raise bad(f"density {density} is not in (0, 1]")
-        return System(text, "mlx_flash", mode="flash", sparsity=sparsity, density=d, limit=limit)
+        return System(text, "mlx_flash", mode="flash", sparsity=sparsity, density=d, limit=limit,
+                      resident_dtype=held)
     if head == "mlx_lm":
         if len(parts) > 1:
             raise bad("mlx_lm takes no options")
@@ -852,6 +858,7 @@ class Peers:
     def _config(self, system, workdir, probe=False, budget=None):
         cfg = {"runtime": system.runtime, "path": self.paths.get(system.spec), "mode": system.mode,
                "sparsity": system.sparsity, "density": system.density, "memory_budget": budget,
+               "resident_dtype": system.resident_dtype,
                "prompt_ids": self.prompt, "tokens": self.tokens, "suppress_ids": self.suppress,
                "probe": probe, "threads": os.cpu_count(), "blas_module": str(BLAS_MODULE),
                "events": str(workdir / "events.jsonl")}

@@ -119,7 +119,14 @@ class HalfEmbedding(nn.Module):
         return self.weight[x].astype(self._dtype)
 
     def as_linear(self, x):
-        return chunked_matmul(x, self.weight, self._rows16, self._code, self._arena)
+        if x.size == x.shape[-1]:  # one position (decode): eager, through the arena
+            return chunked_matmul(x, self.weight, self._rows16, self._code, self._arena)
+        # Several positions (a prompt, an evaluation batch): lazy, with MLX's own (slower)
+        # conversion per chunk, so that a caller that drops these logits (mlx_lm's prefill
+        # keeps only the KV cache) never computes them nor holds [positions, vocab] floats.
+        step = max(1, self._arena.values // self.weight.shape[1])
+        return mx.concatenate([x @ self.weight[i : i + step].astype(self._dtype).T
+                               for i in range(0, self.weight.shape[0], step)], axis=-1)
 
 
 def hold_at_16_bits(model, held, compute, skip=()):

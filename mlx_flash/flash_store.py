@@ -108,7 +108,14 @@ class FlashStore:
             self.arena = Arena(max(plan.arena_rows, 1) * d * len(self.kinds))
         self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype, self.arena)
                        for i in range(len(self.files))]
-        self.scratch = NeuronCache(max(plan.scratch_rows, 1), n, d, self.kinds, dtype)
+        # prefetch: two streaming buffers; layer i+1's rows are read into one while layer i
+        # computes on the other (naive / hybrid stream the same neurons every token)
+        bufs = 2 if plan.prefetch else 1
+        self.buffers = [NeuronCache(max(plan.scratch_rows // bufs, 1), n, d, self.kinds, dtype)
+                        for _ in range(bufs)]
+        self.scratch = self.buffers[0]
+        self._pending = None  # (layer, buffer, future) of the read in flight
+        self._worker = None
         self.window = plan.window
         self.history = [deque() for _ in self.files]  # active ids of the last tokens
         self.counts = [np.zeros(n, dtype=np.int32) for _ in self.files]
@@ -122,7 +129,8 @@ class FlashStore:
     @property
     def weights_bytes(self):
         arena = self.arena.nbytes if self.arena is not None else 0
-        return sum(c.weights_bytes for c in self.caches) + self.scratch.weights_bytes + arena
+        return (sum(c.weights_bytes for c in self.caches) + sum(b.weights_bytes for b in self.buffers)
+                + arena)
 
     def _read(self, layer, ids, cache, rows):
         read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled)
@@ -135,6 +143,39 @@ class FlashStore:
             keep = mx.array(mask[:, cache.cached_ids()]).reshape(*shape[:-1], -1)
         return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids,
                        mask=keep)
+
+    def _fill(self, layer, stream, buf):
+        """Read `stream` of `layer` into `buf` (the worker thread, or inline); -> (bytes, reads)."""
+        s = self.reader.stats
+        b0, r0 = s.bytes_read, s.reads_issued
+        buf.delete(buf.cached_ids())
+        self._read(layer, stream, buf, buf.append(stream))
+        return s.bytes_read - b0, s.reads_issued - r0
+
+    def _streamed(self, layer, stream):
+        """Prefetch: the buffer holding `layer`'s streamed rows, and the bytes/reads they took.
+
+        Waits for the read in flight (the time waited is the token's I/O), then starts
+        reading the next layer into the other buffer. Safe: the caller evaluated x, so
+        the previous layer's FFN, the last reader of that buffer, has finished."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        got = None
+        if self._pending is not None:
+            p_layer, p_buf, fut = self._pending
+            self._pending = None
+            res = fut.result()  # a failed read raises here, in the layer that needs it
+            if p_layer == layer:
+                buf, got = p_buf, res
+        if got is None:  # the first layer read, or an unexpected order (a partial forward)
+            buf = self.buffers[0]
+            got = self._fill(layer, stream, buf)
+        nxt = (layer + 1) % len(self.files)
+        other = self.buffers[1] if buf is self.buffers[0] else self.buffers[0]
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-prefetch")
+        self._pending = (nxt, other, self._worker.submit(self._fill, nxt, stream, other))
+        return buf, got
 
     def rows(self, layer, x):
         t0 = time.perf_counter()
@@ -188,19 +229,25 @@ class FlashStore:
             st["windows"].append(len(hist))
         else:
             stream = ids[ids >= (self.plan.capacity if mode == "hybrid" else 0)]
-            self.scratch.delete(self.scratch.cached_ids())
-            rows = self.scratch.append(stream)
             t3 = time.perf_counter()
-            self._read(layer, stream, self.scratch, rows)
+            if self.plan.prefetch:
+                buf, got = self._streamed(layer, stream)
+                st["bytes_read"] += got[0]
+                st["reads"] += got[1]
+            else:
+                buf = self.scratch
+                buf.delete(buf.cached_ids())
+                self._read(layer, stream, buf, buf.append(stream))
             parts = ([self._part(self.caches[layer])] if mode == "hybrid" else []) + [
-                self._part(self.scratch, all_ids=mode == "naive")
+                self._part(buf, all_ids=mode == "naive")
             ]
         t4 = time.perf_counter()
         st["predict_ms"] += 1e3 * (t2 - t1)
         st["mem_ms"] += 1e3 * (t3 - t2)
         st["io_ms"] += 1e3 * (t4 - t3)
-        st["bytes_read"] += self.reader.stats.bytes_read - bytes0
-        st["reads"] += self.reader.stats.reads_issued - reads0
+        if not self.plan.prefetch:  # (with prefetch, _streamed counted this layer's own read)
+            st["bytes_read"] += self.reader.stats.bytes_read - bytes0
+            st["reads"] += self.reader.stats.reads_issued - reads0
         st["active"] += int(ids.size) if mode == "flash" else n
         st["hits"] += int(hits)
         return parts

@@ -41,7 +41,7 @@ def default_compute_dtype(flash_dtype):
 
 def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sparsity="oracle",
          density=1.0, memory_budget=None, window=4, threads=32, gamma=0.2, eviction="lfu",
-         resident_dtype=None, **options):
+         resident_dtype=None, prefetch=True, **options):
     """Load a model for generation.
 
     path_or_repo: a converted mlx_flash folder, or a Hub repo id / HF folder /
@@ -61,6 +61,8 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
       this 16-bit dtype, the model's flash dtype, and convert them to the compute
       dtype just before each use (exact; half the DRAM of float32). None: hold
       them at the compute dtype.
+    prefetch: naive / hybrid read the next layer's streamed rows while this one
+      computes (one more streaming buffer in the budget).
     Returns (model, tokenizer) like mlx_lm.load.
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -149,7 +151,7 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
 
         store = make_flash_store(model, folder, manifest, DTYPES[dtype], weights, mode, sparsity,
                                  density, memory_budget, window, threads, verify,
-                                 dip_options={"gamma": gamma, "eviction": eviction})
+                                 dip_options={"gamma": gamma, "eviction": eviction}, prefetch=prefetch)
     for layer in model.layers:
         layer_ffn(layer).store = store
     model.flash["store"] = store

@@ -14,12 +14,14 @@ from .store import read_layer_file
 
 
 def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, sparsity, density,
-                     memory_budget, window, threads, verify, dip_options=None, bundled=True):
+                     memory_budget, window, threads, verify, dip_options=None, bundled=True,
+                     prefetch=False):
     """sparsity: a source name, or a source object (`select`, `resident_bytes`), as the
     paper benchmark's trace source. window: None keeps every neuron (no limit); 0 keeps
     none from one token to the next (the paper's "predictor only" row).
     bundled=False reads each weight kind of a neuron separately (the paper's layout
-    before row-column bundling)."""
+    before row-column bundling). prefetch (naive, hybrid): read the next layer's
+    streamed rows while this one computes (the paper's baselines do not)."""
     from .loader import layer_ffn
 
     lay = manifest.layout
@@ -72,7 +74,7 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
     held = mode == "hybrid" and getattr(model, "flash", {}).get("resident_dtype") == "float16"
     plan = make_plan(mode, budget, resident, source.resident_bytes if source else 0, neuron_bytes,
                      n_layers, lay.n_neurons, window=10**9 if window is None else window, req=req,
-                     held_neuron_bytes=neuron_bytes // 2 if held else 0)
+                     held_neuron_bytes=neuron_bytes // 2 if held else 0, prefetch=prefetch)
     reader = FlashReader(threads=threads, direct=True)
     store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=bundled)
     name = sparsity if isinstance(sparsity, str) else getattr(sparsity, "name", "custom")

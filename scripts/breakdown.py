@@ -26,8 +26,8 @@ def main():
     p.add_argument("--json", default=None)
     a = p.parse_args()
     configs = [
-        ("naive", dict(mode="naive")),
-        ("hybrid", dict(mode="hybrid")),
+        ("naive", dict(mode="naive", prefetch=False)),  # the paper's baselines: no overlap
+        ("hybrid", dict(mode="hybrid", prefetch=False)),
         (f"flash dip {a.density:.0%}", dict(mode="flash", sparsity="dip", density=a.density)),
         (f"flash dip-ca {a.density:.0%}", dict(mode="flash", sparsity="dip-ca", density=a.density)),
     ]

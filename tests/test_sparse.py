@@ -127,3 +127,50 @@ def test_too_small_budget_is_refused_before_reading_weights(relu_llama, monkeypa
     monkeypatch.setattr(mx, "load", no_load)
     with pytest.raises(FlashError, match="too small"):
         mlx_flash.load(relu_llama, mode="flash", sparsity="oracle", memory_budget="1%")
+
+
+@pytest.mark.parametrize("mode", ["naive", "hybrid"])
+def test_prefetch_reads_the_next_layer_during_this_one(relu_llama, dense, mode):
+    """Two streaming buffers; same logits, tokens and bytes per token as reading in the layer."""
+    sync, _ = mlx_flash.load(relu_llama, mode=mode, prefetch=False)
+    model, _ = mlx_flash.load(relu_llama, mode=mode)  # prefetch is the default
+    plan, store = model.flash["plan"], model.flash["store"]
+    assert plan.prefetch and not sync.flash["plan"].prefetch
+    assert len(store.buffers) == 2 and plan.scratch_rows == 2 * sync.flash["plan"].scratch_rows
+    np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), dense[2], atol=1e-4)
+    assert greedy(model) == dense[1] == greedy(sync)
+    assert store._pending is not None  # the next token's first layer is already on its way
+    a = [r["bytes_read"] for r in store.stats.rows[1:]]
+    b = [r["bytes_read"] for r in sync.flash["store"].stats.rows[1:]]
+    assert a[:-1] == b[: len(a) - 1] and a[0] > 0
+    # a forward that does not start at layer 0 (the pending read is for layer 0): read inline
+    x = mx.ones((1, 1, model.args.hidden_size))
+    ffn = model.layers[1].mlp
+    y_pre = ffn(x)
+    ffn_sync = sync.layers[1].mlp
+    np.testing.assert_allclose(np.array(y_pre), np.array(ffn_sync(x)), atol=1e-5)
+
+
+def test_prefetch_read_error_surfaces_in_the_layer(relu_llama):
+    import errno
+
+    from mlx_flash.io import ReadError
+
+    model, _ = mlx_flash.load(relu_llama, mode="naive")
+    greedy(model, 2)
+    model.flash["store"].reader._fault = (0, errno.EIO)  # every layer's first bundle fails
+    with pytest.raises(ReadError, match="EIO"):
+        greedy(model, 2)
+
+
+def test_prefetch_plan_counts_both_buffers():
+    from mlx_flash.plan import make_plan
+
+    n, layers, f = 100, 4, 12
+    naive = make_plan("naive", 10_000, 1000, 0, f, layers, n, prefetch=True)
+    assert naive.scratch_rows == 2 * n and naive.weights_bytes == 1000 + 2 * n * f
+    h1 = make_plan("hybrid", 3500, 1000, 0, f, layers, n)
+    h2 = make_plan("hybrid", 3500, 1000, 0, f, layers, n, prefetch=True)
+    assert h2.scratch_rows == 2 * (n - h2.capacity) and h2.capacity < h1.capacity
+    assert h2.weights_bytes <= 3500 and h1.weights_bytes <= 3500
+    assert not make_plan("flash", None, 0, 0, f, layers, n, prefetch=True).prefetch

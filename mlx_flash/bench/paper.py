@@ -244,7 +244,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     lay = manifest.layout
     n_layers = len(manifest.ffn_files)
     log(f"checkpoint {folder} ({shape}, {dtype} on flash)")
-    model, _ = load(folder, mode="naive", verify=False)  # resident weights once; stores swap below
+    model, _ = load(folder, mode="naive", verify=False, prefetch=False)  # resident weights once; stores swap below
     store0 = model.flash["store"]
     resident = dict(tree_flatten(model.parameters()))
     resident_bytes = sum(v.nbytes for v in resident.values())

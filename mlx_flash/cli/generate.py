@@ -27,6 +27,8 @@ def add_model_args(p):
     p.add_argument("--resident-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="hold embeddings and attention in DRAM at the model's 16-bit flash dtype and "
                    "convert them just before use (exact, half the DRAM; default: the compute dtype)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="naive / hybrid: do not read the next layer while this one computes")
 
 
 def add_sampling_args(p):
@@ -56,7 +58,7 @@ def load_for_cli(args):
                             mode=args.mode, sparsity=args.sparsity, density=args.density,
                             memory_budget=args.memory_budget, window=args.window, threads=args.threads,
                             gamma=args.gamma, eviction=args.eviction,
-                            resident_dtype=args.resident_dtype)
+                            resident_dtype=args.resident_dtype, prefetch=not args.no_prefetch)
     dt = time.perf_counter() - t0
     m = model.flash["manifest"]
     print(

@@ -55,6 +55,7 @@ class Plan:
     capacities: list = None  # per-layer cache rows, when calibration measured Req_i
     held_neuron_bytes: int = 0  # one cached neuron held at float16 (0: caches at the compute dtype)
     arena_rows: int = 0  # float32 rows the held caches are converted into before use
+    prefetch: bool = False  # naive / hybrid: two streaming buffers, the next layer read during this one
 
     def layer_capacity(self, layer):
         return self.capacities[layer] if self.capacities else self.capacity
@@ -73,14 +74,16 @@ class Plan:
 
 
 def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
-              n_neurons, window=4, dip=None, req=None, held_neuron_bytes=0):
+              n_neurons, window=4, dip=None, req=None, held_neuron_bytes=0, prefetch=False):
     """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
     DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
     two caches of every layer get the same fraction of their rows from the rest.
     req: (Req_i(k) for every layer, the most neurons one token needs), from calibration.
     held_neuron_bytes (dense, hybrid): the caches hold float16 rows, converted into a
     float32 arena of one cache before use; cache + arena + scratch of a layer then
-    cost one float32 layer, and every other layer's cache its float16 rows."""
+    cost one float32 layer, and every other layer's cache its float16 rows.
+    prefetch (naive, hybrid): the streamed rows of the next layer are read while this
+    layer computes, into a second streaming buffer (the scratch counts both)."""
     if held_neuron_bytes and mode not in ("dense", "hybrid"):
         raise FlashError(f"float16 neuron caches are for --mode dense / hybrid, not {mode}")
     if mode not in MODES:
@@ -92,20 +95,23 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         capacity, scratch = n, 0
         arena = n if held_neuron_bytes else 0
     elif mode == "naive":
-        capacity, scratch = 0, n
+        capacity, scratch = 0, n * (2 if prefetch else 1)
     elif mode == "hybrid":
         # half of every layer's FFN resident, the rest read every token; under a
         # budget, the largest resident share it allows (the paper's hybrid holds
         # half of the model in DRAM)
+        bufs = 2 if prefetch else 1
         capacity = n // 2
         if budget_bytes is not None and held_neuron_bytes:
-            # float16 caches: as much of every layer as the budget allows, up to all of it
-            capacity = max(0, min(n, (budget_bytes - fixed - n * neuron_bytes)
-                                  // (n_layers * held_neuron_bytes)))
+            # float16 caches: as much of every layer as the budget allows, up to all of it;
+            # cost: L * cap float16 rows + an arena of cap + bufs * (n - cap) float32 rows
+            per_row = n_layers * held_neuron_bytes + (1 - bufs) * neuron_bytes
+            capacity = (n if per_row <= 0 else  # (few layers: holding a row frees a buffer row)
+                        max(0, min(n, (budget_bytes - fixed - bufs * n * neuron_bytes) // per_row)))
         elif budget_bytes is not None:
             rows = (budget_bytes - fixed) // neuron_bytes
-            capacity = max(0, min(capacity, (rows - n) // max(n_layers - 1, 1)))
-        scratch = n - capacity
+            capacity = max(0, min(capacity, (rows - bufs * n) // max(n_layers - bufs, 1)))
+        scratch = bufs * (n - capacity)
         arena = capacity if held_neuron_bytes else 0
     elif dip is not None:
         d, in_bytes, n_ff, down_bytes, k_in, k_out = dip
@@ -148,7 +154,8 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
             if per < 1:
                 raise FlashError(_too_small(budget_bytes, fixed))
     plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
-                capacity, scratch, window, held_neuron_bytes=held_neuron_bytes, arena_rows=arena)
+                capacity, scratch, window, held_neuron_bytes=held_neuron_bytes, arena_rows=arena,
+                prefetch=prefetch and mode in ("naive", "hybrid"))
     return _check(plan, budget_bytes, mode)
 
 

@@ -116,6 +116,11 @@ def test_paper_rows_end_to_end(tiny, tmp_path):
     assert rows["all"]["reads"] < rows["windowing"]["reads"]
     assert rows["predictor"]["hit_rate"] < 0.2 < rows["all"]["hit_rate"]
     assert [f["window"] for f in res["fig7"]] == [0, 5] and len(res["fig8"]) == 12
+    curves = res["disk_curves_gbs"]  # one per round; the floors take the best per chunk size
+    assert len(curves) == 2 and all(v == max(cv[c] for cv in curves)
+                                    for c, v in res["disk_curve_gbs"].items())
+    for r in rows.values():
+        assert r["floor_ms"] == pytest.approx(r["floor_io_ms"] + r["floor_mem_ms"])
     md, written = paper.write_outputs(res, tmp_path, tmp_path / "paper.json")
     assert "## Table 3" in md and "| all |" in md
     assert json.loads((tmp_path / "paper.json").read_text())["rows"][0]["config"] == "naive"

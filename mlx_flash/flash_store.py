@@ -101,20 +101,22 @@ class FlashStore:
         self.kinds = lay.kinds
         self.files = [reader.open(folder / e["file"], expected_size=e["size"]) for e in manifest.ffn_files]
         n, d = lay.n_neurons, lay.d_model
-        self.arena = None
-        if plan.held_neuron_bytes:  # float16 caches, converted into one arena before use
+        # prefetch: two streaming buffers; layer i+1's rows are read into one while layer i
+        # computes on the other (naive / hybrid stream the same neurons every token); a
+        # held (float16) hybrid also has two arenas, layer i+1's cache converted meanwhile
+        bufs = 2 if plan.prefetch else 1
+        self.arenas = []
+        if plan.held_neuron_bytes:  # float16 caches, converted into an arena before use
             from .models.half import Arena
 
-            self.arena = Arena(max(plan.arena_rows, 1) * d * len(self.kinds))
-        self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype, self.arena)
+            self.arenas = [Arena(max(plan.arena_rows // bufs, 1) * d * len(self.kinds)) for _ in range(bufs)]
+        self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype,
+                                   self.arenas[0] if self.arenas else None)
                        for i in range(len(self.files))]
-        # prefetch: two streaming buffers; layer i+1's rows are read into one while layer i
-        # computes on the other (naive / hybrid stream the same neurons every token)
-        bufs = 2 if plan.prefetch else 1
         self.buffers = [NeuronCache(max(plan.scratch_rows // bufs, 1), n, d, self.kinds, dtype)
                         for _ in range(bufs)]
         self.scratch = self.buffers[0]
-        self._pending = None  # (layer, buffer, future) of the read in flight
+        self._pending = None  # (layer, buffer index, future) of the work in flight
         self._worker = None
         self.window = plan.window
         self.history = [deque() for _ in self.files]  # active ids of the last tokens
@@ -128,54 +130,57 @@ class FlashStore:
 
     @property
     def weights_bytes(self):
-        arena = self.arena.nbytes if self.arena is not None else 0
+        arena = sum(a.nbytes for a in self.arenas)
         return (sum(c.weights_bytes for c in self.caches) + sum(b.weights_bytes for b in self.buffers)
                 + arena)
 
     def _read(self, layer, ids, cache, rows):
         read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled)
 
-    def _part(self, cache, all_ids=False, mask=None, shape=None):
+    def _part(self, cache, all_ids=False, mask=None, shape=None, converted=None):
         """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own neurons."""
-        m, ids = cache.rows()
+        m, ids = cache.rows(converted)
         keep = None
         if mask is not None and not mask[:, cache.cached_ids()].all():
             keep = mx.array(mask[:, cache.cached_ids()]).reshape(*shape[:-1], -1)
         return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids,
                        mask=keep)
 
-    def _fill(self, layer, stream, buf):
-        """Read `stream` of `layer` into `buf` (the worker thread, or inline); -> (bytes, reads)."""
-        s = self.reader.stats
+    def _fill(self, layer, stream, j):
+        """Read `stream` of `layer` into buffer j, and (held) convert the layer's cache into
+        arena j: the worker thread, or inline; NumPy and C only. -> (bytes, reads, layout)."""
+        s, buf = self.reader.stats, self.buffers[j]
         b0, r0 = s.bytes_read, s.reads_issued
         buf.delete(buf.cached_ids())
         self._read(layer, stream, buf, buf.append(stream))
-        return s.bytes_read - b0, s.reads_issued - r0
+        layout = None
+        if self.arenas:
+            c = self.caches[layer]
+            layout = self.arenas[j].put({k: v[: c.num_used] for k, v in c.views.items()})
+        return s.bytes_read - b0, s.reads_issued - r0, layout
 
     def _streamed(self, layer, stream):
-        """Prefetch: the buffer holding `layer`'s streamed rows, and the bytes/reads they took.
+        """Prefetch: (buffer index holding `layer`'s streamed rows, (bytes, reads, layout)).
 
-        Waits for the read in flight (the time waited is the token's I/O), then starts
-        reading the next layer into the other buffer. Safe: the caller evaluated x, so
-        the previous layer's FFN, the last reader of that buffer, has finished."""
+        Waits for the work in flight (the time waited is the token's I/O), then starts
+        the next layer's on the other buffer / arena. Safe: the caller evaluated x, so
+        the previous layer's FFN, the last reader of those, has finished."""
         from concurrent.futures import ThreadPoolExecutor
 
         got = None
         if self._pending is not None:
-            p_layer, p_buf, fut = self._pending
+            p_layer, p_j, fut = self._pending
             self._pending = None
             res = fut.result()  # a failed read raises here, in the layer that needs it
             if p_layer == layer:
-                buf, got = p_buf, res
+                j, got = p_j, res
         if got is None:  # the first layer read, or an unexpected order (a partial forward)
-            buf = self.buffers[0]
-            got = self._fill(layer, stream, buf)
-        nxt = (layer + 1) % len(self.files)
-        other = self.buffers[1] if buf is self.buffers[0] else self.buffers[0]
+            j, got = 0, self._fill(layer, stream, 0)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-prefetch")
-        self._pending = (nxt, other, self._worker.submit(self._fill, nxt, stream, other))
-        return buf, got
+        nxt = (layer + 1) % len(self.files)
+        self._pending = (nxt, 1 - j, self._worker.submit(self._fill, nxt, stream, 1 - j))
+        return j, got
 
     def rows(self, layer, x):
         t0 = time.perf_counter()
@@ -230,15 +235,18 @@ class FlashStore:
         else:
             stream = ids[ids >= (self.plan.capacity if mode == "hybrid" else 0)]
             t3 = time.perf_counter()
+            converted = None
             if self.plan.prefetch:
-                buf, got = self._streamed(layer, stream)
-                st["bytes_read"] += got[0]
-                st["reads"] += got[1]
+                j, (got_bytes, got_reads, layout) = self._streamed(layer, stream)
+                buf = self.buffers[j]
+                converted = (self.arenas[j], layout) if layout is not None else None
+                st["bytes_read"] += got_bytes
+                st["reads"] += got_reads
             else:
                 buf = self.scratch
                 buf.delete(buf.cached_ids())
                 self._read(layer, stream, buf, buf.append(stream))
-            parts = ([self._part(self.caches[layer])] if mode == "hybrid" else []) + [
+            parts = ([self._part(self.caches[layer], converted=converted)] if mode == "hybrid" else []) + [
                 self._part(buf, all_ids=mode == "naive")
             ]
         t4 = time.perf_counter()

@@ -126,3 +126,12 @@ def test_held_hybrid_plan_fills_the_budget():
     assert plan.weights_bytes <= plan.budget_bytes
     with pytest.raises(FlashError):
         make_plan("flash", None, 0, 0, f, layers, n, held_neuron_bytes=6)
+
+
+def test_held_hybrid_with_prefetch_converts_the_next_layer_meanwhile(llama16, reference):
+    model, _ = mlx_flash.load(llama16, mode="hybrid", resident_dtype="float16")  # prefetch default
+    store = model.flash["store"]
+    assert model.flash["plan"].prefetch and len(store.arenas) == 2 and len(store.buffers) == 2
+    np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)
+    assert greedy(model) == reference[0]
+    assert store.weights_bytes <= model.flash["plan"].ffn_dram_bytes

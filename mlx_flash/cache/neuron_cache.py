@@ -95,11 +95,16 @@ class NeuronCache:
         self._ids = None
         return rows
 
-    def rows(self):
-        """The cached rows as contiguous MLX row slices, and their neuron ids."""
+    def rows(self, converted=None):
+        """The cached rows as contiguous MLX row slices, and their neuron ids.
+
+        converted: (arena, layout) where a worker already put this cache's float16
+        rows (Arena.put), to hand out instead of converting them here."""
         n = self.num_used
         if self._ids is None:
             self._ids = mx.array(self.row_to_id[:n])
+        if converted is not None:
+            return converted[0].views(converted[1]), self._ids
         if self.arena is not None:  # float16 rows, converted for this use (see models/half.py)
             return self.arena.fill_rows({k: v[:n] for k, v in self.views.items()}), self._ids
         return {k: m[:n] for k, m in self.matrices.items()}, self._ids

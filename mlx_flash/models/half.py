@@ -58,13 +58,21 @@ class Arena:
 
         The caller evaluated its input first, and its result reads these rows:
         nothing converted here may be overwritten before that result is evaluated."""
-        out, off = {}, 0
+        return self.views(self.put(matrices))
+
+    def put(self, matrices):
+        """The conversion half of fill_rows: NumPy and C only, so a worker thread may run it
+        (while the main thread computes on another arena); -> the layout for views()."""
+        layout, off = [], 0
         for k, m in matrices.items():
-            n = m.size
-            self.convert(m, 1, self.view[off:], 0, n)
-            out[k] = self.array[off : off + n].reshape(m.shape)
-            off += n
-        return out
+            self.convert(m, 1, self.view[off:], 0, m.size)
+            layout.append((k, off, m.shape))
+            off += m.size
+        return layout
+
+    def views(self, layout):
+        """MLX float32 views of what put() converted (main thread)."""
+        return {k: self.array[off : off + shape[0] * shape[1]].reshape(shape) for k, off, shape in layout}
 
 
 def _uint16_view(w):

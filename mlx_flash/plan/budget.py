@@ -80,8 +80,8 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
     two caches of every layer get the same fraction of their rows from the rest.
     req: (Req_i(k) for every layer, the most neurons one token needs), from calibration.
     held_neuron_bytes (dense, hybrid): the caches hold float16 rows, converted into a
-    float32 arena of one cache before use; cache + arena + scratch of a layer then
-    cost one float32 layer, and every other layer's cache its float16 rows.
+    float32 arena of one cache before use (two with prefetch); arena + scratch then
+    cost one float32 layer (two), and every layer's cache its float16 rows.
     prefetch (naive, hybrid): the streamed rows of the next layer are read while this
     layer computes, into a second streaming buffer (the scratch counts both)."""
     if held_neuron_bytes and mode not in ("dense", "hybrid"):
@@ -104,15 +104,16 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         capacity = n // 2
         if budget_bytes is not None and held_neuron_bytes:
             # float16 caches: as much of every layer as the budget allows, up to all of it;
-            # cost: L * cap float16 rows + an arena of cap + bufs * (n - cap) float32 rows
-            per_row = n_layers * held_neuron_bytes + (1 - bufs) * neuron_bytes
-            capacity = (n if per_row <= 0 else  # (few layers: holding a row frees a buffer row)
-                        max(0, min(n, (budget_bytes - fixed - bufs * n * neuron_bytes) // per_row)))
+            # cost: L * cap float16 rows + bufs arenas of cap + bufs buffers of n - cap
+            # float32 rows (with prefetch, the next layer's cache is converted, and its
+            # streamed rows read, while this layer computes)
+            capacity = max(0, min(n, (budget_bytes - fixed - bufs * n * neuron_bytes)
+                                  // (n_layers * held_neuron_bytes)))
         elif budget_bytes is not None:
             rows = (budget_bytes - fixed) // neuron_bytes
             capacity = max(0, min(capacity, (rows - bufs * n) // max(n_layers - bufs, 1)))
         scratch = bufs * (n - capacity)
-        arena = capacity if held_neuron_bytes else 0
+        arena = bufs * capacity if held_neuron_bytes else 0
     elif dip is not None:
         d, in_bytes, n_ff, down_bytes, k_in, k_out = dip
         full = d * in_bytes + n_ff * down_bytes

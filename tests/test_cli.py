@@ -74,3 +74,17 @@ def test_generate_flash_mode_stats_json(tiny, tmp_path):
         assert key in d["summary"]
     decode = [t for t in d["tokens"] if t["tokens"] == 1]
     assert decode and all(k in decode[0] for k in ("io_ms", "mem_ms", "compute_ms", "bytes_read", "reads", "hit_rate"))
+
+
+def test_generate_held_at_float16_cli(tiny):
+    """--resident-dtype float16: the same greedy text as float32-resident, and a clear error
+    for a dtype that would round the model."""
+    _, flash = tiny
+    args = [f"{BIN}/mlx_flash.generate", "--model", str(flash), "--prompt", "hello world",
+            "--max-tokens", "6", "--mode", "hybrid"]
+    a, b = run(*args), run(*args, "--resident-dtype", "float16")
+    assert a.returncode == 0 and b.returncode == 0, b.stderr
+    assert a.stdout.split("==========")[0] == b.stdout.split("==========")[0]
+    assert "resident float16" in b.stderr
+    c = run(*args, "--resident-dtype", "bfloat16")
+    assert c.returncode != 0 and "would round" in c.stderr and "Traceback" not in c.stderr

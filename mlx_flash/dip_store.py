@@ -69,7 +69,7 @@ class _Side:
 
 class DIPStore:
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False, gamma=0.2,
-                 eviction="lfu", traces=None, dtype=mx.float32):
+                 eviction="lfu", traces=None, dtype=mx.float32, record_trace=False):
         if not manifest.dip:
             raise FlashError(
                 f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"
@@ -104,7 +104,9 @@ class DIPStore:
         self.scratch_down = NeuronCache(max(sc_down, 1), self.n_ff, self.d_model, ("down",), dtype)
         self.stats = TokenStats()
         self.step = 0
-        self.trace = [{"in": [], "down": []} for _ in self.sides]  # for Belady replays
+        # every token's needed ids, for replaying Belady on them; off by default: it grows
+        # by ~8 KB per layer and token (32 MB over 128 tokens of SmolLM2)
+        self.trace = [{"in": [], "down": []} for _ in self.sides] if record_trace else None
 
     @property
     def weights_bytes(self):
@@ -135,7 +137,8 @@ class DIPStore:
         self._check_fits(x2, layer, need_in.size, side_in.cache.capacity + self.scratch_in.capacity)
         t2 = time.perf_counter()
         hits_in, m_in, io_in, streamed = side_in.ensure(self.reader, need_in, self.step, self.scratch_in)
-        self.trace[layer]["in"].append(need_in)
+        if self.trace is not None:
+            self.trace[layer]["in"].append(need_in)
 
         g = u = None
         for cache in [side_in.cache] + ([self.scratch_in] if streamed else []):
@@ -153,7 +156,8 @@ class DIPStore:
         t4 = time.perf_counter()
         hits_out, m_out, io_out, streamed = side_down.ensure(self.reader, need_out, self.step,
                                                              self.scratch_down)
-        self.trace[layer]["down"].append(need_out)
+        if self.trace is not None:
+            self.trace[layer]["down"].append(need_out)
         parts = []
         for cache in [side_down.cache] + ([self.scratch_down] if streamed else []):
             dmats, ids = cache.rows()

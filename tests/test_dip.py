@@ -85,3 +85,25 @@ def test_dip_needs_the_orientation_and_a_gated_ffn(tmp_path):
     plain = convert(src, tmp_path / "plain", dtype="float32", progress=False)
     with pytest.raises(FlashError, match="--dip"):
         mlx_flash.load(plain, mode="flash", sparsity="dip", density=0.5)
+
+
+def test_dip_store_keeps_no_per_token_history_by_default(folder):
+    """The ids of every token were kept for Belady replays: memory grew with every token."""
+    import gc
+    import sys
+
+    path, _, _ = folder
+    model, _ = mlx_flash.load(path, mode="flash", sparsity="dip", density=0.5)
+    store = model.flash["store"]
+    greedy(model, 2)
+    gc.collect()
+    before = sum(sys.getsizeof(o) for o in gc.get_objects() if isinstance(o, np.ndarray))
+    greedy(model, 40)
+    gc.collect()
+    after = sum(sys.getsizeof(o) for o in gc.get_objects() if isinstance(o, np.ndarray))
+    assert store.trace is None and after - before < 64 * 1024  # nothing kept per token
+    from mlx_flash.dip_store import DIPStore
+
+    kept = DIPStore(path, model.flash["manifest"], store.plan, store.reader, store.act, 0.5,
+                    record_trace=True)
+    assert kept.trace is not None and kept.trace[0]["in"] == []

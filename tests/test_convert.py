@@ -168,28 +168,67 @@ def test_converter_memory_is_bounded_by_a_layer_not_the_model(tmp_path):
     assert extra < model_bytes / 4, f"converter used {extra / 1e6:.0f} MB over import for a {model_bytes / 1e6:.0f} MB model"
 
 
-def test_killed_convert_leaves_no_folder_and_rerun_succeeds(tmp_path):
+def test_killed_convert_leaves_no_folder_and_rerun_resumes(tmp_path):
     src = _big_model(tmp_path)
     out = tmp_path / "out"
-    p = subprocess.Popen([f"{BIN}/mlx_flash.convert", "--model", str(src), "--out", str(out),
-                          "--dtype", "float32", "--quiet"], stderr=subprocess.PIPE)
+    args = [f"{BIN}/mlx_flash.convert", "--model", str(src), "--out", str(out), "--dtype", "float32"]
+    p = subprocess.Popen(args + ["--quiet"], stderr=subprocess.PIPE)
     deadline = time.time() + 120
-    tmp = None
+    partial = tmp_path / ".out.partial"
     while time.time() < deadline:
-        found = list(tmp_path.glob(".out.tmp-*/ffn/layer_003.bin"))
-        if found:
-            tmp = found[0].parent.parent
+        if (partial / "ffn" / "layer_003.bin").exists():
             break
         time.sleep(0.01)
-    assert tmp is not None, "conversion never started writing FFN files"
+    assert (partial / "ffn" / "layer_003.bin").exists(), "conversion never started writing FFN files"
     p.send_signal(signal.SIGKILL)
     p.wait()
-    assert not out.exists()
-    r = _run([f"{BIN}/mlx_flash.convert", "--model", str(src), "--out", str(out), "--quiet",
-              "--dtype", "float32"])
+    assert not out.exists()  # never a half-written model folder
+    journal = json.loads((partial / "journal.json").read_text())["done"]
+    kept = {rel: (partial / rel).stat().st_mtime_ns for rel in journal}
+    assert "resident.safetensors" in kept and "ffn/layer_000.bin" in kept
+    r = _run(args + ["--quiet"])
     assert r.returncode == 0, r.stderr
-    assert read_manifest(out).dtype == "float32"
-    assert not tmp.exists(), "the stale temporary folder was not cleaned up"
+    assert "resuming the conversion" in r.stderr
+    m = read_manifest(out)
+    assert m.dtype == "float32" and not partial.exists()
+    assert not (out / "journal.json").exists() and not (out / "owner.pid").exists()
+    for rel, mtime in kept.items():  # the files of the killed run were kept, not rewritten
+        assert (out / rel).stat().st_mtime_ns == mtime, rel
+    for e in m.ffn_files:  # and every file is whole
+        assert sha256_file(out / e["file"]) == e["sha256"]
+    assert sha256_file(out / m.resident["file"]) == m.resident["sha256"]
+    # the result equals a conversion that was never interrupted
+    clean = convert(src, tmp_path / "clean", dtype="float32", progress=False)
+    assert [e["sha256"] for e in read_manifest(clean).ffn_files] == [e["sha256"] for e in m.ffn_files]
+
+
+def test_partial_conversion_of_another_dtype_starts_afresh(tmp_path):
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama")
+    partial = tmp_path / ".out.partial"
+    (partial / "ffn").mkdir(parents=True)
+    (partial / "ffn" / "layer_000.bin").write_bytes(b"junk")
+    (partial / "journal.json").write_text(json.dumps(
+        {"key": {"source": "x", "dtype": "float16", "align": 512, "dip": False},
+         "done": {"ffn/layer_000.bin": [4, "0" * 64]}}))
+    out = convert(src, tmp_path / "out", dtype="float32", progress=False)
+    e = read_manifest(out).ffn_files[0]
+    assert sha256_file(out / e["file"]) == e["sha256"] and not partial.exists()
+
+
+def test_a_live_conversion_of_the_same_target_is_refused(tmp_path):
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama")
+    partial = tmp_path / ".out.partial"
+    partial.mkdir()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        (partial / "owner.pid").write_text(str(sleeper.pid))
+        with pytest.raises(FlashError, match="another conversion"):
+            convert(src, tmp_path / "out", dtype="float32", progress=False)
+        assert partial.exists()  # not ours to remove
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert read_manifest(convert(src, tmp_path / "out", dtype="float32", progress=False)).dtype == "float32"
 
 
 def test_dip_orientation_round_trip(tmp_path):
@@ -213,3 +252,13 @@ def test_dip_orientation_round_trip(tmp_path):
     plain = convert(src, tmp_path / "plain", dtype="float32", progress=False)
     with pytest.raises(FlashError, match="--force"):
         convert(src, plain, dtype="float32", progress=False, dip=True)
+
+
+def test_a_wrong_source_leaves_no_partial_folder(tmp_path):
+    src, cfg, _ = make_llama_folder(tmp_path / "hf", "llama")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1  # a layer the weights do not have
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FlashError, match="no tensor"):
+        convert(src, tmp_path / "out", dtype="float32", progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()

@@ -92,7 +92,12 @@ class TokenStats:
 
 
 class FlashStore:
-    def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32, bundled=True):
+    def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32, bundled=True,
+                 overlap=False):
+        # overlap (flash mode): the reads of a layer's missing neurons run in a worker
+        # thread while the FFN computes on the neurons already cached; the FFN takes
+        # the rest when it has evaluated that part (FlashFFN: a callable part)
+        self.overlap = overlap and plan.mode == "flash"
         self.plan = plan
         self.bundled = bundled
         self.source = source
@@ -137,12 +142,16 @@ class FlashStore:
     def _read(self, layer, ids, cache, rows):
         read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled)
 
-    def _part(self, cache, all_ids=False, mask=None, shape=None, converted=None):
-        """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own neurons."""
+    def _part(self, cache, all_ids=False, mask=None, shape=None, converted=None, rows=None):
+        """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own
+        neurons; `rows` (a slice) takes part of the cached rows."""
         m, ids = cache.rows(converted)
+        cached = cache.cached_ids()
+        if rows is not None:
+            m, ids, cached = {k: v[rows] for k, v in m.items()}, ids[rows], cached[rows]
         keep = None
-        if mask is not None and not mask[:, cache.cached_ids()].all():
-            keep = mx.array(mask[:, cache.cached_ids()]).reshape(*shape[:-1], -1)
+        if mask is not None and not mask[:, cached].all():
+            keep = mx.array(mask[:, cached]).reshape(*shape[:-1], -1)
         return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids,
                        mask=keep)
 
@@ -181,6 +190,45 @@ class FlashStore:
         nxt = (layer + 1) % len(self.files)
         self._pending = (nxt, 1 - j, self._worker.submit(self._fill, nxt, stream, 1 - j))
         return j, got
+
+    def _overlapped(self, layer, cache, keep, new_rows, overflow, over_rows, mask, shape, st, ids,
+                    hits, times):
+        """Flash mode with overlap: [the cached rows' part, a callable giving the rest].
+
+        The worker writes rows [n_old:] of the cache and the scratch; the FFN reads
+        rows [:n_old] meanwhile (disjoint memory), and calls the rest only once it
+        has evaluated that part, which waits for the reads."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        t1, t2, t3 = times
+        n_old = int(new_rows[0]) if new_rows.size else cache.num_used
+
+        def read():
+            s = self.reader.stats
+            b0, r0 = s.bytes_read, s.reads_issued
+            self._read(layer, keep, cache, new_rows)
+            self._read(layer, overflow, self.scratch, over_rows)
+            return s.bytes_read - b0, s.reads_issued - r0
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-prefetch")
+        fut = self._worker.submit(read)
+        st["predict_ms"] += 1e3 * (t2 - t1)
+        st["mem_ms"] += 1e3 * (t3 - t2)
+        st["active"] += int(ids.size)
+        st["hits"] += int(hits)
+        old = self._part(cache, mask=mask, shape=shape, rows=slice(0, n_old))
+
+        def rest():
+            t = time.perf_counter()
+            got = fut.result()  # a failed read raises here
+            st["io_ms"] += 1e3 * (time.perf_counter() - t)
+            st["bytes_read"] += got[0]
+            st["reads"] += got[1]
+            return [self._part(cache, mask=mask, shape=shape, rows=slice(n_old, cache.num_used))] + (
+                [self._part(self.scratch, mask=mask, shape=shape)] if overflow.size else [])
+
+        return [old, rest]
 
     def rows(self, layer, x):
         t0 = time.perf_counter()
@@ -227,11 +275,14 @@ class FlashStore:
             self.scratch.delete(self.scratch.cached_ids())
             over_rows = self.scratch.append(overflow)
             t3 = time.perf_counter()
+            st["windows"].append(len(hist))
+            if self.overlap and new_rows.size + overflow.size and new_rows.size < cache.num_used:
+                return self._overlapped(layer, cache, keep, new_rows, overflow, over_rows, mask,
+                                        x.shape, st, ids, hits, (t1, t2, t3))
             self._read(layer, keep, cache, new_rows)
             self._read(layer, overflow, self.scratch, over_rows)
             parts = [self._part(cache, mask=mask, shape=x.shape)] + (
                 [self._part(self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
-            st["windows"].append(len(hist))
         else:
             stream = ids[ids >= (self.plan.capacity if mode == "hybrid" else 0)]
             t3 = time.perf_counter()

@@ -62,7 +62,8 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
       dtype just before each use (exact; half the DRAM of float32). None: hold
       them at the compute dtype.
     prefetch: naive / hybrid read the next layer's streamed rows while this one
-      computes (one more streaming buffer in the budget).
+      computes (one more streaming buffer in the budget); flash reads a layer's
+      missing neurons while the FFN computes on its cached ones.
     Returns (model, tokenizer) like mlx_lm.load.
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -151,7 +152,8 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
 
         store = make_flash_store(model, folder, manifest, DTYPES[dtype], weights, mode, sparsity,
                                  density, memory_budget, window, threads, verify,
-                                 dip_options={"gamma": gamma, "eviction": eviction}, prefetch=prefetch)
+                                 dip_options={"gamma": gamma, "eviction": eviction}, prefetch=prefetch,
+                                 overlap=prefetch)
     for layer in model.layers:
         layer_ffn(layer).store = store
     model.flash["store"] = store

@@ -15,13 +15,14 @@ from .store import read_layer_file
 
 def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, sparsity, density,
                      memory_budget, window, threads, verify, dip_options=None, bundled=True,
-                     prefetch=False):
+                     prefetch=False, overlap=False):
     """sparsity: a source name, or a source object (`select`, `resident_bytes`), as the
     paper benchmark's trace source. window: None keeps every neuron (no limit); 0 keeps
     none from one token to the next (the paper's "predictor only" row).
     bundled=False reads each weight kind of a neuron separately (the paper's layout
     before row-column bundling). prefetch (naive, hybrid): read the next layer's
-    streamed rows while this one computes (the paper's baselines do not)."""
+    streamed rows while this one computes (the paper's baselines do not). overlap
+    (flash): read a layer's missing neurons while the FFN computes on its cached ones."""
     from .loader import layer_ffn
 
     lay = manifest.layout
@@ -76,7 +77,7 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
                      n_layers, lay.n_neurons, window=10**9 if window is None else window, req=req,
                      held_neuron_bytes=neuron_bytes // 2 if held else 0, prefetch=prefetch)
     reader = FlashReader(threads=threads, direct=True)
-    store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=bundled)
+    store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=bundled, overlap=overlap)
     name = sparsity if isinstance(sparsity, str) else getattr(sparsity, "name", "custom")
     model.flash.update(
         plan=plan, budget_bytes=budget, model_bytes=model_bytes, sparsity=name if source else None,

@@ -174,3 +174,37 @@ def test_prefetch_plan_counts_both_buffers():
     assert h2.scratch_rows == 2 * (n - h2.capacity) and h2.capacity < h1.capacity
     assert h2.weights_bytes <= 3500 and h1.weights_bytes <= 3500
     assert not make_plan("flash", None, 0, 0, f, layers, n, prefetch=True).prefetch
+
+
+def test_flash_overlap_reads_while_the_cached_neurons_compute(relu_llama, dense):
+    """The missing neurons are read in a worker while the FFN computes on the cached ones:
+    same logits, tokens, bytes and reads as reading first."""
+    kw = dict(mode="flash", sparsity="threshold", memory_budget="85%", window=2)
+    seq, _ = mlx_flash.load(relu_llama, prefetch=False, **kw)
+    ovl, _ = mlx_flash.load(relu_llama, **kw)  # overlap is the default
+    store = ovl.flash["store"]
+    assert store.overlap and not seq.flash["store"].overlap
+    calls = []
+    orig = store._overlapped
+    store._overlapped = lambda *a: calls.append(1) or orig(*a)
+    np.testing.assert_allclose(np.array(ovl(mx.array([PROMPT]))), np.array(seq(mx.array([PROMPT]))),
+                               atol=1e-5)
+    assert greedy(ovl) == greedy(seq) == dense[1]
+    a, b = ovl.flash["store"].stats.rows, seq.flash["store"].stats.rows
+    for key in ("bytes_read", "reads", "hits", "active"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert sum(r["bytes_read"] for r in a[2:]) > 0 and len(calls) > 10  # the overlap ran
+
+
+def test_flash_overlap_read_error_surfaces(relu_llama):
+    import errno
+
+    from mlx_flash.io import ReadError
+
+    model, _ = mlx_flash.load(relu_llama, mode="flash", sparsity="threshold", memory_budget="85%",
+                              window=2)
+    greedy(model, 2)
+    model.flash["store"].reader._fault = (0, errno.EIO)
+    with pytest.raises(ReadError, match="EIO"):
+        for _ in range(20):  # until a token misses neuron 0 of some layer
+            greedy(model, 4)

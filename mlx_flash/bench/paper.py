@@ -44,12 +44,15 @@ from ..errors import FlashError
 from .random_model import build_checkpoint, shape_config
 from .trace import TraceModel, TraceSource
 
-CONFIGS = {  # name: (mode, window, bundled, predictor)
-    "naive": ("naive", None, True, False),
-    "hybrid": ("hybrid", None, True, False),
-    "predictor": ("flash", 0, False, True),
-    "windowing": ("flash", 5, False, True),
-    "all": ("flash", 5, True, True),
+CONFIGS = {  # name: (mode, window, bundled, predictor, overlap)
+    "naive": ("naive", None, True, False, False),
+    "hybrid": ("hybrid", None, True, False, False),
+    "predictor": ("flash", 0, False, True, False),
+    "windowing": ("flash", 5, False, True, False),
+    "all": ("flash", 5, True, True, False),
+    # mlx_flash's default on top of the paper's "all": a layer's missing neurons are read
+    # while the FFN computes on its cached ones
+    "all+overlap": ("flash", 5, True, True, True),
 }
 KiB, MiB = 1024, 1024 * 1024
 
@@ -119,14 +122,14 @@ def attach(model, folder, manifest, config, trace, budget, threads, predictor_ra
     from ..loader import layer_ffn
     from ..sparse_loader import make_flash_store
 
-    mode, window, bundled, predictor = CONFIGS[config]
+    mode, window, bundled, predictor, overlap = CONFIGS[config]
     source = None
     if mode == "flash":
         source = TraceSource(trace, manifest.layout.d_model,
                              predictor_rank=predictor_rank if predictor else 0)
     store = make_flash_store(model, folder, manifest, mx.float32, resident, mode,
                              source if source else "oracle", 1.0, budget, window, threads,
-                             verify=False, bundled=bundled)
+                             verify=False, bundled=bundled, overlap=overlap)
     for layer in model.layers:
         layer_ffn(layer).store = store
     return store

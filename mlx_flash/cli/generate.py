@@ -28,7 +28,8 @@ def add_model_args(p):
                    help="hold embeddings and attention in DRAM at the model's 16-bit flash dtype and "
                    "convert them just before use (exact, half the DRAM; default: the compute dtype)")
     p.add_argument("--no-prefetch", action="store_true",
-                   help="naive / hybrid: do not read the next layer while this one computes")
+                   help="read in the layer, without overlapping compute (naive / hybrid: the next "
+                   "layer's rows; flash: the missing neurons while the cached ones compute)")
 
 
 def add_sampling_args(p):

@@ -65,7 +65,9 @@ def activation(name, threshold=None):
 class FlashFFN(nn.Module):
     """y = act(x W_gate^T) * (x W_up^T) W_down^T, or act(x W_up^T + b) W_down^T + b'.
 
-    `store` is set by the loader: `store.rows(layer, x) -> FFNRows`.
+    `store` is set by the loader: `store.rows(layer, x)` -> FFNRows or a list of them;
+    an entry of the list may be a callable returning more FFNRows (rows still being
+    read): the FFN evaluates what it has summed so far, then calls it.
     """
 
     def __init__(self, layer, d_model, n_neurons, act, gated, bias=False):
@@ -91,9 +93,17 @@ class FlashFFN(nn.Module):
             return self._in_halves(x)
         if isinstance(parts, FFNRows):
             parts = [parts]
-        # Neuron subsets are independent: the FFN is the sum over its parts.
+        # Neuron subsets are independent: the FFN is the sum over its parts. A callable
+        # part is rows still being read: compute what is here first, then ask for them.
         y = None
-        for rows in parts:
+        parts = list(parts)
+        while parts:
+            rows = parts.pop(0)
+            if callable(rows):
+                if y is not None:
+                    mx.eval(y)
+                parts = list(rows()) + parts
+                continue
             if rows.h is not None:
                 y = rows.h @ rows.down if y is None else y + rows.h @ rows.down
                 continue

@@ -104,3 +104,20 @@ def test_ffn_on_cache_equals_dense_ffn_restricted_to_those_neurons(gated):
         h = np.maximum(x @ W["up"].T + b_up, 0)
         want = (h * mask) @ W["down"] + b_down
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_move_rows_native_matches_numpy():
+    from mlx_flash.io import reader
+
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal((50, 7)).astype(np.float32)
+    dst, src = np.array([1, 4, 9]), np.array([40, 45, 49])
+    want = v.copy()
+    want[dst] = want[src]
+    reader.move_rows(v, dst, src)
+    assert (v == want).all()
+    mod = reader._native_module()[0]
+    if mod is None:
+        pytest.skip("native extension not built")
+    with pytest.raises(IndexError):
+        mod.move_rows(v, v.strides[0], np.array([50]), np.array([0]))

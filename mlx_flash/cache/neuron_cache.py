@@ -20,6 +20,8 @@ import numpy as np
 
 import mlx.core as mx
 
+from ..io.reader import move_rows
+
 
 class NeuronCache:
     """arena: hold the rows at float16 and hand them out converted to float32 through
@@ -68,7 +70,7 @@ class NeuronCache:
         movers = n_after + np.flatnonzero(~gone[n_after:])  # kept rows beyond it
         if holes.size:
             for v in self.views.values():
-                v[holes] = v[movers]
+                move_rows(v, holes, movers)
             moved_ids = self.row_to_id[movers]
             self.row_to_id[holes] = moved_ids
             self.id_to_row[moved_ids] = holes

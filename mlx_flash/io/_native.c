@@ -447,10 +447,45 @@ static PyObject *py_convert(PyObject *mod, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "bad convert arguments");
         return NULL;
     }
+    Py_BEGIN_ALLOW_THREADS /* a prefetch worker converts while the main thread computes */
     convert((const char *)s.buf, sc, (char *)d.buf, dc, n);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&s);
     PyBuffer_Release(&d);
     Py_RETURN_NONE;
+}
+
+/* move_rows(buf, row_bytes, dst_rows, src_rows): row src_rows[i] of buf onto row dst_rows[i]
+ * (int64 arrays; the two sets disjoint), one memmove each, GIL released: the neuron
+ * cache's swap-delete without NumPy's gather-then-scatter temporary */
+static PyObject *py_move_rows(PyObject *mod, PyObject *args) {
+    Py_buffer b, d, s;
+    long long row_bytes;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "w*Ly*y*", &b, &row_bytes, &d, &s)) return NULL;
+    PyObject *result = NULL;
+    int64_t n = (int64_t)(d.len / 8), rows = row_bytes > 0 ? (int64_t)(b.len / row_bytes) : 0;
+    const int64_t *dst = (const int64_t *)d.buf, *src = (const int64_t *)s.buf;
+    if (row_bytes <= 0 || d.len != s.len || d.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "bad move_rows arguments");
+        goto out;
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (dst[i] < 0 || dst[i] >= rows || src[i] < 0 || src[i] >= rows) {
+            PyErr_SetString(PyExc_IndexError, "move_rows: row out of range");
+            goto out;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < n; i++)
+        memmove((char *)b.buf + dst[i] * row_bytes, (char *)b.buf + src[i] * row_bytes, (size_t)row_bytes);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    return result;
 }
 
 static PyMethodDef Pool_methods[] = {
@@ -485,6 +520,7 @@ static PyObject *py_simd(PyObject *mod, PyObject *args) {
 
 static PyMethodDef module_methods[] = {
     {"convert", py_convert, METH_VARARGS, "convert(src, src_code, dst, dst_code, n)"},
+    {"move_rows", py_move_rows, METH_VARARGS, "move_rows(buf, row_bytes, dst_rows, src_rows)"},
     {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool: F16C conversion on/off (-1: query)"},
     {NULL}};
 

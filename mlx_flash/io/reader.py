@@ -111,6 +111,16 @@ def native_available():
     return _native_module()[0] is not None
 
 
+def move_rows(v, dst, src):
+    """v[dst] = v[src] for a C-contiguous 2-D array and disjoint int64 row sets (C when built)."""
+    mod = _native_module()[0]
+    if mod is not None and v.flags.c_contiguous and hasattr(mod, "move_rows"):
+        mod.move_rows(v, v.strides[0], np.ascontiguousarray(dst, dtype=np.int64),
+                      np.ascontiguousarray(src, dtype=np.int64))
+    else:
+        v[dst] = v[src]
+
+
 def native_convert():
     """convert(src, src_code, dst, dst_code, n): 16-bit rows -> float32 (codes 1 float16,
     2 bfloat16; 0 float32), F16C in C when the extension is built, NumPy otherwise."""

@@ -67,7 +67,7 @@ RUNTIMES = ("mlx_flash", "mlx_lm", "llama.cpp")
 MLX_FLASH_MODES = ("dense", "naive", "hybrid", "flash")
 SPARSITIES = ("oracle", "threshold", "dip", "dip-ca", "predictor")
 GGUF_TYPES = ("f32", "f16", "q4_1")
-DEFAULT_SYSTEMS = ("mlx_flash:dense@none,mlx_flash:dense,mlx_flash:naive,mlx_flash:flash:dip:0.5,"
+DEFAULT_SYSTEMS = ("mlx_flash:dense@none,mlx_flash:hybrid:f16,mlx_flash:naive:f16,mlx_flash:flash:dip:0.5:f16,"
                    "mlx_lm,llama.cpp-f32,llama.cpp-f16")
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 DEFAULT_GGUF = "models/download/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -155,27 +155,43 @@ class FlashStore:
         return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids,
                        mask=keep)
 
+    def _read_counted(self, *jobs):
+        """Run reads (layer, ids, cache, rows); -> (bytes, reads) they took. The reader has
+        one user at a time (the main thread, or the worker while the main thread waits)."""
+        s = self.reader.stats
+        b0, r0 = s.bytes_read, s.reads_issued
+        for job in jobs:
+            self._read(*job)
+        return s.bytes_read - b0, s.reads_issued - r0
+
+    def _submit(self, fn, *args):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-prefetch")
+        return self._worker.submit(fn, *args)
+
     def _fill(self, layer, stream, j):
         """Read `stream` of `layer` into buffer j, and (held) convert the layer's cache into
-        arena j: the worker thread, or inline; NumPy and C only. -> (bytes, reads, layout)."""
-        s, buf = self.reader.stats, self.buffers[j]
-        b0, r0 = s.bytes_read, s.reads_issued
+        arena j: the worker thread, or inline; NumPy and C only. -> ((bytes, reads), layout)."""
+        buf = self.buffers[j]
         buf.delete(buf.cached_ids())
-        self._read(layer, stream, buf, buf.append(stream))
+        got = self._read_counted((layer, stream, buf, buf.append(stream)))
         layout = None
         if self.arenas:
             c = self.caches[layer]
             layout = self.arenas[j].put({k: v[: c.num_used] for k, v in c.views.items()})
-        return s.bytes_read - b0, s.reads_issued - r0, layout
+        return got, layout
 
     def _streamed(self, layer, stream):
-        """Prefetch: (buffer index holding `layer`'s streamed rows, (bytes, reads, layout)).
+        """Naive / hybrid: (buffer index holding `layer`'s streamed rows, ((bytes, reads), layout)).
 
-        Waits for the work in flight (the time waited is the token's I/O), then starts
-        the next layer's on the other buffer / arena. Safe: the caller evaluated x, so
-        the previous layer's FFN, the last reader of those, has finished."""
-        from concurrent.futures import ThreadPoolExecutor
-
+        Without prefetch, reads them now. With it, waits for the work in flight (the
+        time waited is the token's I/O), then starts the next layer's on the other
+        buffer / arena. Safe: the caller evaluated x, so the previous layer's FFN, the
+        last reader of those, has finished."""
+        if not self.plan.prefetch:
+            return 0, self._fill(layer, stream, 0)
         got = None
         if self._pending is not None:
             p_layer, p_j, fut = self._pending
@@ -185,38 +201,19 @@ class FlashStore:
                 j, got = p_j, res
         if got is None:  # the first layer read, or an unexpected order (a partial forward)
             j, got = 0, self._fill(layer, stream, 0)
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-prefetch")
         nxt = (layer + 1) % len(self.files)
-        self._pending = (nxt, 1 - j, self._worker.submit(self._fill, nxt, stream, 1 - j))
+        self._pending = (nxt, 1 - j, self._submit(self._fill, nxt, stream, 1 - j))
         return j, got
 
-    def _overlapped(self, layer, cache, keep, new_rows, overflow, over_rows, mask, shape, st, ids,
-                    hits, times):
+    def _overlapped(self, layer, cache, keep, new_rows, overflow, over_rows, mask, shape, st):
         """Flash mode with overlap: [the cached rows' part, a callable giving the rest].
 
         The worker writes rows [n_old:] of the cache and the scratch; the FFN reads
         rows [:n_old] meanwhile (disjoint memory), and calls the rest only once it
-        has evaluated that part, which waits for the reads."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        t1, t2, t3 = times
+        has evaluated that part, which waits for the reads (the token's I/O time)."""
         n_old = int(new_rows[0]) if new_rows.size else cache.num_used
-
-        def read():
-            s = self.reader.stats
-            b0, r0 = s.bytes_read, s.reads_issued
-            self._read(layer, keep, cache, new_rows)
-            self._read(layer, overflow, self.scratch, over_rows)
-            return s.bytes_read - b0, s.reads_issued - r0
-
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-prefetch")
-        fut = self._worker.submit(read)
-        st["predict_ms"] += 1e3 * (t2 - t1)
-        st["mem_ms"] += 1e3 * (t3 - t2)
-        st["active"] += int(ids.size)
-        st["hits"] += int(hits)
+        fut = self._submit(self._read_counted, (layer, keep, cache, new_rows),
+                           (layer, overflow, self.scratch, over_rows))
         old = self._part(cache, mask=mask, shape=shape, rows=slice(0, n_old))
 
         def rest():
@@ -254,7 +251,7 @@ class FlashStore:
                     f"{limit} rows the memory budget leaves it; raise --memory-budget or lower --density"
                 )
         t2 = time.perf_counter()
-        bytes0, reads0 = self.reader.stats.bytes_read, self.reader.stats.reads_issued
+        got = (0, 0)  # (bytes, reads) of this layer; an overlapped read adds its own later
 
         if mode == "flash":
             cache, counts, hist = self.caches[layer], self.counts[layer], self.history[layer]
@@ -277,36 +274,27 @@ class FlashStore:
             t3 = time.perf_counter()
             st["windows"].append(len(hist))
             if self.overlap and new_rows.size + overflow.size and new_rows.size < cache.num_used:
-                return self._overlapped(layer, cache, keep, new_rows, overflow, over_rows, mask,
-                                        x.shape, st, ids, hits, (t1, t2, t3))
-            self._read(layer, keep, cache, new_rows)
-            self._read(layer, overflow, self.scratch, over_rows)
-            parts = [self._part(cache, mask=mask, shape=x.shape)] + (
-                [self._part(self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
+                parts = self._overlapped(layer, cache, keep, new_rows, overflow, over_rows, mask,
+                                         x.shape, st)
+            else:
+                got = self._read_counted((layer, keep, cache, new_rows),
+                                         (layer, overflow, self.scratch, over_rows))
+                parts = [self._part(cache, mask=mask, shape=x.shape)] + (
+                    [self._part(self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
         else:
             stream = ids[ids >= (self.plan.capacity if mode == "hybrid" else 0)]
             t3 = time.perf_counter()
-            converted = None
-            if self.plan.prefetch:
-                j, (got_bytes, got_reads, layout) = self._streamed(layer, stream)
-                buf = self.buffers[j]
-                converted = (self.arenas[j], layout) if layout is not None else None
-                st["bytes_read"] += got_bytes
-                st["reads"] += got_reads
-            else:
-                buf = self.scratch
-                buf.delete(buf.cached_ids())
-                self._read(layer, stream, buf, buf.append(stream))
+            j, (got, layout) = self._streamed(layer, stream)
+            converted = (self.arenas[j], layout) if layout is not None else None
             parts = ([self._part(self.caches[layer], converted=converted)] if mode == "hybrid" else []) + [
-                self._part(buf, all_ids=mode == "naive")
+                self._part(self.buffers[j], all_ids=mode == "naive")
             ]
         t4 = time.perf_counter()
         st["predict_ms"] += 1e3 * (t2 - t1)
         st["mem_ms"] += 1e3 * (t3 - t2)
         st["io_ms"] += 1e3 * (t4 - t3)
-        if not self.plan.prefetch:  # (with prefetch, _streamed counted this layer's own read)
-            st["bytes_read"] += self.reader.stats.bytes_read - bytes0
-            st["reads"] += self.reader.stats.reads_issued - reads0
+        st["bytes_read"] += got[0]
+        st["reads"] += got[1]
         st["active"] += int(ids.size) if mode == "flash" else n
         st["hits"] += int(hits)
         return parts

@@ -129,7 +129,10 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
 
     model.flash = {"folder": folder, "manifest": manifest, "dtype": dtype, "mode": mode,
                    "resident_dtype": resident_dtype if held is not None else dtype,
-                   "resident_compute_bytes": resident_compute_bytes}
+                   "resident_compute_bytes": resident_compute_bytes,
+                   # dense / hybrid hold their resident FFN rows at float16 too (NumPy has no
+                   # bfloat16: a bfloat16 model's FFN rows stay at the compute dtype)
+                   "held_ffn": held is not None and held == mx.float16}
     if mode == "dense":
         from .plan import make_plan, parse_budget
 
@@ -138,7 +141,7 @@ def load(path_or_repo, dtype=None, verify=True, progress=False, mode="dense", sp
         neuron_bytes = len(lay.kinds) * lay.d_model * mx.zeros((), DTYPES[dtype]).itemsize
         budget = parse_budget(memory_budget, resident_compute_bytes
                               + neuron_bytes * lay.n_neurons * len(manifest.ffn_files))
-        held_ffn = held is not None and held == mx.float16  # numpy has no bfloat16: a bfloat16 FFN stays float32
+        held_ffn = model.flash["held_ffn"]
         make_plan("dense", budget, resident, 0, neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
                   held_neuron_bytes=neuron_bytes // 2 if held_ffn else 0)
         from tqdm import tqdm
@@ -207,11 +210,11 @@ def _check_resident_fits(folder, manifest, dtype, memory_budget, held=None):
     st = SafetensorsFile(folder / manifest.resident["file"])
     itemsize = mx.zeros((), dtype).itemsize
     held_size = itemsize if held is None else mx.zeros((), held).itemsize
-    resident = sum(int(np.prod(st.shape(n))) * (held_size if len(st.shape(n)) == 2 else itemsize)
-                   for n in st.names())
+    sizes = [(int(np.prod(st.shape(n))), len(st.shape(n))) for n in st.names()]
+    resident = sum(size * (held_size if ndim == 2 else itemsize) for size, ndim in sizes)
+    full = sum(size for size, _ in sizes) * itemsize  # what "50%" is of
     lay = manifest.layout
     ffn = len(lay.kinds) * lay.d_model * lay.n_neurons * len(manifest.ffn_files) * itemsize
-    full = sum(int(np.prod(st.shape(n))) * itemsize for n in st.names())
     budget = parse_budget(memory_budget, full + ffn)
     if budget < resident:
         raise FlashError(_too_small(budget, resident))

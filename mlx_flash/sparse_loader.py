@@ -71,8 +71,7 @@ def make_flash_store(model, folder, manifest, dtype, resident_weights, mode, spa
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
-    # a model held at float16 holds hybrid's resident neurons at float16 too
-    held = mode == "hybrid" and getattr(model, "flash", {}).get("resident_dtype") == "float16"
+    held = mode == "hybrid" and getattr(model, "flash", {}).get("held_ffn", False)
     plan = make_plan(mode, budget, resident, source.resident_bytes if source else 0, neuron_bytes,
                      n_layers, lay.n_neurons, window=10**9 if window is None else window, req=req,
                      held_neuron_bytes=neuron_bytes // 2 if held else 0, prefetch=prefetch)

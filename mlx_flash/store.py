@@ -31,9 +31,9 @@ def read_layer_file(folder, entry, layout, verify=True):
 
 
 class DenseStore:
-    """Every FFN row of every layer in DRAM, as contiguous [n, d] matrices per kind."""
+    """Every FFN row of every layer in DRAM, as contiguous [n, d] matrices per kind.
 
-    """held=True: every row at float16 (as on flash), one layer at a time converted to float32
+    held=True: every row at float16 (as on flash), one layer at a time converted to float32
     through an arena just before use (models/half.py): exact, half the DRAM."""
 
     def __init__(self, folder, manifest, dtype, verify=True, progress=None, held=False):

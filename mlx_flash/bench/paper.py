@@ -176,10 +176,7 @@ def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, cu
              "hit_rate")}
     wall = float(np.median(walls))
     read_size = mean["bytes_read"] / mean["reads"] if mean["reads"] else 0
-    disk_bw = throughput_at(curve, read_size) if read_size else float("inf")
     computed = resident_bytes + plan.source_bytes + held_rows(store) * neuron_bytes
-    io_floor = 1e3 * mean["bytes_read"] / disk_bw / 1e9 if mean["bytes_read"] else 0.0
-    mem_floor = 1e3 * computed / mem_bw / 1e9
     row = {
         "config": config,
         "flash_to_dram_gb": mean["bytes_read"] / 1e9,
@@ -195,15 +192,10 @@ def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, cu
         "ffn_dram_alloc_gb": plan.ffn_dram_bytes / 1e9,
         "weights_dram_gb": plan.weights_bytes / 1e9,
         "hit_rate": mean["hit_rate"],
-        "floor_io_ms": io_floor,
-        "floor_mem_ms": mem_floor,
-        "floor_ms": io_floor + mem_floor,
-        "measured_over_floor": wall / (io_floor + mem_floor),
-        "io_over_floor": mean["io_ms"] / io_floor if io_floor else None,
-        "disk_gbs_at_read_size": disk_bw,
         "computed_gb": computed / 1e9,
         "tokens": len(rows),
     }
+    refloor(row, curve, mem_bw)  # floor_io_ms, floor_mem_ms, floor_ms, measured_over_floor, ...
     if source_stats and source_stats["active"]:
         s = source_stats
         row["predictor_fn"] = s["missed"] / s["active"]

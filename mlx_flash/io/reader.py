@@ -129,14 +129,8 @@ def native_convert():
         return mod.convert
 
     def convert(src, src_code, dst, dst_code, n):
-        bits = np.asarray(src).reshape(-1)[:n].view(np.uint16)
-        out = dst.reshape(-1)[:n]
-        if src_code == 2:
-            o = out.view(np.uint32)
-            o[:] = bits
-            o <<= 16
-        else:
-            out[:] = bits.view(np.float16)
+        stage = np.asarray(src).reshape(-1).view(np.uint8)
+        _convert_py(stage, 0, n, "bfloat16" if src_code == 2 else "float16", dst.reshape(-1)[:n])
 
     return convert
 

@@ -37,10 +37,6 @@ class Arena:
 
     def __init__(self, values=ARENA_VALUES):
         self.convert = _reader.native_convert()
-        self.resize(values)
-
-    def resize(self, values):
-        """Before first use only: users slice `array` when they use it, never keep it."""
         self.values = values
         self.array = mx.zeros((values,), dtype=mx.float32)
         mx.eval(self.array)
@@ -51,25 +47,20 @@ class Arena:
     def nbytes(self):
         return self.array.nbytes
 
-    def fill(self, half_rows, code):
-        """Convert `half_rows` ([n, d], 16-bit as uint16) into the arena; returns an MLX [n, d] view."""
-        n = half_rows.size
-        self.convert(half_rows, code, self.view, 0, n)
-        return self.array[:n].reshape(half_rows.shape)
-
-    def fill_rows(self, matrices):
-        """{kind: float16 numpy [n, d]} -> {kind: MLX float32 [n, d]}, side by side in the arena.
+    def fill_rows(self, matrices, code=1):
+        """{kind: 16-bit numpy [n, d]} -> {kind: MLX float32 [n, d]}, side by side in the arena.
 
         The caller evaluated its input first, and its result reads these rows:
         nothing converted here may be overwritten before that result is evaluated."""
-        return self.views(self.put(matrices))
+        return self.views(self.put(matrices, code))
 
-    def put(self, matrices):
+    def put(self, matrices, code=1):
         """The conversion half of fill_rows: NumPy and C only, so a worker thread may run it
-        (while the main thread computes on another arena); -> the layout for views()."""
+        (while the main thread computes on another arena); -> the layout for views().
+        code: the converter's source dtype (1 float16, 2 bfloat16 as uint16)."""
         layout, off = [], 0
         for k, m in matrices.items():
-            self.convert(m, 1, self.view[off:], 0, m.size)
+            self.convert(m, code, self.view[off:], 0, m.size)
             layout.append((k, off, m.shape))
             off += m.size
         return layout
@@ -84,14 +75,15 @@ def _uint16_view(w):
     return np.array(w.view(mx.uint16), copy=False)
 
 
-def chunked_matmul(x, weight, rows16, code, arena, bias=None):
-    """x @ weight.T for a 16-bit [out, in] weight, in row chunks through the arena; eager."""
+def chunked_matmul(x, rows16, code, arena, bias=None):
+    """x @ W.T for a 16-bit [out, in] weight W (its uint16 view `rows16`), in row chunks
+    through the arena; eager."""
     mx.eval(x)
     out, d = rows16.shape
     step = max(1, arena.values // d)
     parts = []
     for start in range(0, out, step):
-        y = x @ arena.fill(rows16[start : start + step], code).T
+        y = x @ arena.fill_rows({0: rows16[start : start + step]}, code)[0].T
         if bias is not None:
             y = y + bias[start : start + step]
         mx.eval(y)
@@ -99,40 +91,45 @@ def chunked_matmul(x, weight, rows16, code, arena, bias=None):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
-class HalfLinear(nn.Module):
+class _Held(nn.Module):
+    """A 16-bit weight, its uint16 view for the converter, and the arena it is used through."""
+
+    def __init__(self, weight, arena):
+        super().__init__()
+        self.weight = weight
+        self._arena = arena
+        self._rows16 = _uint16_view(weight)
+        self._code = _CODES[weight.dtype]
+
+    def _matmul(self, x, bias=None):
+        return chunked_matmul(x, self._rows16, self._code, self._arena, bias)
+
+
+class HalfLinear(_Held):
     """nn.Linear whose weight stays at 16 bits in DRAM (exact: float16 -> float32 is lossless)."""
 
     def __init__(self, weight, bias, arena):
-        super().__init__()
-        self.weight = weight
+        super().__init__(weight, arena)
         if bias is not None:
             self.bias = bias
-        self._arena = arena
-        self._rows16 = _uint16_view(weight)
-        self._code = _CODES[weight.dtype]
 
     def __call__(self, x):
-        return chunked_matmul(x, self.weight, self._rows16, self._code, self._arena,
-                              self.bias if "bias" in self else None)
+        return self._matmul(x, self.bias if "bias" in self else None)
 
 
-class HalfEmbedding(nn.Module):
+class HalfEmbedding(_Held):
     """nn.Embedding at 16 bits: lookups convert their rows; as_linear goes through the arena."""
 
     def __init__(self, weight, arena, dtype=mx.float32):
-        super().__init__()
-        self.weight = weight
+        super().__init__(weight, arena)
         self._dtype = dtype
-        self._arena = arena
-        self._rows16 = _uint16_view(weight)
-        self._code = _CODES[weight.dtype]
 
     def __call__(self, x):
         return self.weight[x].astype(self._dtype)
 
     def as_linear(self, x):
         if x.size == x.shape[-1]:  # one position (decode): eager, through the arena
-            return chunked_matmul(x, self.weight, self._rows16, self._code, self._arena)
+            return self._matmul(x)
         # Several positions (a prompt, an evaluation batch): lazy, with MLX's own (slower)
         # conversion per chunk, so that a caller that drops these logits (mlx_lm's prefill
         # keeps only the KV cache) never computes them nor holds [positions, vocab] floats.
@@ -147,27 +144,24 @@ def hold_at_16_bits(model, held, compute, skip=()):
     Returns the arena they share: ARENA_VALUES, or the largest weight if smaller.
 
     The weights must already be at `held` (the flash dtype): nothing is rounded here."""
-    swaps = []
-    arena = Arena(1)  # resized below, once the weights are known
+    found = []  # (parent, (name, index in a list or None), module)
 
-    def walk(module, prefix):
+    def walk(module):
         for name, child in module.children().items():
             for i, c in enumerate(child if isinstance(child, list) else [child]):
                 if not isinstance(c, nn.Module) or isinstance(c, skip):
                     continue
                 key = (name, i if isinstance(child, list) else None)
-                if isinstance(c, nn.Linear) and c.weight.dtype == held:
-                    swaps.append((module, key, HalfLinear(c.weight, c.get("bias"), arena)))
-                elif isinstance(c, nn.Embedding) and c.weight.dtype == held:
-                    swaps.append((module, key, HalfEmbedding(c.weight, arena, compute)))
+                if isinstance(c, (nn.Linear, nn.Embedding)) and c.weight.dtype == held:
+                    found.append((module, key, c))
                 else:
-                    walk(c, f"{prefix}{name}.")
+                    walk(c)
 
-    walk(model, "")
-    if swaps:
-        biggest = max(new.weight.size for _, _, new in swaps)
-        widest = max(new.weight.shape[1] for _, _, new in swaps)
-        arena.resize(max(widest, min(ARENA_VALUES, biggest)))
+    walk(model)
+    weights = [c.weight for _, _, c in found] or [mx.zeros((1, 1))]
+    arena = Arena(max(max(w.shape[1] for w in weights), min(ARENA_VALUES, max(w.size for w in weights))))
+    swaps = [(parent, key, HalfLinear(c.weight, c.get("bias"), arena) if isinstance(c, nn.Linear)
+              else HalfEmbedding(c.weight, arena, compute)) for parent, key, c in found]
     for parent, (name, i), new in swaps:
         if "bias" in new:
             new.bias = new.bias.astype(compute)

@@ -7,7 +7,7 @@ MODEL := models/smollm2-135m-instruct
 GGUF := models/download/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Write a short story about a robot who learns to paint.
 
-.PHONY: setup model demo test bench-parity clean-model peers-setup
+.PHONY: setup model demo test test-pythons bench-parity clean-model peers-setup
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,13 @@ demo: model
 
 test: model .venv-ref/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The reader, convert, parity and CLI tests under the other Pythons we claim
+# (requires-python), each in its own venv; see scripts/test_pythons.sh.
+EXTRA_PYTHONS ?= 3.10 3.12 3.13
+
+test-pythons: model .venv-ref/.installed
+	./scripts/test_pythons.sh $(EXTRA_PYTHONS)
 
 bench-parity: model
 	$(BIN)/python scripts/bench_dense_vs_mlx_lm.py --model $(MODEL)

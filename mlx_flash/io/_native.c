@@ -250,7 +250,7 @@ static void *worker(void *arg) {
     pthread_mutex_lock(&p->mu);
     for (;;) {
         while (!p->stop && p->tickets == 0) pthread_cond_wait(&p->work, &p->mu);
-        if (p->stop) break;
+        if (p->tickets == 0) break; /* stopping: but a batch in flight is finished first */
         p->tickets--;
         batch_t *b = p->batch;
         pthread_mutex_unlock(&p->mu);
@@ -273,8 +273,10 @@ static void pool_stop(Pool *p) {
         pthread_mutex_unlock(&p->mu);
         for (int t = 0; t < p->started; t++) pthread_join(p->threads[t], NULL);
     } /* else a forked child: the threads are not ours to join */
-    PyMem_Free(p->threads);
-    PyMem_Free(p->slots);
+    /* the Raw allocator: Pool_close calls this with the GIL released, and
+     * PyMem_Free without the GIL crashes on Python 3.12+ */
+    PyMem_RawFree(p->threads);
+    PyMem_RawFree(p->slots);
     p->threads = NULL;
     p->slots = NULL;
     p->started = 0;
@@ -294,11 +296,11 @@ static int Pool_init(Pool *self, PyObject *args, PyObject *kw) {
     pthread_mutex_init(&self->mu, NULL);
     pthread_cond_init(&self->work, NULL);
     pthread_cond_init(&self->done, NULL);
-    self->threads = PyMem_Calloc((size_t)n, sizeof(pthread_t));
-    self->slots = PyMem_Calloc((size_t)n, sizeof(slot_t));
+    self->threads = PyMem_RawCalloc((size_t)n, sizeof(pthread_t));
+    self->slots = PyMem_RawCalloc((size_t)n, sizeof(slot_t));
     if (!self->threads || !self->slots) {
-        PyMem_Free(self->threads);
-        PyMem_Free(self->slots);
+        PyMem_RawFree(self->threads);
+        PyMem_RawFree(self->slots);
         self->threads = NULL;
         self->slots = NULL;
         PyErr_NoMemory();

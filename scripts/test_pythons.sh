@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# `make test-pythons`: the native reader and the paths a user meets first
+# (reader, convert, parity with mlx_lm, CLI, float16-held weights) under every
+# other CPython we claim, each in its own venv (.venv-py3.X) with the package
+# installed editable. The main suite (`make test`) runs on $(PYTHON), 3.11 here.
+#
+# Why: the native reader freed memory with PyMem_Free while the GIL was
+# released; 3.11 tolerated it, 3.12 and 3.13 crash. Only running them sees that.
+#
+# usage: scripts/test_pythons.sh 3.10 3.12 3.13
+# Each version is looked up as pythonX.Y on PATH, then in pyenv's versions
+# (newest patch). A version not installed is skipped with a line saying so; if
+# none of the asked versions is installed the run fails (nothing was tested).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TESTS=(tests/test_reader.py tests/test_convert.py tests/test_parity.py tests/test_cli.py
+       tests/test_half.py)
+PYENV_VERSIONS="$( (command -v pyenv >/dev/null && pyenv root) || echo "$HOME/.pyenv")/versions"
+
+find_python() {  # the first candidate that runs and is that version (pyenv shims may not)
+  local v=$1 p
+  for p in $(command -v "python$v" 2>/dev/null) \
+           $(ls -d "$PYENV_VERSIONS/$v".*/bin/python 2>/dev/null | sort -rV); do
+    if "$p" -c "import sys; assert sys.version.startswith('$v.')" >/dev/null 2>&1; then
+      echo "$p"
+      return 0
+    fi
+  done
+}
+
+tested=()
+skipped=()
+for v in "$@"; do
+  py=$(find_python "$v")
+  if [ -z "$py" ]; then
+    echo "test-pythons: Python $v is not installed here (PATH or $PYENV_VERSIONS): skipped"
+    skipped+=("$v")
+    continue
+  fi
+  venv=".venv-py$v"
+  echo "test-pythons: Python $v ($py) in $venv"
+  if [ ! -f "$venv/.installed" ] || [ pyproject.toml -nt "$venv/.installed" ] ||
+     [ setup.py -nt "$venv/.installed" ] || [ mlx_flash/io/_native.c -nt "$venv/.installed" ]; then
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+    # (this machine's pip config names local indexes that may be absent: keep their warnings out)
+    "$venv/bin/pip" install -q --upgrade pip 2> >(grep -v "^WARNING: Location" >&2)
+    "$venv/bin/pip" install -q -e ".[test]" 2> >(grep -v "^WARNING: Location" >&2)
+    touch "$venv/.installed"
+  fi
+  # the extension is optional at install time; here it must have built
+  "$venv/bin/python" -c "import mlx_flash.io as io, sys; \
+assert io.native_available(), 'the native reader did not build for Python ' + sys.version"
+  "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider "${TESTS[@]}"
+  tested+=("$v")
+done
+
+if [ ${#tested[@]} -eq 0 ]; then
+  echo "test-pythons: none of the Pythons asked for ($*) is installed: nothing was tested" >&2
+  exit 1
+fi
+echo "test-pythons: passed on Python ${tested[*]}${skipped:+ (not installed: ${skipped[*]})}"

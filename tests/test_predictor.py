@@ -6,7 +6,7 @@ import pytest
 import mlx.core as mx
 
 import mlx_flash
-from mlx_flash.calibrate import _Recorder, calibrate
+from mlx_flash.sparsity.calibrate import _Recorder, calibrate
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
 from mlx_flash.layout import read_manifest

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_flash.calibrate import calibrate
+from mlx_flash.sparsity.calibrate import calibrate
 from mlx_flash.convert import convert
 from mlx_flash.eval.tasks import MCItem
 from helpers import make_llama_folder

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import FlashError
+from ..sizes import MiB, parse_share
 
 MB = 1e6
 RUNTIMES = ("mlx_flash", "mlx_lm", "llama.cpp")
@@ -171,26 +172,12 @@ def parse_systems(text):
 
 def parse_limit(text, what="--limit"):
     """'50%' -> ('fraction', 0.5); '400MB' -> ('bytes', 400e6); 'none' -> ('none', None)."""
-    from .storage import parse_size
-
-    t = str(text).strip()
-    if t.lower() == "none":
+    if str(text).strip().lower() == "none":
         return ("none", None)
-    if t.endswith("%"):
-        try:
-            v = float(t[:-1])
-        except ValueError:
-            raise FlashError(f"{what}: cannot read '{text}' (examples: 50%, 400MB, 512MiB, none)")
-        if not 0 < v <= 1000:
-            raise FlashError(f"{what}: {text} is not a percentage in (0, 1000]")
-        return ("fraction", v / 100)
-    try:
-        n = parse_size(t)
-    except FlashError:
-        raise FlashError(f"{what}: cannot read '{text}' (examples: 50%, 400MB, 512MiB, none)")
-    if n < 1 << 20:
+    kind, v = parse_share(text, what, max_percent=1000, examples="50%, 400MB, 512MiB, none")
+    if kind == "bytes" and v < MiB:
         raise FlashError(f"{what}: {text} is under 1 MiB")
-    return ("bytes", n)
+    return (kind, v)
 
 
 # --- memory cgroups ---

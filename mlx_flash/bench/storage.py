@@ -33,25 +33,10 @@ import numpy as np
 from ..errors import FlashError
 from ..io import DEFAULT_COALESCE_GAP, FlashReader, native_available
 
-KiB, MiB = 1024, 1024 * 1024
+from ..sizes import KiB, MiB, parse_size  # noqa: F401  (parse_size: the CLI's --size)
 DEFAULT_CHUNKS = [4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 128 * KiB, 256 * KiB,
                   512 * KiB, 1 * MiB]
 DEFAULT_THREADS = [1, 2, 4, 8, 16, 32, 64]
-
-_UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": 1 << 30,
-          "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
-          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
-
-
-def parse_size(text):
-    """'2GB' -> 2e9, '16KiB' / '16K' -> 16384 (K, M, G are binary; KB, MB, GB decimal)."""
-    t = str(text).strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    if unit not in _UNITS or not num:
-        raise FlashError(f"cannot read size {text!r} (examples: 2GB, 512MiB, 16K)")
-    return int(float(num) * _UNITS[unit])
-
 
 def fmt_size(n):
     for unit, v in (("MiB", MiB), ("KiB", KiB)):

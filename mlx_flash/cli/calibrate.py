@@ -27,7 +27,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
 
     def body():
-        from ..calibrate import calibrate
+        from ..sparsity.calibrate import calibrate
         from ..errors import FlashError
 
         if args.tokens < args.seq_len:

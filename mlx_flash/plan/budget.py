@@ -12,29 +12,20 @@ overflow. With a window k, a layer whose cache is full shrinks its own window
 (paper App. C.3/C.4).
 """
 
-import re
 from dataclasses import dataclass
 
 from ..errors import FlashError
+from ..sizes import parse_share
 
 MODES = ("dense", "naive", "hybrid", "flash")
-UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def parse_budget(text, model_bytes):
     """'50%' (of the model's weights) or '4GB' / '512MiB' / a byte count -> bytes."""
     if text is None:
         return None
-    s = str(text).strip().upper()
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%|[KMGT]?I?B?)", s)
-    if not m or (m.group(2) not in UNITS and m.group(2) != "%"):
-        raise FlashError(f"--memory-budget: cannot read '{text}' (examples: 50%, 4GB, 512MiB)")
-    value = float(m.group(1))
-    if m.group(2) == "%":
-        if not 0 < value <= 100:
-            raise FlashError(f"--memory-budget: {text} is not a percentage in (0, 100]")
-        return int(model_bytes * value / 100)
-    return int(value * UNITS[m.group(2)])
+    kind, v = parse_share(text, "--memory-budget")
+    return int(model_bytes * v) if kind == "fraction" else v
 
 
 @dataclass

@@ -23,15 +23,15 @@ import numpy as np
 
 import mlx.core as mx
 
-from .errors import FlashError
-from .layout.format import MANIFEST, read_manifest, sha256_file
-from .layout.safetensors_io import SafetensorsWriter
-from .models.ffn import FFNRows
-from .sparsity import top_k_mask
-from .sparsity.predictor import choose_threshold, metrics, probabilities, train_predictor
+from ..errors import FlashError
+from ..layout.format import MANIFEST, read_manifest, sha256_file
+from ..layout.safetensors_io import SafetensorsWriter
+from ..models.ffn import FFNRows
+from . import top_k_mask
+from .predictor import choose_threshold, metrics, probabilities, train_predictor
 
 PREDICTORS = "predictors.safetensors"
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data beside the checkout
 SPARSE_ACTS = ("relu", "relu2", "fatrelu")
 WINDOWS = range(1, 9)
 
@@ -105,8 +105,8 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
               density=None, epochs=4, progress=True, log=print):
     from tqdm import tqdm
 
-    from . import load
-    from .loader import layer_ffn
+    from .. import load
+    from ..loader import layer_ffn
 
     folder = Path(folder)
     manifest = read_manifest(folder)

@@ -72,7 +72,7 @@ def main():
         "device": str(mx.default_device()),
         "blas": blas_info(),
         "model": a.model,
-        "dtype": "float32 compute, " + model.flash["manifest"].dtype + " on flash",
+        "dtype": "float32 compute, " + model.runtime.manifest.dtype + " on flash",
         "tokens": a.tokens,
         "rounds": a.rounds,
         "mlx_lm_decode_tps_median": statistics.median(r["mlx_lm"][0] for r in rows),

@@ -12,7 +12,6 @@ import platform
 
 import mlx_flash
 from mlx_flash.blas import blas_info
-from mlx_flash.cli.generate import stats_report
 
 PROMPT = "Write a detailed paragraph about the history of the printing press in Europe."
 
@@ -36,7 +35,7 @@ def main():
         model, tok = mlx_flash.load(a.model, memory_budget=a.budget, **kw)
         prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
         mlx_flash.generate(model, tok, prompt, max_tokens=a.tokens)
-        s = stats_report(model)["summary"]
+        s = model.runtime.stats()["summary"]
         rows.append(dict(name=name, **s))
     print(f"SmolLM2 decode, {a.tokens} tokens, budget {a.budget} ({rows[0]['memory_budget_bytes'] / 1e6:.0f} MB); "
           f"{platform.machine()} {platform.system()}, BLAS {blas_info()}, float32 compute, float16 on flash\n")

@@ -50,10 +50,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_flash.blas import blas_info
-from mlx_flash.cli.generate import stats_report
 from mlx_flash.layout import read_manifest
 from mlx_flash.eval.harness import evaluate, load_task, prefix_token, tokenize_stream, windows
-from mlx_flash.loader import layer_ffn
+from mlx_flash.models.ffn import layer_ffn
 from mlx_flash.sparsity import PredictorSource, top_k_mask
 
 SOURCES = ("oracle", "predictor", "threshold", "dip", "dip-ca")
@@ -137,7 +136,7 @@ def run_config(model_path, c, tasks, context, spread, progress, bar):
         row["tasks"][task] = out
         bar.update(1)
     row["seconds"] = time.perf_counter() - t_row
-    row["stats"] = stats_report(model)["summary"]
+    row["stats"] = model.runtime.stats()["summary"]
     return row
 
 
@@ -147,7 +146,7 @@ def run_check(model_path, source, density, budget, n, context, batch_row, tasks,
                                 memory_budget=budget)
     res = evaluate(model, tok, "wikitext", limit=n, context=context, incremental=True,
                    loaded=tasks["wikitext"], progress=progress)
-    s = stats_report(model)["summary"]
+    s = model.runtime.stats()["summary"]
     ref = np.array(batch_row["tasks"]["wikitext"]["nll"][:n])
     nll = res["nll"][: len(ref)]
     diff = np.abs(nll - ref)
@@ -158,8 +157,8 @@ def run_check(model_path, source, density, budget, n, context, batch_row, tasks,
                 first_apart=int(apart[0]) if apart.size else None, seconds=res["seconds"],
                 **{k: s.get(k) for k in ("mean_total_ms", "mean_predict_ms", "mean_io_ms", "mean_mem_ms",
                                          "mean_compute_ms", "n_tokens")},
-                source_bytes=getattr(getattr(model.flash["store"], "source", None), "resident_bytes", None),
-                model_bytes=model.flash.get("model_bytes"), budget_bytes=model.flash.get("budget_bytes"))
+                source_bytes=getattr(getattr(model.runtime.store, "source", None), "resident_bytes", None),
+                model_bytes=model.runtime.model_bytes, budget_bytes=model.runtime.budget_bytes)
 
 
 # --- the predictor against the truth, per layer
@@ -207,9 +206,9 @@ def predictor_layers(model_path, text, n_tokens, context, densities, progress):
     from tqdm import tqdm
 
     model, tok = mlx_flash.load(model_path)
-    manifest = model.flash["manifest"]
+    manifest = model.runtime.manifest
     cal = manifest.calibration
-    source = PredictorSource(model.flash["folder"], manifest, 1.0, mx.float32)
+    source = PredictorSource(model.runtime.folder, manifest, 1.0, mx.float32)
     ffns = [layer_ffn(layer) for layer in model.layers]
     pcal = cal["predictors"]
     probe = _Probe(ffns[0].store, ffns, source, pcal.get("target", "topk"), pcal.get("density") or 0.5,

@@ -22,7 +22,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_flash.blas import blas_info
-from mlx_flash.cli.generate import stats_report
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
@@ -70,7 +69,7 @@ def main():
         if tok_ids is None:
             tok_ids = tok.encode(text[: a.tokens * 8])[: a.tokens]
         ppl, ms = perplexity(model, tok_ids)
-        s = stats_report(model)["summary"]
+        s = model.runtime.stats()["summary"]
         row = dict(c, ppl=ppl, ms_per_token=ms, **{k: s.get(k) for k in (
             "weights_in_dram_bytes", "memory_budget_bytes", "mean_io_ms", "mean_mem_ms", "mean_compute_ms",
             "mean_bytes_read", "mean_hit_rate")})

@@ -35,10 +35,10 @@ def test_full_density_is_exact_even_when_streaming(folder):
         np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), want, atol=1e-4)
         assert greedy(model) == greedy(dense)
         if budget:
-            plan = model.flash["plan"]
+            plan = model.runtime.plan
             assert plan.dip_capacity[1] < 256  # the caches cannot hold it all: scratch streams
             resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-            assert resident + model.flash["store"].weights_bytes <= model.flash["budget_bytes"]
+            assert resident + model.runtime.store.weights_bytes <= model.runtime.budget_bytes
 
 
 def test_layer_output_matches_the_dip_equations(folder):
@@ -71,10 +71,10 @@ def test_dip_ca_with_gamma_one_is_dip(folder):
     c, _ = mlx_flash.load(path, mode="flash", sparsity="dip-ca", density=0.5, memory_budget="75%", gamma=0.2)
     assert greedy(a) == greedy(b)
     greedy(c)
-    stats = c.flash["store"].stats
+    stats = c.runtime.store.stats
     stats.end()
     hit_ca = np.mean([r["hit_rate"] for r in stats.rows if r["tokens"] == 1])
-    stats = a.flash["store"].stats
+    stats = a.runtime.store.stats
     stats.end()
     hit_dip = np.mean([r["hit_rate"] for r in stats.rows if r["tokens"] == 1])
     assert hit_ca >= hit_dip  # re-weighting prefers cached entries (DIP §5.2)
@@ -94,7 +94,7 @@ def test_dip_store_keeps_no_per_token_history_by_default(folder):
 
     path, _, _ = folder
     model, _ = mlx_flash.load(path, mode="flash", sparsity="dip", density=0.5)
-    store = model.flash["store"]
+    store = model.runtime.store
     greedy(model, 2)
     gc.collect()
     before = sum(sys.getsizeof(o) for o in gc.get_objects() if isinstance(o, np.ndarray))
@@ -102,8 +102,8 @@ def test_dip_store_keeps_no_per_token_history_by_default(folder):
     gc.collect()
     after = sum(sys.getsizeof(o) for o in gc.get_objects() if isinstance(o, np.ndarray))
     assert store.trace is None and after - before < 64 * 1024  # nothing kept per token
-    from mlx_flash.dip_store import DIPStore
+    from mlx_flash.runtime.stores.dip import DIPStore
 
-    kept = DIPStore(path, model.flash["manifest"], store.plan, store.reader, store.act, 0.5,
+    kept = DIPStore(path, model.runtime.manifest, store.plan, store.reader, store.act, 0.5,
                     record_trace=True)
     assert kept.trace is not None and kept.trace[0]["in"] == []

@@ -208,9 +208,7 @@ def test_flash_mode_scores_token_by_token_through_the_store(tiny, tiny_loaded):
     res = evaluate(naive, ntok, "x", loaded=("perplexity", TEXT, "text"), limit=40, context=20)
     assert res["incremental"] and not dense["incremental"]
     assert res["metrics"]["perplexity"] == pytest.approx(dense["metrics"]["perplexity"], rel=1e-4)
-    from mlx_flash.cli.generate import stats_report
-
-    assert stats_report(naive)["summary"]["n_tokens"] == 40  # one store call per token, each of 1 token
+    assert naive.runtime.stats()["summary"]["n_tokens"] == 40  # one store call per token, each of 1 token
 
 
 def test_flash_mode_choices_token_by_token_and_batch_prefill(tiny, tiny_loaded):

@@ -11,7 +11,7 @@ from mlx_flash.cache import NeuronCache
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
 from mlx_flash.models.half import Arena, HalfEmbedding, HalfLinear
-from mlx_flash.plan import make_plan
+from mlx_flash.runtime.budget import make_plan
 from helpers import make_llama_folder
 
 PROMPT = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
@@ -68,7 +68,7 @@ def llama16(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(llama16):
     model, _ = mlx_flash.load(llama16)
-    weights = model.flash["store"].weights_bytes
+    weights = model.runtime.store.weights_bytes
     return greedy(model), np.array(model(mx.array([PROMPT]))), weights
 
 
@@ -78,7 +78,7 @@ def test_held_model_matches_float32(llama16, reference, mode, budget):
     # (2 layers: prefetch's second buffer would cost more than a 75 % budget leaves)
     model, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget, resident_dtype="float16",
                               prefetch=False)
-    assert model.flash["resident_dtype"] == "float16"
+    assert model.runtime.resident_dtype == "float16"
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, HalfLinear) and attn.q_proj.weight.dtype == mx.float16
     assert isinstance(model.model.embed_tokens, HalfEmbedding)
@@ -86,25 +86,25 @@ def test_held_model_matches_float32(llama16, reference, mode, budget):
     np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)
     assert greedy(model) == reference[0]
     if mode == "dense":  # every FFN row at float16 + one float32 layer of arena
-        lay = model.flash["manifest"].layout
+        lay = model.runtime.manifest.layout
         layer32 = len(lay.kinds) * lay.d_model * lay.n_neurons * 4
-        assert model.flash["store"].weights_bytes == reference[2] // 2 + layer32
+        assert model.runtime.store.weights_bytes == reference[2] // 2 + layer32
     if budget:
-        plan = model.flash["plan"]
-        assert plan.weights_bytes <= model.flash["budget_bytes"]
+        plan = model.runtime.plan
+        assert plan.weights_bytes <= model.runtime.budget_bytes
         if mode == "hybrid":  # float16 caches: twice the resident neurons of float32 ones, or more
             f32, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget, prefetch=False)
-            assert plan.held_neuron_bytes and plan.capacity >= 2 * f32.flash["plan"].capacity
-            assert model.flash["store"].weights_bytes <= plan.ffn_dram_bytes
+            assert plan.held_neuron_bytes and plan.capacity >= 2 * f32.runtime.plan.capacity
+            assert model.runtime.store.weights_bytes <= plan.ffn_dram_bytes
 
 
 def test_held_budget_is_a_share_of_the_float32_model(llama16):
     a, _ = mlx_flash.load(llama16, mode="naive", memory_budget="90%", prefetch=False)
     b, _ = mlx_flash.load(llama16, mode="naive", memory_budget="90%", resident_dtype="float16",
                           prefetch=False)
-    assert a.flash["budget_bytes"] == b.flash["budget_bytes"]
+    assert a.runtime.budget_bytes == b.runtime.budget_bytes
     arena = b.layers[0].self_attn.q_proj._arena.nbytes  # counted in the resident bytes
-    assert b.flash["plan"].resident_bytes - arena < 0.6 * a.flash["plan"].resident_bytes
+    assert b.runtime.plan.resident_bytes - arena < 0.6 * a.runtime.plan.resident_bytes
 
 
 def test_held_dtype_errors(llama16, tmp_path):
@@ -130,8 +130,8 @@ def test_held_hybrid_plan_fills_the_budget():
 
 def test_held_hybrid_with_prefetch_converts_the_next_layer_meanwhile(llama16, reference):
     model, _ = mlx_flash.load(llama16, mode="hybrid", resident_dtype="float16")  # prefetch default
-    store = model.flash["store"]
-    assert model.flash["plan"].prefetch and len(store.arenas) == 2 and len(store.buffers) == 2
+    store = model.runtime.store
+    assert model.runtime.plan.prefetch and len(store.arenas) == 2 and len(store.buffers) == 2
     np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)
     assert greedy(model) == reference[0]
-    assert store.weights_bytes <= model.flash["plan"].ffn_dram_bytes
+    assert store.weights_bytes <= model.runtime.plan.ffn_dram_bytes

@@ -40,7 +40,7 @@ def test_opt_matches_transformers(tmp_path, variant, lm_head):
     src, cfg, _ = make_opt_folder(tmp_path / "hf", variant, seed=1, lm_head=lm_head)
     out = convert(src, tmp_path / "flash", dtype="float32", progress=False)
     model, _ = mlx_flash.load(out)
-    assert model.flash["dtype"] == "float32"
+    assert model.runtime.compute_dtype == "float32"
 
     tokens = TOKENS[:9]
     ref = reference_logits(src, tokens)

@@ -74,7 +74,7 @@ def test_trace_source_injects_predictor_errors():
 
 def test_unbundled_reads_fill_the_same_rows(tiny):
     from mlx_flash.cache import NeuronCache
-    from mlx_flash.flash_store import read_into
+    from mlx_flash.runtime.stores.base import read_into
     from mlx_flash.io import FlashReader
     from mlx_flash.layout.format import read_manifest
 

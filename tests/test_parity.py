@@ -41,7 +41,7 @@ def test_float16_flash_is_exact_float16_weights(tmp_path):
     make_llama_folder(rounded, "llama", dtype="float16")  # same seed: same weights, rounded
     out = convert(src, tmp_path / "flash", dtype="float16", progress=False)
     model, _ = mlx_flash.load(out)
-    assert model.flash["dtype"] == "float32"
+    assert model.runtime.compute_dtype == "float32"
     ref, _ = load_model(rounded)
     ref.set_dtype(mx.float32)
     x = mx.array([TOKENS])

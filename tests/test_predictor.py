@@ -10,7 +10,7 @@ from mlx_flash.sparsity.calibrate import _Recorder, calibrate
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
 from mlx_flash.layout import read_manifest
-from mlx_flash.loader import layer_ffn
+from mlx_flash.models.ffn import layer_ffn
 from helpers import make_llama_folder
 
 WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
@@ -54,7 +54,7 @@ def test_recall_on_unseen_text_and_kl_to_dense(calibrated):
     for f in ffns:
         f.store = rec
     mx.eval(dense(mx.array([tokens])))
-    source = model.flash["store"].source
+    source = model.runtime.store.source
     for layer in range(2):
         x, y = rec.x[layer][0], rec.y[layer][0]
         pred = source.select(layer, mx.array(x))

@@ -37,8 +37,8 @@ def test_baselines_are_exact(relu_llama, dense, mode):
     model, _ = mlx_flash.load(relu_llama, mode=mode)
     np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), dense[2], atol=1e-4)
     assert greedy(model) == dense[1]
-    rows = model.flash["store"].stats.rows
-    lay = model.flash["manifest"].layout
+    rows = model.runtime.store.stats.rows
+    lay = model.runtime.manifest.layout
     streamed = lay.n_neurons if mode == "naive" else lay.n_neurons - lay.n_neurons // 2
     assert rows[-1]["bytes_read"] >= 2 * streamed * lay.bundle_bytes  # every token re-reads
 
@@ -47,7 +47,7 @@ def test_oracle_with_infinite_window_is_dense(relu_llama, dense):
     """ReLU + oracle: exactly the non-zero neurons; with every neuron kept, tokens equal dense."""
     model, _ = mlx_flash.load(relu_llama, mode="flash", sparsity="oracle", window=None)
     assert greedy(model) == dense[1]
-    store = model.flash["store"]
+    store = model.runtime.store
     store.stats.end()
     decode = [r for r in store.stats.rows if r["tokens"] == 1]
     assert decode and decode[-1]["hit_rate"] > 0.5  # the window keeps reused neurons
@@ -57,13 +57,13 @@ def test_oracle_with_infinite_window_is_dense(relu_llama, dense):
 def test_windowed_flash_under_a_budget(relu_llama, dense):
     # threshold on a ReLU gate is exact and keeps only the gate resident
     model, _ = mlx_flash.load(relu_llama, mode="flash", sparsity="threshold", memory_budget="85%", window=2)
-    plan = model.flash["plan"]
-    assert plan.capacity < model.flash["manifest"].layout.n_neurons
-    assert plan.weights_bytes <= model.flash["budget_bytes"]
-    store = model.flash["store"]
+    plan = model.runtime.plan
+    assert plan.capacity < model.runtime.manifest.layout.n_neurons
+    assert plan.weights_bytes <= model.runtime.budget_bytes
+    store = model.runtime.store
     resident = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
     held = resident + store.weights_bytes + store.source.resident_bytes
-    assert held <= model.flash["budget_bytes"], (held, model.flash["budget_bytes"])
+    assert held <= model.runtime.budget_bytes, (held, model.runtime.budget_bytes)
     out = greedy(model)
     assert out == dense[1]  # ReLU oracle is exact whatever the window
     store.stats.end()
@@ -97,7 +97,7 @@ def test_top_k_density_is_per_token_whatever_the_window(tmp_path):
 
 def test_too_many_neurons_splits_a_batch_of_single_tokens():
     """4 sequences x 1 position whose union does not fit: split the batch, not the length-1 axis."""
-    from mlx_flash.flash_store import TooManyNeurons
+    from mlx_flash.runtime import TooManyNeurons
     from mlx_flash.models.ffn import FFNRows, FlashFFN
 
     rng = np.random.default_rng(0)
@@ -134,14 +134,14 @@ def test_prefetch_reads_the_next_layer_during_this_one(relu_llama, dense, mode):
     """Two streaming buffers; same logits, tokens and bytes per token as reading in the layer."""
     sync, _ = mlx_flash.load(relu_llama, mode=mode, prefetch=False)
     model, _ = mlx_flash.load(relu_llama, mode=mode)  # prefetch is the default
-    plan, store = model.flash["plan"], model.flash["store"]
-    assert plan.prefetch and not sync.flash["plan"].prefetch
-    assert len(store.buffers) == 2 and plan.scratch_rows == 2 * sync.flash["plan"].scratch_rows
+    plan, store = model.runtime.plan, model.runtime.store
+    assert plan.prefetch and not sync.runtime.plan.prefetch
+    assert len(store.buffers) == 2 and plan.scratch_rows == 2 * sync.runtime.plan.scratch_rows
     np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), dense[2], atol=1e-4)
     assert greedy(model) == dense[1] == greedy(sync)
     assert store._pending is not None  # the next token's first layer is already on its way
     a = [r["bytes_read"] for r in store.stats.rows[1:]]
-    b = [r["bytes_read"] for r in sync.flash["store"].stats.rows[1:]]
+    b = [r["bytes_read"] for r in sync.runtime.store.stats.rows[1:]]
     assert a[:-1] == b[: len(a) - 1] and a[0] > 0
     # a forward that does not start at layer 0 (the pending read is for layer 0): read inline
     x = mx.ones((1, 1, model.args.hidden_size))
@@ -158,13 +158,13 @@ def test_prefetch_read_error_surfaces_in_the_layer(relu_llama):
 
     model, _ = mlx_flash.load(relu_llama, mode="naive")
     greedy(model, 2)
-    model.flash["store"].reader._fault = (0, errno.EIO)  # every layer's first bundle fails
+    model.runtime.store.reader._fault = (0, errno.EIO)  # every layer's first bundle fails
     with pytest.raises(ReadError, match="EIO"):
         greedy(model, 2)
 
 
 def test_prefetch_plan_counts_both_buffers():
-    from mlx_flash.plan import make_plan
+    from mlx_flash.runtime.budget import make_plan
 
     n, layers, f = 100, 4, 12
     naive = make_plan("naive", 10_000, 1000, 0, f, layers, n, prefetch=True)
@@ -182,15 +182,15 @@ def test_flash_overlap_reads_while_the_cached_neurons_compute(relu_llama, dense)
     kw = dict(mode="flash", sparsity="threshold", memory_budget="85%", window=2)
     seq, _ = mlx_flash.load(relu_llama, prefetch=False, **kw)
     ovl, _ = mlx_flash.load(relu_llama, **kw)  # overlap is the default
-    store = ovl.flash["store"]
-    assert store.overlap and not seq.flash["store"].overlap
+    store = ovl.runtime.store
+    assert store.overlap and not seq.runtime.store.overlap
     calls = []
     orig = store._overlapped
     store._overlapped = lambda *a: calls.append(1) or orig(*a)
     np.testing.assert_allclose(np.array(ovl(mx.array([PROMPT]))), np.array(seq(mx.array([PROMPT]))),
                                atol=1e-5)
     assert greedy(ovl) == greedy(seq) == dense[1]
-    a, b = ovl.flash["store"].stats.rows, seq.flash["store"].stats.rows
+    a, b = ovl.runtime.store.stats.rows, seq.runtime.store.stats.rows
     for key in ("bytes_read", "reads", "hits", "active"):
         assert [r[key] for r in a] == [r[key] for r in b], key
     assert sum(r["bytes_read"] for r in a[2:]) > 0 and len(calls) > 10  # the overlap ran
@@ -204,7 +204,7 @@ def test_flash_overlap_read_error_surfaces(relu_llama):
     model, _ = mlx_flash.load(relu_llama, mode="flash", sparsity="threshold", memory_budget="85%",
                               window=2)
     greedy(model, 2)
-    model.flash["store"].reader._fault = (0, errno.EIO)
+    model.runtime.store.reader._fault = (0, errno.EIO)
     with pytest.raises(ReadError, match="EIO"):
         for _ in range(20):  # until a token misses neuron 0 of some layer
             greedy(model, 4)

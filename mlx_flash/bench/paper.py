@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..errors import FlashError
 from .random_model import build_checkpoint, shape_config
@@ -117,31 +116,25 @@ def throughput_at(curve, size):
 # --- the runs
 
 
-def attach(model, folder, manifest, config, trace, budget, threads, predictor_rank, resident):
-    """A fresh FlashStore for `config` on the loaded model; returns it."""
-    from ..loader import layer_ffn
-    from ..sparse_loader import make_flash_store
+def attach(model, config, trace, budget, threads, predictor_rank, window=None):
+    """A fresh runtime for `config` on the loaded model (the last one released); returns its store.
+    window: another window than the configuration's (Figure 7)."""
+    from ..runtime import FlashConfig, rebuild_runtime
 
-    mode, window, bundled, predictor, overlap = CONFIGS[config]
+    mode, cfg_window, bundled, predictor, overlap = CONFIGS[config]
     source = None
     if mode == "flash":
-        source = TraceSource(trace, manifest.layout.d_model,
+        source = TraceSource(trace, model.runtime.manifest.layout.d_model,
                              predictor_rank=predictor_rank if predictor else 0)
-    store = make_flash_store(model, folder, manifest, mx.float32, resident, mode,
-                             source if source else "oracle", 1.0, budget, window, threads,
-                             verify=False, bundled=bundled, overlap=overlap)
-    for layer in model.layers:
-        layer_ffn(layer).store = store
-    return store
+    cfg = FlashConfig(dtype="float32", verify=False, mode=mode, memory_budget=budget, threads=threads,
+                      window=cfg_window if window is None else window, bundled=bundled,
+                      prefetch=False, overlap=overlap)
+    return rebuild_runtime(model, cfg, source=source).store
 
 
-def release(model, store):
-    from ..loader import layer_ffn
-
-    for layer in model.layers:
-        layer_ffn(layer).store = None
-    store.reader.close()
-    store.caches = store.scratch = None
+def release(model):
+    """Close the model's runtime (its reader, worker and caches) and give the memory back."""
+    model.runtime.close()
     gc.collect()
     mx.clear_cache()
 
@@ -164,11 +157,6 @@ def decode(model, store, prompt, warmup, tokens):
     return rows, walls[warmup: warmup + tokens]
 
 
-def held_rows(store):
-    """FFN rows holding weights right now (caches + scratch in use)."""
-    return sum(c.num_used for c in store.caches) + store.scratch.num_used
-
-
 def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, curve, mem_bw,
               source_stats=None):
     mean = {k: float(np.mean([r[k] for r in rows])) for k in
@@ -176,7 +164,7 @@ def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, cu
              "hit_rate")}
     wall = float(np.median(walls))
     read_size = mean["bytes_read"] / mean["reads"] if mean["reads"] else 0
-    computed = resident_bytes + plan.source_bytes + held_rows(store) * neuron_bytes
+    computed = resident_bytes + plan.source_bytes + store.held_rows * neuron_bytes
     row = {
         "config": config,
         "flash_to_dram_gb": mean["bytes_read"] / 1e9,
@@ -188,7 +176,7 @@ def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, cu
         "predict_ms": mean["predict_ms"],
         "compute_ms": mean["compute_ms"],
         "total_ms": wall,
-        "ffn_dram_gb": held_rows(store) * neuron_bytes / 1e9,
+        "ffn_dram_gb": store.held_rows * neuron_bytes / 1e9,
         "ffn_dram_alloc_gb": plan.ffn_dram_bytes / 1e9,
         "weights_dram_gb": plan.weights_bytes / 1e9,
         "hit_rate": mean["hit_rate"],
@@ -256,10 +244,8 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     n_layers = len(manifest.ffn_files)
     log(f"checkpoint {folder} ({shape}, {dtype} on flash)")
     model, _ = load(folder, mode="naive", verify=False, prefetch=False)  # resident weights once; stores swap below
-    store0 = model.flash["store"]
-    resident = dict(tree_flatten(model.parameters()))
-    resident_bytes = sum(v.nbytes for v in resident.values())
-    release(model, store0)
+    resident_bytes = model.runtime.resident.held_bytes
+    release(model)
     neuron_bytes = len(lay.kinds) * lay.d_model * 4
     model_bytes = resident_bytes + neuron_bytes * lay.n_neurons * n_layers
 
@@ -292,8 +278,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
         for config in configs:
-            store = attach(model, folder, manifest, config, trace, memory_budget, threads,
-                           predictor_rank, resident)
+            store = attach(model, config, trace, memory_budget, threads, predictor_rank)
             plan = store.plan
             sparse = CONFIGS[config][0] == "flash"
             n_tok = tokens if sparse else max(1, tokens // 4)
@@ -301,7 +286,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             bw = max(mem_bw, matvec_bandwidth(lay.n_neurons, lay.d_model))  # now, for this row
             log(f"[round {rnd + 1}/{rounds}] {config}: {n_warm} warm-up + {n_tok} decode tokens")
             r, walls = decode(model, store, prompt, n_warm, n_tok)
-            src_stats = store.source.stats if store.source is not None else None
+            src_stats = model.runtime.source.stats if model.runtime.source is not None else None
             row = summarize(config, r, walls, store, plan, neuron_bytes, resident_bytes, curve,
                             bw, src_stats)
             per[config].append(row)
@@ -310,7 +295,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
                 f"predictor {row['predict_ms']:.0f}, compute {row['compute_ms']:.0f}; "
                 f"{row['flash_to_dram_gb']:.3f} GB read at {row['throughput_gbs']:.2f} GB/s; "
                 f"floor {row['floor_ms']:.0f} ms (memory {bw:.1f} GB/s)")
-            release(model, store)
+            release(model)
     for rs in per.values():
         for r in rs:
             refloor(r, curve, best_bw)
@@ -318,29 +303,26 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
 
     fig7 = []
     for w in windows or ():
-        store = attach(model, folder, manifest, "all", trace, memory_budget, threads,
-                       predictor_rank, resident)
-        store.window = w
+        store = attach(model, "all", trace, memory_budget, threads, predictor_rank, window=w)
         r = drive_store(store, lay.d_model, window_tokens)
         fig7.append({"window": w, "io_ms": float(np.mean([x["io_ms"] for x in r])),
                      "mem_ms": float(np.mean([x["mem_ms"] for x in r])),
                      "load_ms": float(np.mean([x["total_ms"] for x in r])),
                      "flash_to_dram_gb": float(np.mean([x["bytes_read"] for x in r])) / 1e9,
-                     "ffn_dram_gb": held_rows(store) * neuron_bytes / 1e9,
+                     "ffn_dram_gb": store.held_rows * neuron_bytes / 1e9,
                      "window_kept": float(np.mean([x["window"] for x in r]))})
         log(f"window {w}: FFN in DRAM {fig7[-1]['ffn_dram_gb']:.2f} GB, "
             f"{fig7[-1]['flash_to_dram_gb'] * 1e3:.0f} MB/token, I/O {fig7[-1]['io_ms']:.0f} ms")
-        release(model, store)
+        release(model)
 
     fig8 = []
     if long_tokens:
-        store = attach(model, folder, manifest, "all", trace, memory_budget, threads,
-                       predictor_rank, resident)
+        store = attach(model, "all", trace, memory_budget, threads, predictor_rank)
         log(f"long generation: {long_tokens} tokens through the store")
         r = drive_store(store, lay.d_model, long_tokens)
         fig8 = [{"token": i, "io_ms": x["io_ms"], "mem_ms": x["mem_ms"],
                  "flash_to_dram_mb": x["bytes_read"] / 1e6} for i, x in enumerate(r)]
-        release(model, store)
+        release(model)
 
     return {
         "shape": shape, "flash_dtype": dtype, "compute_dtype": "float32",

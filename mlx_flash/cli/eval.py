@@ -26,7 +26,7 @@ import time
 
 from ..errors import FlashError
 from . import run
-from .generate import add_model_args, load_for_cli, stats_report
+from .generate import add_model_args, load_for_cli
 
 
 def build_parser():
@@ -116,18 +116,18 @@ def main(argv=None):
         res = evaluate(model, tokenizer, args.task, args.split, args.limit, args.context, incremental,
                        args.data_dir, progress=not args.no_progress, loaded=loaded)
         wall = time.perf_counter() - t0
-        stats = stats_report(model)["summary"]
+        stats = model.runtime.stats()["summary"]
         print("\n".join(summary_lines(res, args, stats)))
         if args.json:
             from pathlib import Path
 
             out = {k: v for k, v in res.items() if k != "nll"}
             out.update(
-                model=str(model.flash["folder"]),
+                model=str(model.runtime.folder),
                 config={k: getattr(args, k) for k in (
                     "mode", "sparsity", "density", "memory_budget", "window", "gamma", "eviction",
                     "dtype", "context", "batch_prefill", "token_by_token", "split", "limit")},
-                compute_dtype=model.flash["dtype"], wall_seconds=wall, stats=stats)
+                compute_dtype=model.runtime.compute_dtype, wall_seconds=wall, stats=stats)
             if res["kind"] == "perplexity":
                 nll = res["nll"]
                 out["window_mean_nll"] = [float(nll[s: s + res["context"]].mean())

@@ -8,28 +8,11 @@ from . import check_model_arg, default_model, run
 
 
 def add_model_args(p):
+    from ..runtime import add_cli_args
+
     p.add_argument("--model", default=None,
                    help=f"converted folder, Hub repo, HF/mlx-lm folder or .gguf (default {default_model()})")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="compute dtype (default float32 on the CPU)")
-    p.add_argument("--no-verify", action="store_true", help="skip sha256 checks at load")
-    p.add_argument("--mode", default="dense", choices=["dense", "naive", "hybrid", "flash"],
-                   help="dense: all FFN rows in DRAM; naive: all read every token; hybrid: half "
-                   "resident; flash: only the needed neurons, windowed cache (default dense)")
-    p.add_argument("--sparsity", default="oracle", choices=["oracle", "threshold", "dip", "dip-ca", "predictor"],
-                   help="flash mode's sparsity source (dip / dip-ca need a model converted with --dip)")
-    p.add_argument("--gamma", type=float, default=0.2, help="DIP-CA re-weighting of uncached entries")
-    p.add_argument("--eviction", default="lfu", choices=["lru", "lfu"], help="DIP caches' eviction policy")
-    p.add_argument("--density", type=float, default=1.0, help="kept fraction of neurons (top-k sources)")
-    p.add_argument("--memory-budget", default=None, help="weights in DRAM: '50%%' of the model or '4GB'")
-    p.add_argument("--window", type=int, default=4, help="tokens whose neurons stay cached (flash)")
-    p.add_argument("--threads", type=int, default=32, help="reader threads")
-    p.add_argument("--resident-dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="hold embeddings and attention in DRAM at the model's 16-bit flash dtype and "
-                   "convert them just before use (exact, half the DRAM; default: the compute dtype)")
-    p.add_argument("--no-prefetch", action="store_true",
-                   help="read in the layer, without overlapping compute (naive / hybrid: the next "
-                   "layer's rows; flash: the missing neurons while the cached ones compute)")
+    add_cli_args(p)  # every FlashConfig option with a flag
 
 
 def add_sampling_args(p):
@@ -52,19 +35,17 @@ def sampling_kwargs(args):
 def load_for_cli(args):
     from .. import load
     from ..blas import blas_info
+    from ..runtime import from_cli
 
     model_name = check_model_arg(args.model or default_model())
     t0 = time.perf_counter()
-    model, tokenizer = load(model_name, dtype=args.dtype, verify=not args.no_verify, progress=True,
-                            mode=args.mode, sparsity=args.sparsity, density=args.density,
-                            memory_budget=args.memory_budget, window=args.window, threads=args.threads,
-                            gamma=args.gamma, eviction=args.eviction,
-                            resident_dtype=args.resident_dtype, prefetch=not args.no_prefetch)
+    model, tokenizer = load(model_name, progress=True, config=from_cli(args))
     dt = time.perf_counter() - t0
-    m = model.flash["manifest"]
+    rt = model.runtime
+    m = rt.manifest
     print(
-        f"[mlx_flash] model {model.flash['folder']} ({m.model_type}, flash {m.dtype}, "
-        f"compute {model.flash['dtype']}, resident {model.flash['resident_dtype']}); BLAS: {blas_info()}; loaded in {dt:.1f} s",
+        f"[mlx_flash] model {rt.folder} ({m.model_type}, flash {m.dtype}, "
+        f"compute {rt.compute_dtype}, resident {rt.resident_dtype}); BLAS: {blas_info()}; loaded in {dt:.1f} s",
         file=sys.stderr,
     )
     return model, tokenizer
@@ -89,29 +70,6 @@ def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
-def stats_report(model):
-    """Per-token rows and a summary: the paper's Table 3 columns, the budget, the peak RSS."""
-    import resource
-
-    info = model.flash
-    store = info["store"]
-    rows = []
-    summary = {"mode": info["mode"], "sparsity": info.get("sparsity"), "density": info.get("density"),
-               "memory_budget_bytes": info.get("budget_bytes")}
-    from mlx.utils import tree_flatten
-
-    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    source = getattr(getattr(store, "source", None), "resident_bytes", 0) or 0
-    summary["ffn_dram_bytes"] = store.weights_bytes
-    summary["weights_in_dram_bytes"] = resident + source + store.weights_bytes
-    summary["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if hasattr(store, "stats"):
-        store.stats.end()
-        rows = store.stats.rows
-        summary.update(store.stats.summary())
-    return {"tokens": rows, "summary": summary}
 
 
 def main(argv=None):
@@ -149,7 +107,7 @@ def main(argv=None):
                 f"p50 {1e3 * decode[n // 2]:.1f}, p90 {1e3 * decode[int(n * 0.9)]:.1f}, "
                 f"max {1e3 * decode[-1]:.1f}; first token {1e3 * times[0]:.1f} ms"
             )
-        report = stats_report(model)
+        report = model.runtime.stats()
         if args.stats:
             s = report["summary"]
             print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "

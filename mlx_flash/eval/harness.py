@@ -357,7 +357,8 @@ def evaluate(model, tokenizer, task, split=None, limit=None, context=512, increm
     if context < 1:
         raise FlashError(f"--context must be at least 1, not {context}")
     if incremental is None:
-        incremental = getattr(model, "flash", {}).get("mode", "dense") != "dense"
+        runtime = getattr(model, "runtime", None)  # an mlx_lm model has none: dense
+        incremental = runtime is not None and runtime.mode != "dense"
     kind, data, desc = loaded or load_task(task, split, data_dir)
     if kind == "perplexity":
         res = evaluate_perplexity(model, tokenizer, data, context, limit, incremental, progress)

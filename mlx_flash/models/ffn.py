@@ -136,3 +136,11 @@ class FlashFFN(nn.Module):
         mx.eval(a)
         b = self(rest)
         return mx.concatenate([a, b], axis=axis)
+
+
+def layer_ffn(layer):
+    """The FlashFFN of a transformer block, whatever the family calls it."""
+    for name in ("mlp", "ffn", "feed_forward"):
+        if name in layer and isinstance(layer[name], FlashFFN):
+            return layer[name]
+    raise FlashError(f"{type(layer).__name__} has no FlashFFN")

@@ -106,7 +106,7 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
     from tqdm import tqdm
 
     from .. import load
-    from ..loader import layer_ffn
+    from ..models.ffn import layer_ffn
 
     folder = Path(folder)
     manifest = read_manifest(folder)

@@ -13,6 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 
+from .base import Source, top_k_mask
+
 
 class LowRankPredictor(nn.Module):
     def __init__(self, d_model, n_neurons, rank):
@@ -75,3 +77,44 @@ def metrics(p, y, threshold):
         "true_density": float(y.mean()),
         "predicted_density": float(pred.mean()),
     }
+
+
+class PredictorSource(Source):
+    """The calibrated low-rank predictors (paper §3.1): p(x) >= the layer's threshold.
+
+    With density < 1, at most the top density * n predicted neurons are kept.
+    """
+
+    name = "predictor"
+    needs = "predictors"
+
+    def __init__(self, folder, manifest, density, dtype=mx.float32):
+        from mlx.utils import tree_flatten
+
+        from ..layout.format import check_file
+
+        cal = manifest.calibration.get("predictors")
+        self.check_needs(folder, manifest)
+        check_file(folder, cal, checksum=True)
+        w = mx.load(str(folder / cal["file"]))
+        self.layers = []
+        for i, r in enumerate(cal["ranks"]):
+            p = LowRankPredictor(w[f"layers.{i}.down.weight"].shape[1], w[f"layers.{i}.up.bias"].shape[0], r)
+            p.load_weights([(k.split(".", 2)[2], v.astype(dtype)) for k, v in w.items()
+                            if k.startswith(f"layers.{i}.")])
+            mx.eval(p.parameters())
+            self.layers.append(p)
+        self.thresholds = cal["thresholds"]
+        self.density = density
+        self.resident_bytes = sum(v.nbytes for p in self.layers for _, v in tree_flatten(p.parameters()))
+
+    @classmethod
+    def build(cls, ctx):
+        return cls(ctx.folder, ctx.manifest, ctx.density, ctx.dtype)
+
+    def select(self, layer, x):
+        p = np.array(mx.sigmoid(self.layers[layer](x.reshape(-1, x.shape[-1]))).astype(mx.float32))
+        mask = p >= self.thresholds[layer]
+        if self.density < 1.0:
+            mask &= top_k_mask(p, self.k(self.density, p.shape[-1]))
+        return mask

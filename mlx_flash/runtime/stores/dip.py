@@ -1,4 +1,4 @@
-"""Dynamic Input Pruning on flash (DIP, Federici et al. §4–5), with cache-aware masking (DIP-CA).
+"""The DIP store: Dynamic Input Pruning on flash (DIP, Federici et al. §4–5), with cache-aware masking (DIP-CA).
 
 Per layer and token:
     s_in  = |x|                      (DIP-CA: |x| (c + γ (1 - c)) / max|x|, c = cached input dims)
@@ -23,12 +23,13 @@ import numpy as np
 
 import mlx.core as mx
 
-from .cache import NeuronCache
-from .cache.eviction import POLICIES
-from .errors import FlashError
-from .flash_store import TokenStats, TooManyNeurons, read_into
-from .models.ffn import FFNRows
-from .sparsity import top_k_mask
+from ...cache import NeuronCache
+from ...cache.eviction import POLICIES
+from ...errors import FlashError
+from ...models.ffn import FFNRows
+from ...sparsity import top_k_mask
+from ..stats import TokenStats
+from .base import Store, read_into
 
 
 class _Side:
@@ -67,7 +68,7 @@ class _Side:
         read_into(reader, self.file, self.layout, ids, cache, rows)
 
 
-class DIPStore:
+class DIPStore(Store):
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False, gamma=0.2,
                  eviction="lfu", traces=None, dtype=mx.float32, record_trace=False):
         if not manifest.dip:
@@ -122,19 +123,18 @@ class DIPStore:
         return s * (c + self.gamma * (1 - c)) / np.maximum(s.max(axis=-1, keepdims=True), 1e-30)
 
     def rows(self, layer, x):
-        t0 = time.perf_counter()
         if layer == 0:
-            self.stats.begin(int(np.prod(x.shape[:-1])))
             self.step += 1
-        mx.eval(x)
-        st = self.stats.cur
-        bytes0, reads0 = self.reader.stats.bytes_read, self.reader.stats.reads_issued
+        st = self._begin(layer, x)
+        bytes0, reads0 = self._counts()
         t1 = time.perf_counter()
         side_in, side_down = self.sides[layer]
         x2 = x.reshape(-1, x.shape[-1])
         mask_in = top_k_mask(self._scores(np.array(x2, dtype=np.float32), side_in.cache), self.k_in)
         need_in = np.flatnonzero(mask_in.any(axis=0)).astype(np.int64)
-        self._check_fits(x2, layer, need_in.size, side_in.cache.capacity + self.scratch_in.capacity)
+        self._check_fits(need_in.size, side_in.cache.capacity + self.scratch_in.capacity, x2.shape[0],
+                         f"rows in layer {layer}'s DIP cache of "
+                         f"{side_in.cache.capacity + self.scratch_in.capacity}")
         t2 = time.perf_counter()
         hits_in, m_in, io_in, streamed = side_in.ensure(self.reader, need_in, self.step, self.scratch_in)
         if self.trace is not None:
@@ -152,7 +152,9 @@ class DIPStore:
         t3 = time.perf_counter()
         mask_out = top_k_mask(self._scores(h_np, side_down.cache), self.k_out)
         need_out = np.flatnonzero(mask_out.any(axis=0)).astype(np.int64)
-        self._check_fits(x2, layer, need_out.size, side_down.cache.capacity + self.scratch_down.capacity)
+        self._check_fits(need_out.size, side_down.cache.capacity + self.scratch_down.capacity, x2.shape[0],
+                         f"rows in layer {layer}'s DIP cache of "
+                         f"{side_down.cache.capacity + self.scratch_down.capacity}")
         t4 = time.perf_counter()
         hits_out, m_out, io_out, streamed = side_down.ensure(self.reader, need_out, self.step,
                                                              self.scratch_down)
@@ -165,22 +167,9 @@ class DIPStore:
             h_sel = (h[:, ids] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
             parts.append(FFNRows(up=None, down=dmats["down"], h=h_sel))
 
-        st["predict_ms"] += 1e3 * ((t2 - t1) + (t4 - t3))  # choosing inputs and neurons
-        st["mem_ms"] += 1e3 * (m_in + m_out)
-        st["io_ms"] += 1e3 * (io_in + io_out)
-        st["bytes_read"] += self.reader.stats.bytes_read - bytes0
-        st["reads"] += self.reader.stats.reads_issued - reads0
-        st["active"] += int(need_in.size + need_out.size)
-        st["hits"] += hits_in + hits_out
+        bytes1, reads1 = self._counts()
+        # choosing inputs and neurons is the prediction
+        self.stats.add((t2 - t1) + (t4 - t3), m_in + m_out, io_in + io_out, bytes1 - bytes0,
+                       reads1 - reads0, int(need_in.size + need_out.size), hits_in + hits_out)
         st["windows"].append(0)
         return parts
-
-    def _check_fits(self, x2, layer, n, cap):
-        if n <= cap:
-            return
-        if x2.shape[0] > 1:
-            raise TooManyNeurons()
-        raise FlashError(
-            f"one token needs {n} rows in layer {layer}'s DIP cache of {cap}; "
-            "raise --memory-budget or lower --density"
-        )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..errors import FlashError
 from ..sizes import parse_share
 
-MODES = ("dense", "naive", "hybrid", "flash")
+from .config import MODES
 
 
 def parse_budget(text, model_bytes):

@@ -1,1 +1,0 @@
-from .budget import MODES, Plan, make_plan, parse_budget

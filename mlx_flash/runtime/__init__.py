@@ -1,0 +1,21 @@
+"""The per-token runtime: where every FlashFFN gets its rows, and the one place that builds it.
+
+    config.py   FlashConfig: every run-time option, its default and check (load()'s keywords,
+                the CLI's model arguments)
+    build.py    manifest + config -> Runtime (budget -> plan, source, reader, store), `model.runtime`
+    budget.py   memory budget -> Plan: what stays resident, each layer's cache, the window
+    stats.py    per-token statistics (the paper's Table 3 columns)
+    stores/     base.py (what every store shares), dense.py, streamed.py (naive / hybrid),
+                flash.py (windowed neuron caches), dip.py (DIP / DIP-CA)
+
+May import: errors, sizes, io, cache, layout, models.ffn / models.half, sparsity. Never
+the loader, the CLI or the benchmarks. Outside this package only this module's names
+are used (no file outside runtime/ imports a store).
+"""
+
+from .build import ResidentWeights, Runtime, build_runtime, check_resident_fits, compute_dtype, rebuild_runtime
+from .config import FlashConfig, add_cli_args, from_cli, make_config
+from .stores.base import TooManyNeurons
+
+__all__ = ["FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args", "build_runtime",
+           "check_resident_fits", "compute_dtype", "from_cli", "make_config", "rebuild_runtime"]

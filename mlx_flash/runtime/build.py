@@ -1,0 +1,243 @@
+"""The one place that turns a manifest + a FlashConfig into a model's runtime.
+
+build_runtime(): the budget -> the plan, the sparsity source (by name from the
+registry, or an object the benchmarks pass), the reader, the store; attaches
+the store to every FlashFFN and the Runtime to `model.runtime`.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import mlx.core as mx
+
+from ..errors import FlashError
+from ..io import FlashReader
+from ..layout.format import check_file
+from ..models.ffn import layer_ffn
+from ..sparsity import SourceContext, source_class
+from .budget import Plan, _too_small, make_plan, parse_budget
+from .config import FlashConfig
+from .stores.base import read_layer_file
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class ResidentWeights:
+    """What the loader put in DRAM outside the FFN: the bytes held (16-bit weights and
+    their float32 arena included), the same weights at the compute dtype (what "50%"
+    is of), and the model's parameters as --stats counts them."""
+
+    held_bytes: int
+    compute_bytes: int
+    parameter_bytes: int
+
+
+@dataclass
+class Runtime:
+    """A loaded model's per-token runtime: `model.runtime`."""
+
+    config: FlashConfig
+    folder: Path
+    manifest: object  # layout.format.Manifest
+    compute_dtype: str
+    resident_dtype: str  # what embeddings and attention are held at
+    resident: ResidentWeights
+    store: object  # stores.base.Store
+    plan: Plan
+    budget_bytes: int | None
+    model_bytes: int  # the whole model at the compute dtype
+    source: object = None  # the sparsity source (flash mode)
+    sparsity: str | None = None
+    density: float | None = None
+    ffns: list = field(default_factory=list, repr=False)  # the FlashFFNs the store is attached to
+
+    @property
+    def mode(self):
+        return self.config.mode
+
+    def stats(self):
+        """{"tokens": per-pass rows, "summary": ...}: the paper's Table 3 columns, the budget,
+        the weights in DRAM, the peak RSS. What --stats, eval and the benchmarks show."""
+        import resource
+
+        store = self.store
+        source = getattr(self.source, "resident_bytes", 0) or 0
+        summary = {"mode": self.mode, "sparsity": self.sparsity, "density": self.density,
+                   "memory_budget_bytes": self.budget_bytes, "model_bytes": self.model_bytes,
+                   "resident_bytes": self.resident.parameter_bytes, "source_bytes": source,
+                   "plan_weights_bytes": self.plan.weights_bytes,
+                   "ffn_dram_bytes": store.weights_bytes,
+                   "weights_in_dram_bytes": self.resident.parameter_bytes + source + store.weights_bytes,
+                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        rows = []
+        if store.stats is not None:
+            store.stats.end()
+            rows = store.stats.rows
+            summary.update(store.stats.summary())
+        return {"tokens": rows, "summary": summary}
+
+    def close(self):
+        """Detach the store from the FFNs and close it (its reader, worker, caches); idempotent."""
+        for f in self.ffns:
+            f.store = None
+        if self.store is not None:
+            self.store.close()
+        self.store = None
+
+
+def check_resident_fits(folder, manifest, config):
+    """Refuse a budget the resident weights alone exceed, from the file's header, before
+    reading them (else the process can be killed by a memory limit before the planner speaks)."""
+    from ..layout.safetensors_io import SafetensorsFile
+
+    if config.memory_budget is None or config.mode == "dense":  # dense says what it needs instead
+        return
+    dtype = compute_dtype(config, manifest)
+    held = config.held_dtype(manifest.dtype, dtype)
+    st = SafetensorsFile(folder / manifest.resident["file"])
+    itemsize = DTYPES[dtype].size
+    held_size = itemsize if held is None else DTYPES[held].size
+    sizes = [(int(np.prod(st.shape(n))), len(st.shape(n))) for n in st.names()]
+    resident = sum(size * (held_size if ndim == 2 else itemsize) for size, ndim in sizes)
+    full = sum(size for size, _ in sizes) * itemsize  # what "50%" is of
+    budget = parse_budget(config.memory_budget, full + _ffn_bytes(manifest, itemsize))
+    if budget < resident:
+        raise FlashError(_too_small(budget, resident))
+
+
+def compute_dtype(config, manifest):
+    return config.compute_dtype(manifest.dtype, on_cpu=mx.default_device() == mx.cpu)
+
+
+def _ffn_bytes(manifest, itemsize):
+    lay = manifest.layout
+    return len(lay.kinds) * lay.d_model * lay.n_neurons * len(manifest.ffn_files) * itemsize
+
+
+def build_runtime(model, folder, manifest, config, resident, source=None, progress=False):
+    """-> Runtime, also set as `model.runtime`, its store attached to every FlashFFN.
+
+    source: a sparsity source object for the flash mode instead of config.sparsity's
+    (the paper benchmark's traces)."""
+    dtype_name = compute_dtype(config, manifest)
+    dtype = DTYPES[dtype_name]
+    held = config.held_dtype(manifest.dtype, dtype_name)
+    # dense / hybrid hold their resident FFN rows at float16 too (NumPy has no bfloat16: a
+    # bfloat16 model's FFN rows stay at the compute dtype)
+    held_ffn = held == "float16"
+    lay, n_layers = manifest.layout, len(manifest.ffn_files)
+    neuron_bytes = len(lay.kinds) * lay.d_model * dtype.size
+    # "50%" is of the model at the compute dtype, however its resident part is held
+    model_bytes = resident.compute_bytes + neuron_bytes * lay.n_neurons * n_layers
+    budget = parse_budget(config.memory_budget, model_bytes)
+    ffns = [layer_ffn(layer) for layer in model.layers]
+    name, density = None, None
+    if config.mode == "dense":
+        plan = make_plan("dense", budget, resident.held_bytes, 0, neuron_bytes, n_layers, lay.n_neurons,
+                         held_neuron_bytes=neuron_bytes // 2 if held_ffn else 0)
+        store = _dense_store(folder, manifest, dtype, config.verify, progress, held_ffn)
+    else:
+        if config.verify:
+            for e in manifest.ffn_files:
+                check_file(folder, e, checksum=False)
+        if config.mode == "flash":
+            name, density = config.sparsity, config.density
+            if source is None:
+                source = _make_source(folder, manifest, config, dtype, ffns)
+            else:
+                name = getattr(source, "name", "custom")
+        if getattr(source, "store", "flash") == "dip":
+            plan, store = _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source)
+        else:
+            plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
+                                        neuron_bytes, held_ffn and config.mode == "hybrid")
+    for f in ffns:
+        f.store = store
+    runtime = Runtime(config, Path(folder), manifest, dtype_name, held or dtype_name, resident, store, plan,
+                      budget, model_bytes, source, name, density, ffns)
+    model.runtime = runtime
+    return runtime
+
+
+def rebuild_runtime(model, config, source=None):
+    """Close `model.runtime`'s store and build another for `config` on the same weights
+    (the paper benchmark runs many configurations on one loaded model)."""
+    old = model.runtime
+    old.close()
+    return build_runtime(model, old.folder, old.manifest, config, old.resident, source=source)
+
+
+def _dense_store(folder, manifest, dtype, verify, progress, held):
+    from tqdm import tqdm
+
+    from .stores.dense import DenseStore
+
+    bar = tqdm(total=len(manifest.ffn_files), desc="load ffn", disable=not progress, leave=False)
+    store = DenseStore(folder, manifest, dtype, verify=verify, progress=bar, held=held)
+    bar.close()
+    return store
+
+
+def _make_source(folder, manifest, config, dtype, ffns):
+    cls = source_class(config.sparsity)
+    lay = manifest.layout
+
+    def layer_weights(kinds):
+        out = []
+        for e in manifest.ffn_files:
+            rows = read_layer_file(folder, e, lay, config.verify)
+            out.append({k: mx.array(rows[k]).astype(dtype) for k in kinds})
+            mx.eval(list(out[-1].values()))
+        return out
+
+    ctx = SourceContext(folder, manifest, config.density, dtype, ffns[0]._act, ffns[0].gated,
+                        "up_bias" in ffns[0], [f.up_bias if "up_bias" in f else None for f in ffns],
+                        layer_weights)
+    cls.check(ctx)
+    return cls.build(ctx)
+
+
+def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neuron_bytes, held):
+    from .stores.flash import FlashStore
+    from .stores.streamed import StreamedStore
+
+    lay, mode, window = manifest.layout, config.mode, config.window
+    req = manifest.calibration.get("req")
+    if req and mode == "flash":  # per-layer capacity from calibration: Req_i at this window
+        k = min(8 if window is None else max(window, 1), max(req["windows"]))
+        req = ([r[req["windows"].index(k)] for r in req["per_layer"]],
+               max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
+    else:
+        req = None
+    plan = make_plan(mode, budget, resident.held_bytes, source.resident_bytes if source else 0,
+                     neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
+                     window=10**9 if window is None else window, req=req,
+                     held_neuron_bytes=neuron_bytes // 2 if held else 0, prefetch=config.prefetch)
+    reader = FlashReader(threads=config.threads, direct=True)
+    if mode == "flash":
+        store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
+                           overlap=config.overlaps)
+    else:
+        store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled)
+    return plan, store
+
+
+def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source):
+    from .stores.dip import DIPStore
+
+    inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
+    density = config.density
+    k_in, k_out = max(1, round(density * inp.n_neurons)), max(1, round(density * down.n_neurons))
+    dims = (inp.n_neurons, len(inp.kinds) * inp.d_model * dtype.size, down.n_neurons,
+            down.d_model * dtype.size, k_in, k_out)
+    lay = manifest.layout
+    plan = make_plan("flash", budget, resident.held_bytes, 0, len(lay.kinds) * lay.d_model * dtype.size,
+                     len(manifest.ffn_files), lay.n_neurons, dip=dims)
+    reader = FlashReader(threads=config.threads, direct=True)
+    store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
+                     cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
+                     eviction=config.eviction)
+    return plan, store

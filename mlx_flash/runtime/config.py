@@ -1,0 +1,146 @@
+"""FlashConfig: every run-time option, its type, default and check, once.
+
+`load()`'s keywords are these fields; the CLI's model arguments are generated
+from them (`add_cli_args`, `from_cli`), so a new option is one field here.
+"""
+
+from dataclasses import MISSING, dataclass, field, fields
+
+from ..errors import FlashError
+
+MODES = ("dense", "naive", "hybrid", "flash")
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+HELD_DTYPES = ("float16", "bfloat16")  # what resident weights may be held at, converted before use
+EVICTIONS = ("lru", "lfu", "belady")  # belady: replays a recorded trace (benchmarks only)
+
+
+def _sparsity_names():
+    from ..sparsity import source_names
+
+    return source_names()
+
+
+def _opt(default, help, flag=None, choices=None, negate=False):
+    """A field with what the CLI needs: its help, its flag (None: not on the CLI), its
+    choices (a tuple, or a function giving them), and `negate` for a --no-x switch."""
+    return field(default=default, metadata=dict(help=help, flag=flag, choices=choices, negate=negate))
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    dtype: str | None = _opt(None, "compute dtype (default float32 on the CPU, the flash dtype on a GPU)",
+                             "--dtype", COMPUTE_DTYPES)
+    verify: bool = _opt(True, "skip sha256 checks at load", "--no-verify", negate=True)
+    mode: str = _opt("dense", "dense: all FFN rows in DRAM; naive: all read every token; hybrid: half "
+                     "resident; flash: only the needed neurons, windowed cache (default dense)",
+                     "--mode", MODES)
+    sparsity: str = _opt("oracle", "flash mode's sparsity source (dip / dip-ca need a model converted "
+                         "with --dip; predictor a calibrated one)", "--sparsity", _sparsity_names)
+    gamma: float = _opt(0.2, "DIP-CA re-weighting of uncached entries", "--gamma")
+    eviction: str = _opt("lfu", "DIP caches' eviction policy", "--eviction", ("lru", "lfu"))
+    density: float = _opt(1.0, "kept fraction of neurons (top-k sources)", "--density")
+    memory_budget: str | None = _opt(None, "weights in DRAM: '50%%' of the model or '4GB'", "--memory-budget")
+    window: int | None = _opt(4, "tokens whose neurons stay cached (flash)", "--window")
+    threads: int = _opt(32, "reader threads", "--threads")
+    resident_dtype: str | None = _opt(
+        None, "hold embeddings and attention in DRAM at the model's 16-bit flash dtype and convert "
+        "them just before use (exact, half the DRAM; default: the compute dtype)", "--resident-dtype",
+        COMPUTE_DTYPES)
+    prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
+                          "next layer's rows; flash: the missing neurons while the cached ones compute)",
+                          "--no-prefetch", negate=True)
+    # for the paper benchmark, not on the CLI
+    bundled: bool = _opt(True, "read a neuron's weight kinds as one bundle (False: one read per kind, "
+                         "the paper's layout before row-column bundling)")
+    overlap: bool | None = _opt(None, "flash: read a layer's missing neurons while the cached ones "
+                                "compute (None: as prefetch)")
+
+    def __post_init__(self):
+        def bad(what):
+            raise FlashError(what)
+
+        if self.mode not in MODES:
+            bad(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
+        if self.dtype is not None and self.dtype not in COMPUTE_DTYPES:
+            bad(f"unsupported compute dtype '{self.dtype}' (choose from {', '.join(COMPUTE_DTYPES)})")
+        if not isinstance(self.sparsity, str):
+            bad("sparsity is a source's name (a source object goes to build_runtime(source=...))")
+        if self.mode != "dense" and self.sparsity not in _sparsity_names():
+            bad(f"unknown sparsity source '{self.sparsity}' (available: {', '.join(_sparsity_names())})")
+        if self.mode == "flash" and not 0 < self.density <= 1:
+            bad(f"--density must be in (0, 1], got {self.density}")
+        if self.window is not None and self.window < 0:
+            bad(f"--window must be 0 or more, got {self.window}")
+        if not 1 <= self.threads <= 1024:
+            bad(f"--threads must be in 1..1024, got {self.threads}")
+        if self.eviction not in EVICTIONS:
+            bad(f"unknown eviction policy '{self.eviction}' (choose from {', '.join(EVICTIONS)})")
+        if self.resident_dtype is not None and self.resident_dtype not in COMPUTE_DTYPES:
+            bad(f"unsupported resident dtype '{self.resident_dtype}' (choose from "
+                f"{', '.join(COMPUTE_DTYPES)})")
+
+    @property
+    def overlaps(self):
+        """flash mode reads a layer's missing neurons during its compute."""
+        return self.prefetch if self.overlap is None else self.overlap
+
+    def compute_dtype(self, flash_dtype, on_cpu):
+        # On the CPU only float32 matmuls use BLAS (FACTS.md): 16-bit is ~20x slower.
+        return self.dtype or ("float32" if on_cpu else flash_dtype)
+
+    def held_dtype(self, flash_dtype, compute_dtype):
+        """The 16-bit dtype resident weights are held at, or None for the compute dtype."""
+        r = self.resident_dtype
+        if r in (None, compute_dtype):
+            return None
+        if r not in HELD_DTYPES:
+            raise FlashError(f"unsupported resident dtype '{r}' (choose from {', '.join(HELD_DTYPES)}, "
+                             f"or the compute dtype {compute_dtype})")
+        if compute_dtype != "float32":
+            raise FlashError(f"--resident-dtype {r} needs float32 compute (got {compute_dtype})")
+        if r != flash_dtype:
+            raise FlashError(f"--resident-dtype {r}: the model is {flash_dtype} on flash; holding it at "
+                             f"another 16-bit dtype would round it (choose {flash_dtype} or float32)"
+                             if flash_dtype in HELD_DTYPES else
+                             f"--resident-dtype {r}: the model is {flash_dtype} on flash; holding it at "
+                             f"16 bits would round it (convert it with --dtype {r})")
+        return r
+
+
+def option_names():
+    return [f.name for f in fields(FlashConfig)]
+
+
+def add_cli_args(parser):
+    """The model options of every command that loads a model, from FlashConfig's fields."""
+    for f in fields(FlashConfig):
+        meta = f.metadata
+        if not meta.get("flag"):
+            continue
+        if meta["negate"]:
+            parser.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
+            continue
+        choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+        kind = {int: int, float: float}.get(type(f.default)) if f.default is not None else None
+        if f.name == "window":
+            kind = int
+        parser.add_argument(meta["flag"], dest=f.name, default=f.default, type=kind, choices=choices,
+                            help=meta["help"])
+
+
+def from_cli(args, **overrides):
+    """FlashConfig from parsed arguments (those add_cli_args made)."""
+    values = {f.name: getattr(args, f.name) for f in fields(FlashConfig)
+              if f.metadata.get("flag") and hasattr(args, f.name)}
+    return FlashConfig(**(values | overrides))
+
+
+def make_config(options):
+    """load()'s keywords -> FlashConfig; a keyword that is not an option is a TypeError."""
+    unknown = [k for k in options if k not in option_names()]
+    if unknown:
+        raise TypeError(f"unknown load() options: {', '.join(unknown)}")
+    return FlashConfig(**options)
+
+
+assert all(f.default is not MISSING for f in fields(FlashConfig))

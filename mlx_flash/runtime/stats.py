@@ -1,0 +1,60 @@
+"""Per-token statistics of a streaming store: the paper's Table 3 columns.
+
+One row per forward pass (a prompt chunk or a decode token): I/O, memory
+management, prediction and compute time, bytes read, reads issued, neurons
+active and cached (hit rate), the window the caches kept.
+"""
+
+import time
+
+import numpy as np
+
+
+class TokenStats:
+    KEYS = ("io_ms", "mem_ms", "predict_ms", "compute_ms", "total_ms", "bytes_read", "reads",
+            "active", "hits", "hit_rate", "window", "tokens")
+
+    def __init__(self):
+        self.rows = []
+        self.cur = None
+        self.t_start = None
+
+    def begin(self, n_tokens):
+        now = time.perf_counter()
+        if self.cur is not None:
+            self.end(now)
+        self.cur = dict.fromkeys(self.KEYS, 0)
+        self.cur["tokens"] = n_tokens
+        self.cur["windows"] = []
+        self.t_start = now
+
+    def end(self, now=None):
+        if self.cur is None:
+            return
+        c = self.cur
+        c["total_ms"] = 1e3 * ((now or time.perf_counter()) - self.t_start)
+        c["compute_ms"] = c["total_ms"] - c["io_ms"] - c["mem_ms"] - c["predict_ms"]
+        c["hit_rate"] = c["hits"] / c["active"] if c["active"] else 1.0
+        w = c.pop("windows")
+        c["window"] = float(np.mean(w)) if w else 0.0
+        self.rows.append(c)
+        self.cur = None
+
+    def add(self, predict_s=0.0, mem_s=0.0, io_s=0.0, bytes_read=0, reads=0, active=0, hits=0):
+        """Add one layer's figures to the current pass."""
+        c = self.cur
+        c["predict_ms"] += 1e3 * predict_s
+        c["mem_ms"] += 1e3 * mem_s
+        c["io_ms"] += 1e3 * io_s
+        c["bytes_read"] += bytes_read
+        c["reads"] += reads
+        c["active"] += active
+        c["hits"] += hits
+
+    def summary(self, decode_only=True):
+        rows = [r for r in self.rows if r["tokens"] == 1] if decode_only else self.rows
+        if not rows:
+            return {}
+        return {f"mean_{k}": float(np.mean([r[k] for r in rows])) for k in self.KEYS if k != "tokens"} | {
+            "n_tokens": len(rows)
+        }

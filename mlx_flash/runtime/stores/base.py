@@ -1,0 +1,177 @@
+"""What every store shares: the FFN files' rows read into caches, counted; the
+per-token statistics; the fit check of a token's rows against the plan; a worker
+thread for reads that overlap compute; and the neuron caches + streaming buffers
+(+ float16 arenas) that the naive, hybrid and flash stores size from the plan.
+
+A store's one call is `rows(layer, x)` -> FFNRows or a list of them (models/ffn.py).
+
+Safety of in-place writes: a streaming store's `rows()` evaluates its input first.
+That input depends on every earlier computation, including the previous token's
+use of this layer's cache and the previous layer's use of the scratch rows, so no
+pending MLX computation reads the rows it overwrites.
+"""
+
+import hashlib
+
+import numpy as np
+
+import mlx.core as mx
+
+from ...cache import NeuronCache
+from ...errors import FlashError
+from ...layout.format import check_file
+from ...models.ffn import FFNRows
+from ..stats import TokenStats
+
+
+class TooManyNeurons(Exception):
+    """A chunk of tokens needs more neurons than cache + scratch hold: split it (FlashFFN does)."""
+
+
+def read_layer_file(folder, entry, layout, verify=True):
+    """One layer's FFN file, read whole -> {kind: float32 numpy [n_neurons, d_model]}."""
+    check_file(folder, entry, checksum=False)
+    path = folder / entry["file"]
+    buf = bytearray(entry["size"])
+    with open(path, "rb", buffering=0) as f:
+        got = f.readinto(memoryview(buf))
+    if got != len(buf):
+        raise FlashError(f"{path}: short read ({got} of {len(buf)} bytes)")
+    if verify and hashlib.sha256(buf).hexdigest() != entry["sha256"]:
+        raise FlashError(f"{path}: sha256 differs from the manifest (file changed since conversion)")
+    return layout.split(buf)
+
+
+def read_into(reader, file, layout, ids, cache, rows, bundled=True):
+    """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind.
+
+    bundled=False: one read per neuron and weight kind, never merged across
+    kinds (the paper's layout before row-column bundling, §3.2), for measuring
+    what bundling buys."""
+    if not ids.size:
+        return
+    if bundled:
+        segs = [(j * layout.row_bytes, layout.d_model, layout.dtype, cache.views[k])
+                for j, k in enumerate(layout.kinds)]
+        reader.read_bundles(file, ids, layout.stride, segs, rows)
+        return
+    for j, k in enumerate(layout.kinds):
+        reader.read_bundles(file, ids, layout.stride, [(0, layout.d_model, layout.dtype, cache.views[k])],
+                            rows, base=j * layout.row_bytes, gap=0)
+
+
+class Store:
+    """The base of every store. `stats` is None for a store that streams nothing (dense)."""
+
+    stats = None
+    reader = None
+    _worker = None
+
+    def rows(self, layer, x):
+        raise NotImplementedError
+
+    @property
+    def weights_bytes(self):
+        raise NotImplementedError
+
+    def _begin(self, layer, x):
+        """The start of rows(): a new pass at layer 0, then x evaluated (see the module
+        docstring). -> the current pass's stats row."""
+        if layer == 0:
+            self.stats.begin(int(np.prod(x.shape[:-1])))
+        mx.eval(x)
+        return self.stats.cur
+
+    def _counts(self):
+        s = self.reader.stats
+        return s.bytes_read, s.reads_issued
+
+    def _check_fits(self, n, limit, tokens, where):
+        """A token's `n` rows must fit `limit`; a chunk of several tokens is split instead."""
+        if n <= limit:
+            return
+        if tokens > 1:
+            raise TooManyNeurons()
+        raise FlashError(f"one token needs {n} {where}; raise --memory-budget or lower --density")
+
+    def _submit(self, fn, *args):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-prefetch")
+        return self._worker.submit(fn, *args)
+
+    def close(self):
+        """Stop the worker and the reader (the store is unusable afterwards)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        if self.reader is not None:
+            self.reader.close()
+
+
+class NeuronFileStore(Store):
+    """Rows of the FFN files (one per layer, a bundle per neuron) through per-layer neuron
+    caches sized by the plan, and streaming buffers for what a cache does not hold.
+
+    With plan.prefetch: two streaming buffers (layer i+1's rows are read into one while
+    layer i computes on the other); a held (float16) hybrid also has two arenas, layer
+    i+1's cache converted meanwhile."""
+
+    def __init__(self, folder, manifest, plan, reader, dtype=mx.float32, bundled=True):
+        self.plan = plan
+        self.bundled = bundled
+        self.reader = reader
+        self.layout = lay = manifest.layout
+        self.kinds = lay.kinds
+        self.files = [reader.open(folder / e["file"], expected_size=e["size"]) for e in manifest.ffn_files]
+        n, d = lay.n_neurons, lay.d_model
+        bufs = 2 if plan.prefetch else 1
+        self.arenas = []
+        if plan.held_neuron_bytes:  # float16 caches, converted into an arena before use
+            from ...models.half import Arena
+
+            self.arenas = [Arena(max(plan.arena_rows // bufs, 1) * d * len(self.kinds)) for _ in range(bufs)]
+        self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype,
+                                   self.arenas[0] if self.arenas else None)
+                       for i in range(len(self.files))]
+        self.buffers = [NeuronCache(max(plan.scratch_rows // bufs, 1), n, d, self.kinds, dtype)
+                        for _ in range(bufs)]
+        self.scratch = self.buffers[0]
+        self.stats = TokenStats()
+
+    @property
+    def weights_bytes(self):
+        arena = sum(a.nbytes for a in self.arenas)
+        return (sum(c.weights_bytes for c in self.caches) + sum(b.weights_bytes for b in self.buffers)
+                + arena)
+
+    @property
+    def held_rows(self):
+        """FFN rows holding weights right now (caches + scratch in use)."""
+        return sum(c.num_used for c in self.caches) + self.scratch.num_used
+
+    def _read(self, layer, ids, cache, rows):
+        read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled)
+
+    def _read_counted(self, *jobs):
+        """Run reads (layer, ids, cache, rows); -> (bytes, reads) they took. The reader has
+        one user at a time (the main thread, or the worker while the main thread waits)."""
+        b0, r0 = self._counts()
+        for job in jobs:
+            self._read(*job)
+        b1, r1 = self._counts()
+        return b1 - b0, r1 - r0
+
+    def _part(self, cache, all_ids=False, mask=None, shape=None, converted=None, rows=None):
+        """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own
+        neurons; `rows` (a slice) takes part of the cached rows."""
+        m, ids = cache.rows(converted)
+        cached = cache.cached_ids()
+        if rows is not None:
+            m, ids, cached = {k: v[rows] for k, v in m.items()}, ids[rows], cached[rows]
+        keep = None
+        if mask is not None and not mask[:, cached].all():
+            keep = mx.array(mask[:, cached]).reshape(*shape[:-1], -1)
+        return FFNRows(up=m["up"], down=m["down"], gate=m.get("gate"), ids=None if all_ids else ids,
+                       mask=keep)

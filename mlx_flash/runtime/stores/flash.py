@@ -1,0 +1,94 @@
+"""flash: the neurons a token needs, through per-layer windowed neuron caches (paper §3, Figure 6).
+
+Per layer and token:
+    x -> sparsity source -> active ids
+    window: the neurons active in the last k tokens stay cached; those that left
+            the window are deleted (swap-delete); a full cache shrinks its window
+    active - cached -> FlashReader (coalesced parallel uncached reads) -> appended rows
+    FFN on cache rows [:num_used] (+ the overflow streamed through scratch rows)
+
+With overlap, the reads of a layer's missing neurons run in a worker thread
+while the FFN computes on the neurons already cached; the FFN takes the rest
+when it has evaluated that part (FlashFFN: a callable part).
+"""
+
+import time
+from collections import deque
+
+import numpy as np
+
+import mlx.core as mx
+
+from .base import NeuronFileStore
+
+
+class FlashStore(NeuronFileStore):
+    def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32, bundled=True,
+                 overlap=False):
+        super().__init__(folder, manifest, plan, reader, dtype, bundled)
+        self.source = source
+        self.overlap = overlap
+        self.window = plan.window
+        self.history = [deque() for _ in self.files]  # active ids of the last tokens
+        self.counts = [np.zeros(self.layout.n_neurons, dtype=np.int32) for _ in self.files]
+
+    def _overlapped(self, layer, cache, keep, new_rows, overflow, over_rows, mask, shape):
+        """[the cached rows' part, a callable giving the rest].
+
+        The worker writes rows [n_old:] of the cache and the scratch; the FFN reads
+        rows [:n_old] meanwhile (disjoint memory), and calls the rest only once it
+        has evaluated that part, which waits for the reads (the token's I/O time)."""
+        n_old = int(new_rows[0]) if new_rows.size else cache.num_used
+        fut = self._submit(self._read_counted, (layer, keep, cache, new_rows),
+                           (layer, overflow, self.scratch, over_rows))
+        old = self._part(cache, mask=mask, shape=shape, rows=slice(0, n_old))
+
+        def rest():
+            t = time.perf_counter()
+            got = fut.result()  # a failed read raises here
+            self.stats.add(io_s=time.perf_counter() - t, bytes_read=got[0], reads=got[1])
+            return [self._part(cache, mask=mask, shape=shape, rows=slice(n_old, cache.num_used))] + (
+                [self._part(self.scratch, mask=mask, shape=shape)] if overflow.size else [])
+
+        return [old, rest]
+
+    def rows(self, layer, x):
+        st = self._begin(layer, x)
+        t1 = time.perf_counter()
+        mask = self.source.select(layer, x)
+        ids = np.flatnonzero(mask.any(axis=0)).astype(np.int64)
+        limit = self.caches[layer].capacity + self.scratch.capacity
+        self._check_fits(ids.size, limit, int(np.prod(x.shape[:-1])),
+                         f"neurons in layer {layer}, more than the {limit} rows the memory budget leaves it")
+        t2 = time.perf_counter()
+        got = (0, 0)  # (bytes, reads) of this layer; an overlapped read adds its own later
+
+        cache, counts, hist = self.caches[layer], self.counts[layer], self.history[layer]
+        hist.append(ids)
+        counts[ids] += 1
+        while len(hist) > self.window:
+            counts[hist.popleft()] -= 1
+        # a full cache shrinks this layer's window (oldest tokens first)
+        while len(hist) > 1 and np.count_nonzero(counts) > cache.capacity:
+            counts[hist.popleft()] -= 1
+        cached = cache.cached_ids()
+        cache.delete(cached[counts[cached] == 0])
+        missing = ids[~cache.contains(ids)]
+        hits = ids.size - missing.size
+        room = cache.capacity - cache.num_used
+        keep, overflow = missing[:room], missing[room:]
+        new_rows = cache.append(keep)
+        self.scratch.delete(self.scratch.cached_ids())
+        over_rows = self.scratch.append(overflow)
+        t3 = time.perf_counter()
+        st["windows"].append(len(hist))
+        if self.overlap and new_rows.size + overflow.size and new_rows.size < cache.num_used:
+            parts = self._overlapped(layer, cache, keep, new_rows, overflow, over_rows, mask, x.shape)
+        else:
+            got = self._read_counted((layer, keep, cache, new_rows),
+                                     (layer, overflow, self.scratch, over_rows))
+            parts = [self._part(cache, mask=mask, shape=x.shape)] + (
+                [self._part(self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
+        t4 = time.perf_counter()
+        self.stats.add(t2 - t1, t3 - t2, t4 - t3, got[0], got[1], int(ids.size), int(hits))
+        return parts

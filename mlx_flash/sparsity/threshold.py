@@ -1,0 +1,24 @@
+"""threshold: ReLU / FATReLU: the neurons whose activation is non-zero (exact for
+these, like the oracle). GLU: the gate as predictor (paper App. C.5): the top-k
+|act(x W_gate^T)|, the gate weights resident."""
+
+import numpy as np
+
+import mlx.core as mx
+
+from .base import top_k_mask
+from .oracle import WeightsSource
+
+
+class Threshold(WeightsSource):
+    name = "threshold"
+    kinds = {True: ("gate",), False: ("up",)}
+
+    def select(self, layer, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.gated:
+            g = np.array(mx.abs(self.act(x2 @ self.weights[layer]["gate"].T)))
+            if self.density >= 1.0:  # exact for ReLU / FATReLU gates: act(gate) == 0 adds nothing
+                return g != 0
+            return top_k_mask(g, self.k(self.density, g.shape[-1]))
+        return np.array(self.act(self._up(layer, x2))) != 0

@@ -79,6 +79,19 @@ class Runtime:
             summary.update(store.stats.summary())
         return {"tokens": rows, "summary": summary}
 
+    def wrap_store(self, make):
+        """Put `make(store)` (anything with rows(layer, x)) between the FFNs and the store: a
+        probe that records what the rows compute, as calibration and the quality table do.
+        Returns it; unwrap_store() puts the store back."""
+        wrapper = make(self.store)
+        for f in self.ffns:
+            f.store = wrapper
+        return wrapper
+
+    def unwrap_store(self):
+        for f in self.ffns:
+            f.store = self.store
+
     def close(self):
         """Detach the store from the FFNs and close it (its reader, worker, caches); idempotent."""
         for f in self.ffns:

@@ -132,9 +132,7 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
             break
     if not seqs:
         raise FlashError(f"calibration data '{data}' gives no sequence of {seq_len} tokens")
-    rec = _Recorder(ffns[0].store, ffns, target, density)
-    for f in ffns:
-        f.store = rec
+    rec = model.runtime.wrap_store(lambda store: _Recorder(store, ffns, target, density))
     t0 = time.perf_counter()
     for s in tqdm(seqs, desc="record", disable=not progress, leave=False):
         mx.eval(model(mx.array([s])))

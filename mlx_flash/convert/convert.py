@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
-from ..layout.format import DTYPES, MANIFEST, RESIDENT, BundleLayout, Manifest, is_flash_folder, sha256_file
+from ..layout.format import (DTYPES, MANIFEST, RESIDENT, BundleLayout, Manifest, is_flash_folder, sha256_file,
+                             write_manifest)
 from ..layout.safetensors_io import SafetensorsWriter
 from ..models import model_args
 from .sources import open_source
@@ -299,9 +300,5 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         dip={"input": {"layout": in_layout, "files": dip_files["in"]},
              "down": {"layout": down_layout, "files": dip_files["down"]}} if dip else {},
     )
-    manifest_path = tmp / MANIFEST
-    with open(manifest_path, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
+    write_manifest(tmp, manifest)
     bar.close()

@@ -168,6 +168,37 @@ def read_manifest(folder):
     return Manifest.from_dict(d, where=str(path))
 
 
+def write_manifest(folder, manifest):
+    """The only writer of manifest.json: a temporary file, fsync, rename over the old one,
+    so a reader sees the old manifest or the new one, never half of one."""
+    path = Path(folder) / MANIFEST
+    tmp = path.with_name(MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # the rename itself durable
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def add_manifest_section(folder, name, value):
+    """Set one section of a converted folder's manifest ("calibration", "dip") and write it
+    back atomically; -> the new Manifest."""
+    manifest = read_manifest(folder)
+    if name not in ("calibration", "dip"):
+        raise ValueError(f"unknown manifest section '{name}'")
+    setattr(manifest, name, value)
+    write_manifest(folder, manifest)
+    return manifest
+
+
 def sha256_file(path, chunk=8 << 20):
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:

@@ -24,7 +24,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import FlashError
-from ..layout.format import MANIFEST, read_manifest, sha256_file
+from ..layout.format import add_manifest_section, sha256_file
 from ..layout.safetensors_io import SafetensorsWriter
 from ..models.ffn import FFNRows
 from . import top_k_mask
@@ -109,7 +109,6 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
     from ..models.ffn import layer_ffn
 
     folder = Path(folder)
-    manifest = read_manifest(folder)
     model, tok = load(folder, mode="naive")
     ffns = [layer_ffn(layer) for layer in model.layers]
     act_name = getattr(model.args, "hidden_act", None) or getattr(model.args, "activation_function", "relu")
@@ -177,7 +176,7 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
         w.write(k, v)
     w.close()
     os.replace(tmp, folder / PREDICTORS)
-    manifest.calibration = {
+    calibration = {
         "predictors": {"file": PREDICTORS, "size": os.path.getsize(folder / PREDICTORS),
                        "sha256": sha256_file(folder / PREDICTORS), "ranks": ranks,
                        "thresholds": thresholds, "target": target, "density": density},
@@ -185,10 +184,4 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
         "metrics": per_layer,
         "data": str(data), "tokens": len(seqs) * seq_len, "held_out_tokens": n_val * seq_len,
     }
-    mtmp = folder / (MANIFEST + ".tmp")
-    with open(mtmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(mtmp, folder / MANIFEST)
-    return manifest.calibration
+    return add_manifest_section(folder, "calibration", calibration).calibration

@@ -1,0 +1,129 @@
+"""The architecture's rules (README "Architecture"), checked on the source: no import
+circle anywhere in mlx_flash (imports inside functions included), stores imported only
+by the runtime, manifest.json written only by the layout, no `model.flash`, a short
+load(), and the sparsity sources found by their registry."""
+
+import ast
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_flash
+
+PKG = Path(mlx_flash.__file__).resolve().parent
+REPO = PKG.parent
+
+
+def modules():
+    """{module name: path} of every module in mlx_flash."""
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    for p in PKG.rglob("*.so"):  # compiled extensions (io/_native): imported, never importing
+        parts = p.relative_to(PKG.parent).parts
+        out[".".join(parts[:-1] + (p.name.split(".")[0],))] = None
+    return out
+
+
+def imports_of(name, path, known):
+    """Every mlx_flash module `name` imports, at the top or inside a function."""
+    is_pkg = path.name == "__init__.py"
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = base[: len(base) - node.level + 1]
+                mod = ".".join(pkg + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule; `from pkg import name` the package
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # mlx_flash.x.y.Name -> the module that defines it
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def test_no_import_circle():
+    known = modules()
+    graph = {m: imports_of(m, p, known) if p else set() for m, p in known.items()}
+    state, stack, cycles = {}, [], []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_module_imports_alone_in_reverse_order():
+    names = [m for m, p in modules().items() if p and not m.endswith("__main__") and "peers.child" not in m]
+    code = "import importlib\nfor m in %r:\n    importlib.import_module(m)\n" % sorted(names, reverse=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_stores_are_imported_only_inside_the_runtime():
+    known = modules()
+    for m, p in known.items():
+        if m.startswith("mlx_flash.runtime") or p is None:
+            continue
+        bad = [t for t in imports_of(m, p, known) if t.startswith("mlx_flash.runtime.stores")]
+        assert not bad, f"{p} imports {bad}"
+
+
+def test_only_the_layout_writes_the_manifest():
+    """layout/format.py's write_manifest / add_manifest_section are the only writers."""
+    for p in PKG.rglob("*.py"):
+        if p == PKG / "layout" / "format.py":
+            continue
+        text = p.read_text()
+        assert ".to_json()" not in text, p
+        assert not re.search(r"MANIFEST[^\n]*[\"'][wa]b?[\"']", text), p
+
+
+def test_no_model_flash_dict():
+    for root in (PKG, REPO / "scripts"):
+        for p in root.rglob("*.py"):
+            assert "model.flash" not in p.read_text(), p
+
+
+def test_load_is_short():
+    from mlx_flash.loader import load
+
+    assert len(inspect.getsource(load).splitlines()) < 60
+
+
+def test_sparsity_choices_come_from_the_registry():
+    import argparse
+
+    from mlx_flash.cli.generate import add_model_args
+    from mlx_flash.sparsity import Source, source_names, sources
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    choices = next(a.choices for a in p._actions if a.dest == "sparsity")
+    assert tuple(choices) == source_names() and {"oracle", "threshold", "predictor", "dip", "dip-ca"} <= set(choices)
+    for name, cls in sources().items():
+        assert issubclass(cls, Source) and cls.name == name and cls.store in ("flash", "dip")

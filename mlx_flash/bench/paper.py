@@ -40,6 +40,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import FlashError
+from ..io import READ_THREADS
 from .random_model import build_checkpoint, shape_config
 from .trace import TraceModel, TraceSource
 
@@ -86,7 +87,7 @@ def matvec_bandwidth(rows=16384, cols=4096, repeat=10):
     return gbps
 
 
-def disk_curve(files, chunks, threads=32, seconds=1.0, seed=0):
+def disk_curve(files, chunks, threads=READ_THREADS, seconds=1.0, seed=0):
     """{chunk bytes: GB/s} of uncached random reads of `chunks`-sized pieces of `files`."""
     from ..io import FlashReader
 
@@ -231,7 +232,7 @@ def drive_store(store, d_model, tokens, warmup=5):
 
 def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup=6, rounds=2,
         prompt_tokens=8, configs=tuple(CONFIGS), windows=(0, 1, 2, 3, 4, 5, 6, 8),
-        window_tokens=12, long_tokens=1000, threads=32, predictor_rank=128, active=0.03,
+        window_tokens=12, long_tokens=1000, threads=READ_THREADS, predictor_rank=128, active=0.03,
         new=0.024, k=5, home=None, progress=True, log=print):
     """Everything of `mlx_flash.benchmark paper`; returns a dict (rows, figures, machine)."""
     from ..blas import blas_info

@@ -3,6 +3,7 @@
 from .reader import (
     DEFAULT_COALESCE_GAP,
     DEFAULT_MAX_READ,
+    READ_THREADS,
     FlashFile,
     FlashReader,
     ReaderStats,
@@ -18,6 +19,7 @@ __all__ = [
     "ReaderStats",
     "DEFAULT_COALESCE_GAP",
     "DEFAULT_MAX_READ",
+    "READ_THREADS",
     "logical_block_size",
     "native_available",
 ]

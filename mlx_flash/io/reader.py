@@ -67,6 +67,7 @@ log = logging.getLogger("mlx_flash.io")
 # Hence 16 KiB: a 16 KiB bundle nobody wants between two wanted ones is read
 # and discarded rather than skipped (at the break-even point the two cost
 # the same; anything larger is skipped).
+READ_THREADS = 32  # the paper's 32 parallel reads (every default thread count is this one)
 DEFAULT_COALESCE_GAP = 16 * 1024
 # A merged read never spans more than this: the measured throughput is flat
 # beyond 256 KiB (FACTS.md), and smaller pieces keep more threads busy.
@@ -446,7 +447,7 @@ class FlashReader:
     align: override the alignment of uncached reads (default: queried per file).
     """
 
-    def __init__(self, threads=32, direct=True, coalesce_gap=DEFAULT_COALESCE_GAP,
+    def __init__(self, threads=READ_THREADS, direct=True, coalesce_gap=DEFAULT_COALESCE_GAP,
                  max_read=DEFAULT_MAX_READ, backend="auto", align=None):
         if threads < 1:
             raise ValueError("threads must be >= 1")

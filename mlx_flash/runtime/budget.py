@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..errors import FlashError
 from ..sizes import parse_share
 
-from .config import MODES
+from .config import DEFAULTS, MODES
 
 
 def parse_budget(text, model_bytes):
@@ -65,7 +65,7 @@ class Plan:
 
 
 def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
-              n_neurons, window=4, dip=None, req=None, held_neuron_bytes=0, prefetch=False):
+              n_neurons, window=DEFAULTS.window, dip=None, req=None, held_neuron_bytes=0, prefetch=False):
     """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
     DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
     two caches of every layer get the same fraction of their rows from the rest.

@@ -7,6 +7,7 @@ from them (`add_cli_args`, `from_cli`), so a new option is one field here.
 from dataclasses import MISSING, dataclass, field, fields
 
 from ..errors import FlashError
+from ..io.reader import READ_THREADS
 
 MODES = ("dense", "naive", "hybrid", "flash")
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
@@ -41,7 +42,7 @@ class FlashConfig:
     density: float = _opt(1.0, "kept fraction of neurons (top-k sources)", "--density")
     memory_budget: str | None = _opt(None, "weights in DRAM: '50%%' of the model or '4GB'", "--memory-budget")
     window: int | None = _opt(4, "tokens whose neurons stay cached (flash)", "--window")
-    threads: int = _opt(32, "reader threads", "--threads")
+    threads: int = _opt(READ_THREADS, "reader threads", "--threads")
     resident_dtype: str | None = _opt(
         None, "hold embeddings and attention in DRAM at the model's 16-bit flash dtype and convert "
         "them just before use (exact, half the DRAM; default: the compute dtype)", "--resident-dtype",
@@ -144,3 +145,4 @@ def make_config(options):
 
 
 assert all(f.default is not MISSING for f in fields(FlashConfig))
+DEFAULTS = FlashConfig()  # every default, for code that needs one outside a config

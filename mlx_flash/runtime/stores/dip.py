@@ -28,6 +28,7 @@ from ...cache.eviction import POLICIES
 from ...errors import FlashError
 from ...models.ffn import FFNRows
 from ...sparsity import top_k_mask
+from ..config import DEFAULTS
 from ..stats import TokenStats
 from .base import Store, read_into
 
@@ -69,8 +70,9 @@ class _Side:
 
 
 class DIPStore(Store):
-    def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False, gamma=0.2,
-                 eviction="lfu", traces=None, dtype=mx.float32, record_trace=False):
+    def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
+                 gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
+                 record_trace=False):
         if not manifest.dip:
             raise FlashError(
                 f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"

@@ -64,6 +64,7 @@ def build_parser():
 
 def add_paper_parser(sub):
     from ..bench.paper import CONFIGS
+    from ..io import READ_THREADS
     from ..bench.random_model import SHAPES
 
     s = sub.add_parser("paper", help="the paper's Tables 2, 3 and Figures 7, 8 at 7B scale",
@@ -92,7 +93,7 @@ def add_paper_parser(sub):
     s.add_argument("--active", type=float, default=0.03, help="trace: active share per token")
     s.add_argument("--new", type=float, default=0.024, help="trace: new share per token at window k")
     s.add_argument("--k", type=int, default=5, help="trace: the window the new share is given for")
-    s.add_argument("--threads", type=int, default=32, help="reader threads")
+    s.add_argument("--threads", type=int, default=READ_THREADS, help="reader threads")
     s.add_argument("--json", default=None, help="write every row and figure here (JSON)")
     s.add_argument("--out", default="results", help="folder for the markdown, CSV and PNGs")
     s.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,6 +1,6 @@
 """One run of one system for `mlx_flash.benchmark peers`, in its own process.
 
-    python peer_child.py CONFIG.json
+    python child.py CONFIG.json
 
 Run as a plain script (not `-m`): the llama.cpp peer runs it with the
 interpreter of `.venv-peers`, where mlx_flash is not installed, so this file
@@ -86,12 +86,8 @@ class MLXFlashRuntime:
             cfg["path"], mode=cfg["mode"], sparsity=cfg.get("sparsity") or "oracle",
             density=cfg.get("density") or 1.0, memory_budget=cfg.get("memory_budget"),
             resident_dtype=cfg.get("resident_dtype"), progress=False)
-        info = self.model.flash
-        plan = info.get("plan")
-        out = {"memory_budget_bytes": info.get("budget_bytes")}
-        if plan is not None:
-            out["plan_weights_bytes"] = plan.weights_bytes
-        return out
+        rt = self.model.runtime
+        return {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes}
 
     def stream_generate(self):
         return self.mlx_flash.stream_generate
@@ -115,14 +111,13 @@ class MLXFlashRuntime:
 
     def extra(self):
         out = self.lib_stats()
-        store = self.model.flash.get("store")
-        stats = getattr(store, "stats", None)
-        if stats is not None:
-            try:
-                stats.end()
-                out["flash_stats"] = stats.summary()
-            except Exception as e:  # the stats are a bonus, never the result
-                out["flash_stats_error"] = repr(e)
+        try:
+            stats = self.model.runtime.stats()
+            if self.model.runtime.store.stats is not None:
+                out["flash_stats"] = {k: v for k, v in stats["summary"].items() if k.startswith("mean_")
+                                      or k == "n_tokens"}
+        except Exception as e:  # the stats are a bonus, never the result
+            out["flash_stats_error"] = repr(e)
         return out
 
 

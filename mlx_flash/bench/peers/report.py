@@ -1,0 +1,165 @@
+"""The peers benchmark's output: peers.md (markdown), peers.csv, peers.json, and the
+formatting helpers the runs' log lines use. Imports systems (MB) only."""
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+from .systems import MB
+
+
+def _status(runs):
+    kinds = [r.status for r in runs]
+    if not kinds:
+        return "none"
+    if all(k == kinds[0] for k in kinds):
+        return kinds[0]
+    return ", ".join(f"{k} {kinds.count(k)}/{len(kinds)}" for k in dict.fromkeys(kinds))
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _max(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+def _common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _mb(n):
+    return "none" if n is None else f"{n / MB:.0f} MB"
+
+
+def _limit_text(limit):
+    kind, v = limit
+    if kind == "none":
+        return "none"
+    if kind == "fraction":
+        return f"each runtime's baseline RSS + {v * 100:g}% of the model's float32 weights"
+    return f"{v / MB:.0f} MB for every system"
+
+
+def _flash_budget_text(fb):
+    how, v = fb
+    if how == "auto":
+        return ("auto: limit - (peak RSS - weights held) of one unconstrained run of the same system at "
+                "the full budget - 5% of the limit")
+    if how == "full":
+        return "full: limit - the runtime's baseline"
+    return f"{v * 100:g}% of the float32 model" if how == "fraction" else f"{v / MB:.0f} MB"
+
+
+def _summary_line(r):
+    if r.status == "ok":
+        return (f"decode {r.decode_tps:.1f} tok/s, prompt {r.prompt_tps:.0f} tok/s, load {r.load_s:.1f} s, "
+                f"cgroup peak {_mb(r.cgroup_peak_bytes)}, RSS peak {_mb(r.rss_peak_bytes)}, "
+                f"read {_mb(r.read_per_token_bytes)}/token")
+    return f"{r.status.upper()}: {r.message} (cgroup peak {_mb(r.cgroup_peak_bytes)})"
+
+
+# --- output ---
+
+COLUMNS = [
+    ("system", "system", None),
+    ("limit_bytes", "limit MB", "mb"),
+    ("memory_budget_bytes", "budget MB", "mb"),
+    ("status", "status", None),
+    ("decode_tps", "decode tok/s", "1"),
+    ("decode_vs_reference", "vs ref", "2"),
+    ("prompt_tps", "prompt tok/s", "0"),
+    ("load_s", "load s", "1"),
+    ("cgroup_peak_bytes", "cgroup peak MB", "mb"),
+    ("rss_peak_bytes", "RSS peak MB", "mb"),
+    ("read_per_token_bytes", "read MB/token", "mb1"),
+    ("oom", "OOM", None),
+    ("same_tokens_as_reference", "tokens = ref", None),
+]
+
+
+def _fmt(v, how):
+    if v is None:
+        return "–"
+    if how == "mb":
+        return f"{v / MB:.0f}"
+    if how == "mb1":
+        return f"{v / MB:.1f}"
+    if how in ("0", "1", "2"):
+        return f"{v:.{how}f}"
+    return str(v)
+
+
+def markdown(res):
+    i = res["info"]
+    m = i["machine"]
+    lines = [
+        "# mlx_flash.benchmark peers",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {(m['ram_bytes'] or 0) / 2**30:.0f} GiB RAM, {m['os']}",
+        f"- BLAS (mlx): {i['blas']}",
+    ]
+    if i.get("llama_cpp"):
+        ll = i["llama_cpp"]
+        lines.append(f"- llama.cpp: llama-cpp-python {ll['version']}, {ll.get('threads')} threads, mmap, "
+                     + " ".join(f"{k}={v}" for k, v in (ll.get("env") or {}).items())
+                     + f" ({ll['system_info']})")
+    lines += [
+        f"- model: {i['model']} ({i['model_float32_bytes'] / MB:.0f} MB of float32 weights)",
+        f"- dtype: {i['dtype']}",
+        f"- limit: {i['limit']} (memory cgroup {i['cgroup']}, page cache counted)",
+        f"- mlx_flash's memory_budget (weights only): {i['flash_budget']}",
+        "- baselines (RSS after imports, no weights): "
+        + ", ".join(f"{rt} {b['rss_bytes'] / MB:.0f} MB" for rt, b in i["baselines"].items()),
+    ]
+    for spec, c in (i.get("calibration") or {}).items():
+        lines.append(f"- sizing {spec} (no limit, memory_budget {c['full_budget_bytes'] / MB:.0f} MB): peak RSS "
+                     f"{c['rss_peak_bytes'] / MB:.0f} MB = weights {c['weights_bytes'] / MB:.0f} MB + the rest "
+                     f"{c['other_bytes'] / MB:.0f} MB -> memory_budget {c['budget_bytes'] / MB:.0f} MB")
+    lines += [
+        f"- prompt {i['prompt_tokens']} tokens (the same ids for all), {i['decode_tokens']} greedy decode tokens "
+        f"(end tokens forbidden), {i['rounds']} rounds alternating the order, "
+        + ("page cache dropped before every run" if i["cold"] else "warm page cache"),
+        f"- medians over the runs that finished; 'vs ref' is the median per-round ratio of decode speed to "
+        f"{i['reference']}; 'tokens = ref' counts the leading tokens equal to its output",
+        f"- {i['started']}; `{i['command']}`" if i.get("command") else f"- {i['started']}",
+    ]
+    if i.get("loadavg") and i["loadavg"][0] is not None:
+        lines.append(f"- 1-minute load average around the runs: {i['loadavg'][0]:.1f} to {i['loadavg'][1]:.1f} "
+                     f"on {m['cores']} cores (a shared machine: compare ratios within this run)")
+    for n in i.get("notes") or []:
+        lines.append(f"- note: {n}")
+    lines += ["", "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+              "| " + " | ".join("---" for _ in COLUMNS) + " |"]
+    for row in res["rows"]:
+        lines.append("| " + " | ".join(_fmt(row.get(k), how) for k, _, how in COLUMNS) + " |")
+    msgs = [(r["system"], r["message"]) for r in res["rows"] if r.get("message")]
+    if msgs:
+        lines += [""] + [f"- {s}: {msg}" for s, msg in msgs]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(res, path):
+    keys = ["system", "runtime", "status", "runs", "ok", "oom", "limit_bytes", "memory_budget_bytes",
+            "decode_tps", "decode_vs_reference", "prompt_tps", "load_s", "cgroup_peak_bytes", "rss_peak_bytes",
+            "read_per_token_bytes", "read_prefill_bytes", "read_load_bytes", "same_tokens_as_reference", "message"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        for row in res["rows"]:
+            w.writerow(row)
+
+
+def write_json(res, path):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)

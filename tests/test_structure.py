@@ -127,3 +127,47 @@ def test_sparsity_choices_come_from_the_registry():
     assert tuple(choices) == source_names() and {"oracle", "threshold", "predictor", "dip", "dip-ca"} <= set(choices)
     for name, cls in sources().items():
         assert issubclass(cls, Source) and cls.name == name and cls.store in ("flash", "dip")
+
+
+NEW_SOURCE = '''
+"""every: keeps every neuron (a source written for this test)."""
+import numpy as np
+
+from .base import Source
+
+
+class Every(Source):
+    name = "every-test"
+    calls = 0
+
+    @classmethod
+    def build(cls, ctx):
+        return cls()
+
+    def select(self, layer, x):
+        type(self).calls += 1
+        return np.ones((int(np.prod(x.shape[:-1])), self.n), dtype=bool)
+'''
+
+
+def test_a_new_source_is_one_file(tmp_path, monkeypatch):
+    """A module with a Source subclass in the sparsity package is a --sparsity choice, and
+    load(mode="flash", sparsity=its name) runs it: nothing else to register."""
+    import mlx.core as mx
+
+    import mlx_flash.sparsity as sparsity
+    from mlx_flash.convert import convert
+    from helpers import make_llama_folder
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "every_test.py").write_text(NEW_SOURCE.replace("self.n", "64"))
+    monkeypatch.setattr(sparsity, "__path__", list(sparsity.__path__) + [str(tmp_path / "pkg")])
+    monkeypatch.setattr(sparsity, "_registry", None)
+    assert "every-test" in sparsity.source_names()
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=64)
+    out = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    dense, _ = mlx_flash.load(out)
+    model, _ = mlx_flash.load(out, mode="flash", sparsity="every-test")
+    x = mx.array([[1, 2, 3]])
+    assert mx.allclose(model(x), dense(x), atol=1e-5)
+    assert sparsity.source_class("every-test").calls >= len(model.layers)

@@ -1,7 +1,6 @@
-"""scripts/quality_table.py on a tiny calibrated model: the rows, the files, resume, and batch == token by token."""
+"""mlx_flash.eval.table on a tiny calibrated model: the rows, the files, resume, batch == token by token, the CLI."""
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,15 +12,13 @@ from mlx_flash.convert import convert
 from mlx_flash.eval.tasks import MCItem
 from helpers import make_llama_folder
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "quality_table.py"
 WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("quality_table", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import mlx_flash.eval.table
+
+    return mlx_flash.eval.table
 
 
 def words(seed, n):
@@ -99,3 +96,30 @@ def test_resume_keeps_finished_rows(tiny, tmp_path):
     assert kept == ["[resume] dense: kept"]
     assert second["rows"]["dense"] == json.loads(json.dumps(first["rows"]["dense"]))
     assert "oracle@0.5" in second["rows"]
+
+
+def test_eval_table_cli(tiny, tmp_path):
+    """`mlx_flash.eval --table OUT` end to end, as a user runs it; a user's mistake is one line, exit 2."""
+    import subprocess
+    import sys
+
+    folder, _ = tiny
+    data = tmp_path / "data"
+    (data / "wikitext-2-raw").mkdir(parents=True)
+    (data / "wikitext-2-raw" / "wiki.test.raw").write_text(words(3, 300))
+    out = tmp_path / "res" / "quality"
+    cmd = [str(Path(sys.executable).parent / "mlx_flash.eval"), "--table", str(out), "--model", str(folder),
+           "--data-dir", str(data), "--densities", "0.5", "--mc-densities", "", "--budget", "85%",
+           "--tokens", "48", "--context", "32", "--dip-ca-tokens", "16", "--check-tokens", "16",
+           "--probe-tokens", "32", "--arc-easy", "0", "--arc-challenge", "0", "--hellaswag", "0", "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for name in ("quality.md", "quality.csv", "quality.json", "quality_predictor.csv"):
+        assert (out.parent / name).is_file(), name
+    state = json.loads(out.with_suffix(".json").read_text())
+    assert state["meta"]["command"].startswith("mlx_flash.eval --table ")
+    assert not [k for k, row in state["rows"].items() if "error" in row] and "| dip-ca | 50% |" in r.stdout
+    for bad in (["--densities", "0.5,x"], ["--mode", "flash"], ["--model", str(tmp_path / "none")]):
+        e = subprocess.run(cmd + bad, capture_output=True, text=True, timeout=120)
+        assert e.returncode == 2 and "Traceback" not in e.stderr, e.stderr
+        assert len(e.stderr.strip().splitlines()) == 1 and "mlx_flash.eval: error:" in e.stderr, e.stderr

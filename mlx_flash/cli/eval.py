@@ -16,6 +16,15 @@ because the sparsity sources choose neurons from the state of their caches
 (DIP-CA above all). --batch-prefill scores in one pass instead: faster, but
 an approximation for cache-aware sources. --token-by-token forces the
 incremental path in dense mode too.
+
+  mlx_flash.eval --table results/quality                   # every sparsity source at matched densities
+  mlx_flash.eval --table results/quality --resume          # continue: rows already in the JSON are kept
+
+--table OUT runs the quality table (mlx_flash.eval.table): dense, then every
+sparsity source at --densities, WikiText-2 perplexity and (at --mc-densities)
+ARC-Easy / ARC-Challenge / HellaSwag, the token-by-token checks and the
+predictor per layer; writes OUT.md, OUT.csv, OUT_predictor.csv and OUT.json.
+It loads its own configurations: of the model options only --model applies.
 """
 
 import argparse
@@ -33,8 +42,10 @@ def build_parser():
     p = argparse.ArgumentParser(prog="mlx_flash.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--task", required=True,
-                   help="wikitext | c4 | arc_easy | arc_challenge | hellaswag | PATH (.txt, .jsonl)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--task", help="wikitext | c4 | arc_easy | arc_challenge | hellaswag | PATH (.txt, .jsonl)")
+    what.add_argument("--table", metavar="OUT", default=None,
+                      help="the quality table of every sparsity source: writes OUT.md, .csv, .json, _predictor.csv")
     p.add_argument("--split", default=None, choices=["test", "dev"], help="ARC split (default test)")
     p.add_argument("--limit", type=int, default=None,
                    help="tokens scored (perplexity) or items (multiple choice); default all")
@@ -48,7 +59,80 @@ def build_parser():
     p.add_argument("--data-dir", default=None, help="data sets folder (default $MLX_FLASH_DATA or ../shared/data)")
     p.add_argument("--json", default=None, help="write every figure (and per-item scores) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = p.add_argument_group("quality table (--table; also --model, --context, --data-dir, --no-progress)")
+    t.add_argument("--densities", default=None, help="densities of the sparse rows (default 0.75,0.5,0.25)")
+    t.add_argument("--mc-densities", default=None,
+                   help="densities that also run the multiple-choice tasks (default 0.5; each costs ~5 min "
+                   "per source on SmolLM2)")
+    t.add_argument("--budget", default=None, help="dip-ca's memory budget, and the checks' (default 50%%)")
+    t.add_argument("--tokens", type=int, default=None,
+                   help="WikiText-2 tokens, dense and batch-prefill rows (default 2048)")
+    t.add_argument("--arc-easy", type=int, default=None, help="ARC-Easy test items, from the start (default 100)")
+    t.add_argument("--arc-challenge", type=int, default=None,
+                   help="ARC-Challenge test items, from the start (default 80)")
+    t.add_argument("--hellaswag", type=int, default=None,
+                   help="HellaSwag validation items, spread over the split (default 50)")
+    t.add_argument("--dip-ca-tokens", type=int, default=None,
+                   help="WikiText-2 tokens for dip-ca, token by token (default 512)")
+    t.add_argument("--dip-ca-items", type=int, default=None,
+                   help="multiple-choice items for dip-ca, token by token (default 0: slow)")
+    t.add_argument("--check-tokens", type=int, default=None,
+                   help="tokens of the token-by-token checks (predictor and dip at 50%%; default 256); 0: none")
+    t.add_argument("--probe-tokens", type=int, default=None,
+                   help="WikiText-2 tokens to re-measure the predictor per layer (default 2048); 0: none")
+    t.add_argument("--resume", action="store_true", default=None, help="keep the rows already in OUT.json")
     return p
+
+
+TABLE_OPTIONS = ("densities", "mc_densities", "budget", "tokens", "arc_easy", "arc_challenge", "hellaswag",
+                 "dip_ca_tokens", "dip_ca_items", "check_tokens", "probe_tokens", "resume")
+SHARED_OPTIONS = ("task", "table", "model", "context", "data_dir", "no_progress")
+
+
+def _flag(parser, dest):
+    return next((a.option_strings[0] for a in parser._actions if a.dest == dest), "--" + dest.replace("_", "-"))
+
+
+def check_options(parser, args):
+    """--table's options only with --table; a single evaluation's options (the model
+    configuration, --limit, --json, ...) not with it: FlashError naming them."""
+    if args.table is None:
+        given = [_flag(parser, k) for k in TABLE_OPTIONS if getattr(args, k) is not None]
+        if given:
+            raise FlashError(f"{', '.join(given)}: only with --table")
+        return
+    defaults = vars(parser.parse_args(["--table", "-"]))
+    stray = [_flag(parser, k) for k, v in vars(args).items()
+             if k not in TABLE_OPTIONS + SHARED_OPTIONS and v != defaults[k]]
+    if stray:
+        raise FlashError(f"{', '.join(stray)}: not an option of --table (it loads its own configurations: "
+                         "dense, then every sparsity source at --densities)")
+
+
+def _floats(text, flag):
+    try:
+        return [float(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise FlashError(f"{flag}: cannot read {text!r} (a comma-separated list such as 0.75,0.5)")
+
+
+def table_main(parser, args, argv):
+    """--table OUT: mlx_flash.eval.table.quality_table() with the given options; prints the markdown."""
+    from ..eval.table import markdown, quality_table
+    from . import check_model_arg, default_model
+
+    kw = {k: getattr(args, k) for k in TABLE_OPTIONS if getattr(args, k) is not None}
+    for k in ("densities", "mc_densities"):
+        if k in kw:
+            kw[k] = _floats(kw[k], _flag(parser, k))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    t0 = time.perf_counter()
+    state = quality_table(check_model_arg(args.model or default_model()), args.table, context=args.context,
+                          data_dir=args.data_dir, progress=not args.no_progress,
+                          command="mlx_flash.eval" + "".join(  # --resume does not change what the table holds
+                              f" {x}" for x in argv if x != "--resume"), **kw)
+    print(markdown(state))
+    print(f"wrote {args.table}.md/.csv/.json in {time.perf_counter() - t0:.0f} s")
 
 
 def fmt_metric(value, stderr):
@@ -97,11 +181,15 @@ def summary_lines(res, args, stats):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
 
     def body():
         from ..eval.harness import evaluate, load_task
 
+        check_options(parser, args)
+        if args.table is not None:
+            return table_main(parser, args, argv)
         if args.limit is not None and args.limit <= 0:
             raise FlashError(f"--limit must be positive, not {args.limit}")
         if args.context < 1:

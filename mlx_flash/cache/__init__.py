@@ -1,1 +1,6 @@
+"""Caches of rows: NeuronCache (paper §3.3: preallocated rows, swap-delete, append) and
+the eviction policies (LRU, LFU, Belady). Knows rows and ids, never models or files;
+may import io.reader (its native row mover) only.
+"""
+
 from .neuron_cache import NeuronCache

@@ -1,4 +1,8 @@
-"""Command-line tools: thin main() functions over the library."""
+"""Command-line tools: thin main() functions over the library.
+
+Each main parses, calls the library, prints; model options come from
+runtime.FlashConfig (add_cli_args / from_cli).
+"""
 
 import os
 import sys

@@ -1,4 +1,8 @@
-"""Quality of a model through the real runtime: perplexity and zero-shot accuracy (mlx_flash.eval)."""
+"""Quality of a model through the real runtime: perplexity and zero-shot accuracy (mlx_flash.eval).
+
+May import the loader (load), the runtime's package API and sparsity; the CLI
+is cli/eval.py.
+"""
 
 from .harness import (  # noqa: F401
     choice_logliks,

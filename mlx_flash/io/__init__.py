@@ -1,4 +1,7 @@
-"""Parallel uncached reads of flash files: FlashReader (see reader.py)."""
+"""Parallel uncached reads of flash files: FlashReader (see reader.py).
+
+Knows no models: files, offsets, rows. Imports nothing of mlx_flash but errors.
+"""
 
 from .reader import (
     DEFAULT_COALESCE_GAP,

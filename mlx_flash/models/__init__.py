@@ -1,4 +1,8 @@
-"""Model families: MLX definitions whose FFN reads from the flash layout."""
+"""Model families: MLX definitions whose FFN reads from the flash layout.
+
+Models never open files: their FFN asks a store (runtime/) for rows. May import
+errors, io (half.py's converter); never the runtime, the loader or the CLI.
+"""
 
 import importlib
 

@@ -13,10 +13,10 @@ from mlx.utils import tree_flatten
 
 from .errors import FlashError
 from .layout.format import check_file, is_flash_folder, read_manifest
-from .runtime import FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype, make_config
+from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
+                      make_config)
 
 BUDGET_CACHE_LIMIT = 32 << 20  # MLX buffer cache under --memory-budget (bytes)
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def default_home():

@@ -4,7 +4,7 @@
 from them (`add_cli_args`, `from_cli`), so a new option is one field here.
 """
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from ..errors import FlashError
 from ..io.reader import READ_THREADS
@@ -122,9 +122,7 @@ def add_cli_args(parser):
             parser.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
             continue
         choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
-        kind = {int: int, float: float}.get(type(f.default)) if f.default is not None else None
-        if f.name == "window":
-            kind = int
+        kind = {int: int, float: float}.get(type(f.default))  # None: a string (or a choice)
         parser.add_argument(meta["flag"], dest=f.name, default=f.default, type=kind, choices=choices,
                             help=meta["help"])
 
@@ -144,5 +142,4 @@ def make_config(options):
     return FlashConfig(**options)
 
 
-assert all(f.default is not MISSING for f in fields(FlashConfig))
 DEFAULTS = FlashConfig()  # every default, for code that needs one outside a config

@@ -86,13 +86,17 @@ class Store:
         s = self.reader.stats
         return s.bytes_read, s.reads_issued
 
-    def _check_fits(self, n, limit, tokens, where):
-        """A token's `n` rows must fit `limit`; a chunk of several tokens is split instead."""
+    FIT_ERROR = "{n} rows in layer {layer}, more than the {limit} the memory budget leaves it"
+
+    def _check_fits(self, n, limit, x, layer):
+        """The `n` rows x needs must fit `limit`; a chunk of several tokens is split instead
+        (the message is only formatted when it does not fit: this runs every layer)."""
         if n <= limit:
             return
-        if tokens > 1:
+        if int(np.prod(x.shape[:-1])) > 1:
             raise TooManyNeurons()
-        raise FlashError(f"one token needs {n} {where}; raise --memory-budget or lower --density")
+        raise FlashError("one token needs " + self.FIT_ERROR.format(n=n, layer=layer, limit=limit)
+                         + "; raise --memory-budget or lower --density")
 
     def _submit(self, fn, *args):
         from concurrent.futures import ThreadPoolExecutor

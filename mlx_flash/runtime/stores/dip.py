@@ -70,6 +70,8 @@ class _Side:
 
 
 class DIPStore(Store):
+    FIT_ERROR = "{n} rows in layer {layer}'s DIP cache of {limit}"
+
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
                  gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
                  record_trace=False):
@@ -134,9 +136,7 @@ class DIPStore(Store):
         x2 = x.reshape(-1, x.shape[-1])
         mask_in = top_k_mask(self._scores(np.array(x2, dtype=np.float32), side_in.cache), self.k_in)
         need_in = np.flatnonzero(mask_in.any(axis=0)).astype(np.int64)
-        self._check_fits(need_in.size, side_in.cache.capacity + self.scratch_in.capacity, x2.shape[0],
-                         f"rows in layer {layer}'s DIP cache of "
-                         f"{side_in.cache.capacity + self.scratch_in.capacity}")
+        self._check_fits(need_in.size, side_in.cache.capacity + self.scratch_in.capacity, x2, layer)
         t2 = time.perf_counter()
         hits_in, m_in, io_in, streamed = side_in.ensure(self.reader, need_in, self.step, self.scratch_in)
         if self.trace is not None:
@@ -154,9 +154,7 @@ class DIPStore(Store):
         t3 = time.perf_counter()
         mask_out = top_k_mask(self._scores(h_np, side_down.cache), self.k_out)
         need_out = np.flatnonzero(mask_out.any(axis=0)).astype(np.int64)
-        self._check_fits(need_out.size, side_down.cache.capacity + self.scratch_down.capacity, x2.shape[0],
-                         f"rows in layer {layer}'s DIP cache of "
-                         f"{side_down.cache.capacity + self.scratch_down.capacity}")
+        self._check_fits(need_out.size, side_down.cache.capacity + self.scratch_down.capacity, x2, layer)
         t4 = time.perf_counter()
         hits_out, m_out, io_out, streamed = side_down.ensure(self.reader, need_out, self.step,
                                                              self.scratch_down)

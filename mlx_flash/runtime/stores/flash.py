@@ -23,6 +23,8 @@ from .base import NeuronFileStore
 
 
 class FlashStore(NeuronFileStore):
+    FIT_ERROR = "{n} neurons in layer {layer}, more than the {limit} rows the memory budget leaves it"
+
     def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32, bundled=True,
                  overlap=False):
         super().__init__(folder, manifest, plan, reader, dtype, bundled)
@@ -58,8 +60,7 @@ class FlashStore(NeuronFileStore):
         mask = self.source.select(layer, x)
         ids = np.flatnonzero(mask.any(axis=0)).astype(np.int64)
         limit = self.caches[layer].capacity + self.scratch.capacity
-        self._check_fits(ids.size, limit, int(np.prod(x.shape[:-1])),
-                         f"neurons in layer {layer}, more than the {limit} rows the memory budget leaves it")
+        self._check_fits(ids.size, limit, x, layer)
         t2 = time.perf_counter()
         got = (0, 0)  # (bytes, reads) of this layer; an overlapped read adds its own later
 

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 
 from .errors import FlashError
 from .layout.format import check_file, is_flash_folder, read_manifest
+from .models.quantized import dequantize_modules, quantized_modules
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       make_config)
 
@@ -47,7 +48,8 @@ def load(path_or_repo, progress=False, config=None, **options):
       naive | hybrid | flash), sparsity and density (flash mode's source and kept
       fraction), memory_budget ("50%" of the model's weights or "4GB"), window,
       threads, gamma / eviction (DIP-CA), resident_dtype (hold embeddings and
-      attention at the flash's 16-bit dtype, converted before use), prefetch.
+      attention at the flash's 16-bit dtype, converted before use; a quantized
+      model's are held at their bits, or dequantized with "float32"), prefetch.
       Or a whole FlashConfig as `config`.
     The model carries its runtime as `model.runtime` (stats(), plan, store).
     """
@@ -80,6 +82,7 @@ def _build_model(folder, manifest, config: FlashConfig):
         raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
     release_heap()
     model = family.Model(args)
+    quantize_resident(model, model_config.get("quantization"), folder)
     check_file(folder, manifest.resident, checksum=config.verify)
     check_resident_fits(folder, manifest, config)
     try:
@@ -89,7 +92,10 @@ def _build_model(folder, manifest, config: FlashConfig):
     converted = {}
     for k in list(weights):  # one tensor at a time: the file's copy of all of them never lives at once
         converted[k] = weights.pop(k)
-        if held is None or converted[k].ndim != 2:  # 2-D: weights a held model may keep as they are
+        if not mx.issubdtype(converted[k].dtype, mx.floating):  # quantized weights' packed words
+            pass
+        elif held is None or converted[k].ndim != 2 or k.endswith((".scales", ".biases")):
+            # (2-D: weights a held model may keep as they are; its quantized ones' scales are not)
             converted[k] = converted[k].astype(DTYPES[dtype])
         mx.eval(converted[k])
     weights = converted
@@ -97,7 +103,15 @@ def _build_model(folder, manifest, config: FlashConfig):
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
-    compute_bytes = sum(v.size * DTYPES[dtype].size for v in weights.values())  # what "50%" is of
+    if config.resident_dtype is not None and quantized_modules(model):
+        # quantized resident weights: held at their bits unless asked for a float dtype
+        if held is not None:
+            raise FlashError(f"--resident-dtype {config.resident_dtype}: {folder}'s resident weights are "
+                             f"quantized; hold them at their bits (the default) or at {dtype}")
+        dequantize_modules(model, DTYPES[dtype])
+        weights = dict(tree_flatten(model.parameters()))
+    compute_bytes = sum(v.size * (DTYPES[dtype].size if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
+                        for v in weights.values())  # what "50%" is of
     if held is not None:
         from .models.ffn import FlashFFN
         from .models.half import hold_at_16_bits
@@ -114,6 +128,29 @@ def _build_model(folder, manifest, config: FlashConfig):
         mx.set_cache_limit(BUDGET_CACHE_LIMIT)
     parameters = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return model, tokenizer, ResidentWeights(sum(v.nbytes for v in weights.values()), compute_bytes, parameters)
+
+
+def quantize_resident(model, quantization, folder):
+    """Turn the modules config.json's `quantization` names (mlx-lm's form: one entry per
+    quantized module, written by convert) into MLX quantized modules, held at their bits
+    and computed by MLX's quantized matmul."""
+    if not quantization:
+        return
+    import mlx.nn as nn
+
+    from .models.ffn import FlashFFN
+
+    named = {k: v for k, v in quantization.items() if isinstance(v, dict)}
+
+    def predicate(path, module):
+        if isinstance(module, FlashFFN) or path not in named:
+            return False
+        if not hasattr(module, "to_quantized"):
+            raise FlashError(f"{folder}/config.json: {path} is quantized, but the model's "
+                             f"{type(module).__name__} cannot be")
+        return {"group_size": named[path]["group_size"], "bits": named[path]["bits"]}
+
+    nn.quantize(model, class_predicate=predicate)
 
 
 def release_heap():

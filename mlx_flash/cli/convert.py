@@ -19,6 +19,17 @@ def build_parser():
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--dip", action="store_true",
                    help="also write the input orientation for --sparsity dip / dip-ca (+5/3 FFN bytes)")
+    q = p.add_argument_group("precision (quantized sources keep their bits unless told otherwise)")
+    q.add_argument("-q", "--quantize", action="store_true",
+                   help="quantize float weights too (as mlx_lm.convert -q: group-wise affine)")
+    q.add_argument("--q-bits", type=int, default=None,
+                   help="bits per weight: 2, 3, 4, 5, 6, 8 (default: the source's, or 4)")
+    q.add_argument("--q-group-size", type=int, default=None,
+                   help="values per scale: 32, 64, 128 (default: the source's, or 64)")
+    q.add_argument("--q-keep", default="",
+                   help="parts kept float at --dtype, comma-separated: embed, lm_head, attn")
+    q.add_argument("--dequantize", action="store_true",
+                   help="store every weight float at --dtype (4x the bytes of a 4-bit model)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -35,14 +46,21 @@ def main(argv=None):
             from ..errors import FlashError
 
             raise FlashError(f"--align must be a power of two, got {args.align}")
+        from ..convert.quantize import QuantOptions
+
+        quant = QuantOptions(args.quantize, args.q_bits, args.q_group_size, args.dequantize,
+                             tuple(k.strip() for k in args.q_keep.split(",") if k.strip()))
         t0 = time.perf_counter()
         out = convert(args.model, args.out, dtype=args.dtype, align=args.align,
-                      force=args.force, progress=not args.quiet, revision=args.revision, dip=args.dip)
+                      force=args.force, progress=not args.quiet, revision=args.revision, dip=args.dip,
+                      quant=quant)
         m = read_manifest(out)
         ffn = sum(f["size"] for f in m.ffn_files)
+        q = m.layout.quant
+        precision = m.dtype if q is None else f"{q.bits}-bit group {q.group_size} ({q.scale_dtype} scales)"
         print(
             f"{out}: {m.model_type}, {len(m.ffn_files)} layers x {m.layout.n_neurons} neurons, "
-            f"bundle {m.layout.bundle_bytes} B (stride {m.layout.stride}), {m.dtype}; "
+            f"bundle {m.layout.bundle_bytes} B (stride {m.layout.stride}), {precision}; "
             f"ffn {ffn / 1e6:.1f} MB on flash, resident {m.resident['size'] / 1e6:.1f} MB "
             f"({time.perf_counter() - t0:.1f} s)"
         )

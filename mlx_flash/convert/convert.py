@@ -16,6 +16,8 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from ..layout.format import (DTYPES, MANIFEST, RESIDENT, BundleLayout, Manifest,
                              write_manifest)
 from ..layout.safetensors_io import SafetensorsWriter
 from ..models import model_args
+from .quantize import QuantOptions, column_parts, ffn_spec, read_weight, report, row_parts, target
 from .sources import open_source
 
 NEURON_CHUNK = 1024  # neurons packed per write: bounds the staging buffer
@@ -118,14 +121,18 @@ def _fsync_dir(path):
 
 
 def convert(source, out, dtype="float16", align=512, force=False, progress=True, revision=None,
-            dip=False):
+            dip=False, quant=None):
     """Convert `source` (Hub repo id, HF/mlx-lm folder, or .gguf) into the flash layout at `out`.
 
     Returns the output folder. If `out` already holds a complete conversion of
-    the same source at the same dtype, it is kept (idempotent) unless `force`.
+    the same source at the same dtype and precision options, it is kept
+    (idempotent) unless `force`.
     dip: also write the input orientation Dynamic Input Pruning reads (gate/up
     columns per input dimension, down rows alone): 5/3 of the FFN bytes more.
+    quant: QuantOptions (convert/quantize.py): quantized sources keep their bits by
+    default; --quantize, --q-bits, --q-group-size, --q-keep, --dequantize.
     """
+    quant = quant or QuantOptions()
     if dtype not in DTYPES:
         raise FlashError(f"unsupported dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     out = Path(out).expanduser().resolve()
@@ -137,7 +144,8 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
     if out.exists():
         if is_flash_folder(out) and not force:
             m = json.loads((out / MANIFEST).read_text())
-            if m.get("source") == source_name and m.get("dtype") == dtype and (bool(m.get("dip")) or not dip):
+            if (m.get("source") == source_name and m.get("dtype") == dtype and (bool(m.get("dip")) or not dip)
+                    and m.get("options", {}).get("quant") == quant.key()):
                 return out
             raise FlashError(
                 f"{out} already holds a converted model (from {m.get('source')}, {m.get('dtype')}); "
@@ -154,8 +162,8 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
     journal = None
     try:
         journal = Journal.claim(tmp, {"source": source_name, "dtype": dtype, "align": align,
-                                      "dip": bool(dip)}, out)
-        _write_folder(src, tmp, source_name, dtype, align, progress, dip, journal)
+                                      "dip": bool(dip), "quant": quant.key()}, out)
+        _write_folder(src, tmp, source_name, dtype, align, progress, dip, journal, quant)
         journal.finish()
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -197,7 +205,34 @@ def _write_bundles(path, layout, rows, bar):
     return h.hexdigest()
 
 
-def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, journal=None):
+def _write_tables(path, tables):
+    """{name: (scales, biases)} in their storage form -> a safetensors file; -> its sha256."""
+    specs, arrays = [], []
+    for name, (scales, biases) in tables.items():
+        for part, a in (("scales", scales), ("biases", biases)):
+            specs.append((f"{name}.{part}", a.shape, _STORAGE_NAME[a.dtype.str]))
+            arrays.append(a)
+    writer = SafetensorsWriter(path, specs, {"format": "mlx_flash scales"})
+    for (name, _, _), a in zip(specs, arrays):
+        writer.write(name, a, raw=True)
+    writer.close()
+    return sha256_file(path)
+
+
+def _resident_specs(new, shape, dtype, decision):
+    """(name, shape, dtype) of the safetensors entries one resident weight becomes."""
+    kind, spec = decision
+    if kind == "float":
+        return [(new, shape, dtype)]
+    stem = new[: -len(".weight")]
+    out, n_in = shape
+    sd = "bfloat16" if spec.scale_dtype == "bfloat16" else spec.scale_dtype
+    return [(new, (out, n_in * spec.bits // 32), "uint32"), (stem + ".scales", (out, n_in // spec.group_size), sd),
+            (stem + ".biases", (out, n_in // spec.group_size), sd)]
+
+
+def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, journal=None, options=None):
+    options = options or QuantOptions()
     family, args = model_args(src.config)
     kinds = family.ffn_kinds(args)
     n_layers = args.num_hidden_layers
@@ -213,10 +248,19 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     if missing:
         raise FlashError(f"source has no tensor {missing[0]} (is config.json right for these weights?)")
 
+    notes = set()
+    decisions = {name: target(src, original[name], src.shape(original[name]), options, dtype, notes)
+                 for name in original}
+    quant = ffn_spec({n: decisions[n] for n in ffn_names}, source_name)
     d_model = args.hidden_size
     first = src.shape(original[family.ffn_tensors(args, 0)[kinds[0]][0]])
     n_neurons = first[0]
-    layout = BundleLayout(tuple(kinds), d_model, n_neurons, dtype, align)
+    if quant is not None and (d_model % quant.group_size or n_neurons % quant.group_size):
+        raise FlashError(f"{source_name}: hidden size {d_model} and FFN size {n_neurons} must be multiples "
+                         f"of the quantization group size {quant.group_size}")
+    transposed = tuple(k for k, (_, t) in family.ffn_tensors(args, 0).items() if t)
+    cols = transposed if quant is not None else ()
+    layout = BundleLayout(tuple(kinds), d_model, n_neurons, dtype, align, quant, cols, "ffn" if cols else "")
 
     resident = []
     for name, orig in original.items():
@@ -224,12 +268,14 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
             continue
         new = family.resident_name(args, name)
         if new is not None:
-            resident.append((orig, new, src.shape(orig)))
+            resident.append((orig, new, src.shape(orig), decisions[name]))
+    resident_specs = [e for _, new, shape, dec in resident for e in _resident_specs(new, shape, dtype, dec)]
     in_kinds = tuple(k for k in kinds if k != "down")
-    in_layout = BundleLayout(in_kinds, n_neurons, d_model, dtype, align)
-    down_layout = BundleLayout(("down",), d_model, n_neurons, dtype, align)
+    in_cols = in_kinds if quant is not None else ()
+    in_layout = BundleLayout(in_kinds, n_neurons, d_model, dtype, align, quant, in_cols, "dip" if in_cols else "")
+    down_layout = BundleLayout(("down",), d_model, n_neurons, dtype, align, quant, cols, layout.tables)
     dip_files = {"in": [], "down": []}
-    total = sum(int(np.prod(s)) * DTYPES[dtype] for _, _, s in resident) + layout.file_size * n_layers
+    total = sum(_nbytes(shape, dt) for _, shape, dt in resident_specs) + layout.file_size * n_layers
     if dip:
         total += (in_layout.file_size + down_layout.file_size) * n_layers
         (tmp / "dip").mkdir(exist_ok=True)
@@ -237,51 +283,75 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     if journal.done:
         print(f"[mlx_flash] resuming the conversion in {tmp}: {len(journal.done)} files already written",
               file=sys.stderr)
+    report(notes)
     bar = _progress(total, progress, "convert")
 
+    quantized_modules = {}
+    for orig, new, shape, (kind, spec) in resident:
+        if kind != "float":
+            quantized_modules[new[: -len(".weight")]] = {"group_size": spec.group_size, "bits": spec.bits}
     if journal.has(RESIDENT):
         bar.update(os.path.getsize(tmp / RESIDENT))
     else:
-        writer = SafetensorsWriter(
-            tmp / RESIDENT, [(new, shape, dtype) for _, new, shape in resident], {"format": "mlx"}
-        )
-        for name, new, shape in resident:
-            writer.write(new, src.read(name))
-            bar.update(int(np.prod(shape)) * DTYPES[dtype])
+        writer = SafetensorsWriter(tmp / RESIDENT, resident_specs, {"format": "mlx"})
+        for name, new, shape, decision in resident:
+            w = read_weight(src, name, decision)
+            if decision[0] == "float":
+                writer.write(new, w)
+            else:
+                stem = new[: -len(".weight")]
+                writer.write(new, w.packed, raw=True)
+                writer.write(stem + ".scales", w.scales, raw=True)
+                writer.write(stem + ".biases", w.biases, raw=True)
+            bar.update(sum(_nbytes(s, dt) for _, s, dt in _resident_specs(new, shape, dtype, decision)))
         writer.close()
         journal.record(RESIDENT, sha256_file(tmp / RESIDENT))
 
     (tmp / "ffn").mkdir(exist_ok=True)
-    ffn_files = []
+    ffn_files, scale_files = [], []
     for layer in range(n_layers):
         rel = f"ffn/layer_{layer:03d}.bin"
+        scales_rel = [f"ffn/scales_{layer:03d}.safetensors"] if quant is not None else []
         dip_rels = [f"dip/{name}_{layer:03d}.bin" for name in ("in", "down")] if dip else []
-        if all(journal.has(r) for r in [rel] + dip_rels):  # written by an earlier run
+        rels = [rel] + scales_rel + dip_rels
+        if all(journal.has(r) for r in rels):  # written by an earlier run
             ffn_files.append({"file": rel, "size": layout.file_size, "sha256": journal.done[rel][1]})
+            scale_files += [_entry(tmp, r, journal.done[r][1]) for r in scales_rel]
             for name, r, lay in zip(("in", "down"), dip_rels, (in_layout, down_layout)):
                 dip_files[name].append({"file": r, "size": lay.file_size, "sha256": journal.done[r][1]})
             bar.update(sum(journal.done[r][0] for r in [rel] + dip_rels))
             continue
-        rows = {}
-        for kind, (name, transposed) in family.ffn_tensors(args, layer).items():
-            w = src.read(original[name])
-            w = w.T if transposed else w
-            if w.shape != (n_neurons, d_model):
-                raise FlashError(f"tensor {name} has shape {tuple(w.shape)}, expected neurons x {d_model}")
-            rows[kind] = w
+        rows, tables, dip_in, dip_tables = {}, {}, {}, {}
+        for kind, (name, tr) in family.ffn_tensors(args, layer).items():
+            w = read_weight(src, original[name], decisions[name])
+            shape = w.shape
+            if shape != ((d_model, n_neurons) if tr else (n_neurons, d_model)):
+                raise FlashError(f"tensor {name} has shape {tuple(shape)}, expected "
+                                 f"{'d_model x neurons' if tr else 'neurons x d_model'} ({d_model}, {n_neurons})")
+            if quant is None:
+                rows[kind] = w.T if tr else w
+            elif tr:  # a column per neuron, its scales in the layer's table
+                rows[kind], tables[layout.table_name(kind)] = column_parts(w)
+            else:
+                rows[kind] = row_parts(w)
+                if dip:  # the input orientation: a column per input dimension
+                    dip_in[kind], dip_tables[in_layout.table_name(kind)] = column_parts(w)
         digest = _write_bundles(tmp / rel, layout, rows, bar)
         ffn_files.append({"file": rel, "size": layout.file_size, "sha256": digest})
+        if quant is not None:
+            digest = _write_tables(tmp / scales_rel[0], tables | dip_tables)
+            scale_files.append(_entry(tmp, scales_rel[0], digest))
+            journal.record(scales_rel[0], digest)
         if dip:
-            for name, lay, part in (
-                ("in", in_layout, {k: np.ascontiguousarray(rows[k].T) for k in in_layout.kinds}),
-                ("down", down_layout, {"down": rows["down"]}),
-            ):
-                rel = f"dip/{name}_{layer:03d}.bin"
-                digest = _write_bundles(tmp / rel, lay, part, bar)
-                dip_files[name].append({"file": rel, "size": lay.file_size, "sha256": digest})
-                journal.record(rel, digest)
-        journal.record(f"ffn/layer_{layer:03d}.bin", ffn_files[-1]["sha256"])  # the layer last
-        del rows
+            if quant is None:
+                dip_in = {k: np.ascontiguousarray(rows[k].T) for k in in_layout.kinds}
+            for name, lay, part in (("in", in_layout, dip_in), ("down", down_layout, {"down": rows["down"]})):
+                r = f"dip/{name}_{layer:03d}.bin"
+                digest = _write_bundles(tmp / r, lay, part, bar)
+                dip_files[name].append({"file": r, "size": lay.file_size, "sha256": digest})
+                journal.record(r, digest)
+        journal.record(rel, ffn_files[-1]["sha256"])  # the layer last
+        del rows, tables, dip_in, dip_tables
 
     resident_entry = {
         "file": RESIDENT,
@@ -289,7 +359,11 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         "sha256": journal.done.get(RESIDENT, (0, None))[1] or sha256_file(tmp / RESIDENT),
     }
     src.write_tokenizer(tmp)
-    (tmp / "config.json").write_text(json.dumps(src.config, indent=2))
+    config = dict(src.config)
+    if quantized_modules:  # mlx-lm's form: a default and one entry per quantized module
+        common = Counter(tuple(v.items()) for v in quantized_modules.values()).most_common(1)[0][0]
+        config["quantization"] = dict(common) | quantized_modules
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     manifest = Manifest(
         model_type=args.model_type,
         dtype=dtype,
@@ -299,6 +373,19 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         source=source_name,
         dip={"input": {"layout": in_layout, "files": dip_files["in"]},
              "down": {"layout": down_layout, "files": dip_files["down"]}} if dip else {},
+        scales=scale_files,
+        options={"quant": options.key()},
     )
     write_manifest(tmp, manifest)
     bar.close()
+
+
+_STORAGE_NAME = {"<f2": "float16", "<f4": "float32", "<u2": "bfloat16"}
+
+
+def _nbytes(shape, dtype):
+    return int(np.prod(shape)) * (DTYPES.get(dtype) or np.dtype(dtype).itemsize)
+
+
+def _entry(folder, rel, digest):
+    return {"file": rel, "size": os.path.getsize(folder / rel), "sha256": digest}

@@ -5,9 +5,12 @@ bytes of the tensor asked for. Three things differ from a Hugging Face folder
 and are undone here:
 
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
-- values: quantized blocks are dequantized (gguf.quants), and for the llama
-  architecture the rows of q/k are un-permuted (convert_hf_to_gguf.py permutes
-  them for its rotary kernel);
+- values: Q4_0, Q4_1 and Q8_0 blocks are MLX affine groups of 32 values
+  (`read_quantized`: the same numbers, repacked, bit-exact); other quantized
+  types (K-quants, Q5_x) have no exact MLX form and are dequantized
+  (gguf.quants) for the converter to re-quantize; for the llama architecture
+  the rows of q/k are un-permuted (convert_hf_to_gguf.py permutes them for
+  its rotary kernel);
 - tokenizer: there is no tokenizer.json, only a vocabulary, merges and token
   types in the metadata, from which a `tokenizers` byte-level BPE is rebuilt.
 """
@@ -88,6 +91,11 @@ PRE_TOKENIZERS = {
 }
 
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # gguf.TokenType
+
+# GGUF block types that are MLX affine groups (group size 32, float16 d): per 32-value
+# block, bytes of the header (d, and m for Q4_1) and of the values, the bits, and the
+# offset that makes llama.cpp's values unsigned (x = d * (q - offset) = d * q + (-offset d)).
+EXACT_BLOCKS = {"Q4_0": (2, 16, 4, 8), "Q4_1": (4, 16, 4, None), "Q8_0": (2, 32, 8, -128)}
 
 
 def bytes_to_unicode():
@@ -319,18 +327,65 @@ class GGUFSource:
         # GGUF lists dims innermost first: [in, out] for a linear weight.
         return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
 
+    def _unpermute(self, name, w):
+        if ARCHS[self.arch]["permuted"]:
+            if ".self_attn.q_proj." in name:
+                return unpermute(w, self.config["num_attention_heads"])
+            if ".self_attn.k_proj." in name:
+                return unpermute(w, self.config["num_key_value_heads"])
+        return w
+
     def read(self, name):
         t = self._tensors[name]
         w = self._gguf.quants.dequantize(t.data, t.tensor_type)
         # F32 comes back as a view of the mmap: copy so the caller owns its array.
         w = np.array(w, dtype=np.float32, copy=t.tensor_type.name == "F32")
         w = w.reshape(self.shape(name))
-        if ARCHS[self.arch]["permuted"]:
-            if ".self_attn.q_proj." in name:
-                w = unpermute(w, self.config["num_attention_heads"])
-            elif ".self_attn.k_proj." in name:
-                w = unpermute(w, self.config["num_key_value_heads"])
-        return np.ascontiguousarray(w)
+        return np.ascontiguousarray(self._unpermute(name, w))
+
+    def quant(self, name):
+        """The QuantSpec of a tensor stored in a block type with an exact MLX form, else None."""
+        from ..layout.quant import QuantSpec
+
+        kind = self._tensors[name].tensor_type.name
+        if kind not in EXACT_BLOCKS:
+            return None
+        return QuantSpec(EXACT_BLOCKS[kind][2], 32, "float16")
+
+    def lossy(self, name):
+        """The GGUF type of a quantized tensor with no exact MLX form (re-quantized), else None."""
+        kind = self._tensors[name].tensor_type.name
+        return None if kind in EXACT_BLOCKS or kind in ("F32", "F16", "BF16") else kind
+
+    def read_quantized(self, name):
+        """A Q4_0 / Q4_1 / Q8_0 tensor -> QuantTensor with the file's values, repacked."""
+        from ..layout.quant import QuantTensor, pack, to_words
+
+        t = self._tensors[name]
+        head, body, bits, offset = EXACT_BLOCKS[t.tensor_type.name]
+        rows, n = self.shape(name)
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, n // 32, head + body)
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        qs = blocks[..., head:]
+        if bits == 4:  # byte j holds value j (low nibble) and value j + 16 (high nibble)
+            q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        else:  # int8 -> unsigned
+            q = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        if offset is None:  # Q4_1: x = d * q + m
+            bias = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        else:
+            with np.errstate(over="raise"):
+                try:
+                    bias = (-float(abs(offset)) * d.astype(np.float32)).astype(np.float16)
+                except FloatingPointError:
+                    bias = None
+            if bias is None or not np.isfinite(bias).all() or not np.array_equal(
+                    bias.astype(np.float32), -abs(offset) * d.astype(np.float32)):
+                raise FlashError(f"{self.path.name}: tensor {t.name} has a block scale too large to "
+                                 "keep exactly at float16; convert with --dequantize")
+        packed = to_words(pack(q.reshape(rows, n), bits))
+        w = QuantTensor(packed, np.ascontiguousarray(d), np.ascontiguousarray(bias), self.quant(name))
+        return w.rows(lambda a: self._unpermute(name, a))
 
     # --- tokenizer ---
 

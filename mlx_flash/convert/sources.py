@@ -1,7 +1,11 @@
 """Model sources for the converter: each yields HF-named float32 tensors, one at a time.
 
 A source has `config` (the HF config dict), `names()`, `shape(name)`,
-`read(name)` (float32 numpy, HF orientation), `write_tokenizer(dir)`, `close()`.
+`read(name)` (float32 numpy, HF orientation), `write_tokenizer(dir)`, `close()`;
+and for quantized weights `quant(name)` (a QuantSpec when the tensor is stored
+in MLX's affine form, exactly), `read_quantized(name)` (its values as they are:
+layout/quant.py's QuantTensor) and `lossy(name)` (the name of a quantized type
+with no exact MLX form, which the converter re-quantizes).
 """
 
 import json
@@ -57,48 +61,80 @@ class SafetensorsFolderSource:
             for name in st.names():
                 self.files[name] = st
         q = self.config.get("quantization") or self.config.get("quantization_config")
-        self.quant = q if q and "bits" in q and "group_size" in q else None
+        self.quantization = q if q and "bits" in q and "group_size" in q else None
+        if self.quantization and self.quantization.get("mode", "affine") != "affine":
+            raise FlashError(f"{cfg_path}: quantization mode '{self.quantization['mode']}' is not "
+                             "supported (only MLX's affine mode)")
         self.config.pop("quantization", None)
         self.config.pop("quantization_config", None)
+        self._specs = {}
 
     def names(self):
         return [
             n
             for n in self.files
-            if not (self.quant and (n.endswith(".scales") or n.endswith(".biases")))
+            if not (self.quantization and (n.endswith(".scales") or n.endswith(".biases")))
         ]
 
     def _is_quantized(self, name):
         return (
-            self.quant is not None
+            self.quantization is not None
             and name.endswith(".weight")
             and name[: -len("weight")] + "scales" in self.files
         )
 
+    def quant(self, name):
+        if not self._is_quantized(name):
+            return None
+        if name not in self._specs:
+            from ..layout.quant import QuantSpec, check_quant
+
+            stem = name[: -len(".weight")]
+            per_module = self.quantization.get(stem)
+            q = per_module if isinstance(per_module, dict) else self.quantization
+            group = q["group_size"]
+            words = self.files[name].shape(name)[-1]
+            groups = self.files[stem + ".scales"].shape(stem + ".scales")[-1]
+            n_in = groups * group
+            bits = words * 32 // n_in
+            where = f"{self.folder}: {name}"
+            check_quant(bits, group, where)
+            if words * 32 != n_in * bits or (isinstance(per_module, dict) and per_module.get("bits", bits) != bits):
+                raise FlashError(f"{where}: {words} packed words and {groups} scales per row fit no "
+                                 f"{group}-value groups (config.json's quantization does not match the weights)")
+            dtype = self.files[stem + ".scales"].tensors[stem + ".scales"]["dtype"]
+            scale_dtype = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}.get(dtype)
+            if scale_dtype is None:
+                raise FlashError(f"{where}: scales of dtype {dtype} are not supported")
+            self._specs[name] = QuantSpec(bits, group, scale_dtype)
+        return self._specs[name]
+
+    def lossy(self, name):
+        return None
+
+    def read_quantized(self, name):
+        from ..layout.quant import QuantTensor
+
+        spec = self.quant(name)
+        stem = name[: -len("weight")]
+        w = self.files[name].read_raw(name)[0]
+        scales, biases = (self.files[stem + p].read_raw(stem + p)[0] for p in ("scales", "biases"))
+        if scales.shape != biases.shape or scales.shape[0] != w.shape[0]:
+            raise FlashError(f"{self.folder}: {stem}scales {scales.shape} / biases {biases.shape} do "
+                             f"not match the weight {w.shape}")
+        return QuantTensor(np.ascontiguousarray(w), scales, biases, spec)
+
     def shape(self, name):
         shape = self.files[name].shape(name)
         if self._is_quantized(name):
-            shape = shape[:-1] + (shape[-1] * 32 // self.quant["bits"],)
+            shape = shape[:-1] + (shape[-1] * 32 // self.quant(name).bits,)
         return shape
 
     def read(self, name):
         if not self._is_quantized(name):
             x = self.files[name].read(name)
             return x if x.dtype != np.float64 else x.astype(np.float32)
-        import mlx.core as mx
-
-        stem = name[: -len("weight")]
-        w = self.files[name].read(name)
-        scales = self.files[stem + "scales"].read(stem + "scales")
-        biases = self.files[stem + "biases"].read(stem + "biases")
-        out = mx.dequantize(
-            mx.array(w),
-            mx.array(scales),
-            mx.array(biases),
-            group_size=self.quant["group_size"],
-            bits=self.quant["bits"],
-        )
-        return np.array(out.astype(mx.float32))
+        return self.read_quantized(name).dequantized()
 
     def write_tokenizer(self, out_dir):
         found = False

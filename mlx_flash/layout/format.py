@@ -14,10 +14,26 @@
                              (O_DIRECT / F_NOCACHE) read fetches one bundle
       manifest.json          this format's name and version, dtypes, the bundle
                              layout, every file's size and sha256
+      ffn/scales_000.safetensors ...  quantized layouts only: per layer, the
+                             scales and biases of the weight kinds stored as
+                             columns (see below)
       dip/in_NNN.bin,        optional (convert --dip), for Dynamic Input Pruning:
       dip/down_NNN.bin       input dim j's bundle [gate[:, j] | up[:, j]] (the
                              columns input pruning selects), and neuron i's
                              down row alone (what GLU pruning selects)
+
+Quantized layouts (version 2, `layout.quant`): every weight W [out, in] is
+quantized as MLX does (layout/quant.py: groups along `in`), and its values are
+kept bit-exact. A bundle's gate and up parts are rows of W (a neuron's packed
+values, then its scales, then its biases: one read fetches them). Its down
+part is column i of W_down [d_model, n_ff], whose d_model values belong to
+d_model different groups: the bundle holds the column's packed values, and
+the scales and biases stay in DRAM as a table, in the layer's
+`ffn/scales_NNN.safetensors`: "<table>.<kind>.scales" / ".biases",
+[n_bundles / group_size, row length] (row i // group_size is bundle i's),
+<table> being the layout's `tables`. The
+DIP input orientation is all columns (of gate and up); its down rows share
+the main layout's down table. A float layout (version 1 and 2) has no tables.
 
 A folder is complete only if manifest.json exists: the converter writes into
 a temporary folder and renames it into place last.
@@ -32,10 +48,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
+from .quant import QuantSpec, dequantize
 from .safetensors_io import from_storage
 
 FORMAT_NAME = "mlx_flash"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quantized layouts (layout.quant, scales.safetensors)
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -47,31 +65,52 @@ def round_up(n, align):
 
 @dataclass(frozen=True)
 class BundleLayout:
-    """Where bundle i of a layer lives in a file of bundles.
+    """Where bundle i of a layer lives in a file of bundles, and what it holds.
 
     For the neuron orientation a bundle is a neuron and its rows have d_model
     values; for the DIP input orientation a bundle is an input dimension and
     its rows (columns of gate / up) have n_ff values: `d_model` is the row
     length, `n_neurons` the number of bundles.
+
+    quant: the bundle's values are quantized (see the module docstring); the
+    kinds in `columns` are columns of their weight, whose scales live in the
+    table `tables`.<kind> of the layer's scales file.
     """
 
     kinds: tuple  # e.g. ("gate", "up", "down")
     d_model: int  # values per row
     n_neurons: int  # bundles per file
-    dtype: str  # float32 | float16 | bfloat16
+    dtype: str  # float32 | float16 | bfloat16 (a float layout's values)
     align: int = 512
+    quant: QuantSpec | None = None
+    columns: tuple = ()  # quantized kinds stored as columns (scales in a table)
+    tables: str = ""  # their tables' prefix in the scales files
 
     @property
     def itemsize(self):
         return DTYPES[self.dtype]
 
+    def kind_bytes(self, kind):
+        """Bytes of one weight kind's part of a bundle."""
+        if self.quant is None:
+            return self.d_model * self.itemsize
+        if kind in self.columns:
+            return self.quant.packed_bytes(self.d_model)
+        return self.quant.row_bytes(self.d_model)
+
+    def kind_offset(self, kind):
+        return sum(self.kind_bytes(k) for k in self.kinds[: self.kinds.index(kind)])
+
     @property
     def row_bytes(self):
+        """Bytes of one row of a float layout."""
+        if self.quant is not None:
+            raise AttributeError("a quantized layout's rows differ by kind: use kind_bytes(kind)")
         return self.d_model * self.itemsize
 
     @property
     def bundle_bytes(self):
-        return len(self.kinds) * self.row_bytes
+        return sum(self.kind_bytes(k) for k in self.kinds)
 
     @property
     def stride(self):
@@ -87,26 +126,75 @@ class BundleLayout:
     def storage_dtype(self):
         return np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
 
-    def split(self, raw):
-        """Bytes of consecutive bundles -> {kind: float32 array [n, d_model]}."""
+    def table_name(self, kind):
+        return f"{self.tables}.{kind}"
+
+    def segments(self, views, tables=None, kinds=None):
+        """FlashReader.read_bundles segments placing each kind of `kinds` (default all) into
+        views[kind], each at its offset in the bundle; tables: {kind: (scales, biases)} of a
+        layer, for the column kinds."""
+        from ..io import Quantized
+
+        out = []
+        for k in kinds or self.kinds:
+            src = self.dtype
+            if self.quant is not None:
+                q = self.quant
+                table = tables[k] if k in self.columns else None
+                src = Quantized(q.bits, q.group_size, q.scale_dtype, table)
+            out.append((self.kind_offset(k), self.d_model, src, views[k]))
+        return out
+
+    def split(self, raw, tables=None, first=0):
+        """Bytes of consecutive bundles (the first one bundle `first`) -> {kind: float32 array
+        [n, d_model]}; tables: {kind: (scales, biases)} of the layer, for column kinds."""
         raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.stride)
         out = {}
-        for j, kind in enumerate(self.kinds):
-            part = raw[:, j * self.row_bytes : (j + 1) * self.row_bytes]
-            part = np.ascontiguousarray(part).view(self.storage_dtype())
-            out[kind] = from_storage(part, self.dtype)
+        for k in self.kinds:
+            off = self.kind_offset(k)
+            part = np.ascontiguousarray(raw[:, off : off + self.kind_bytes(k)])
+            if self.quant is None:
+                out[k] = from_storage(part.view(self.storage_dtype()), self.dtype)
+                continue
+            q, n = self.quant, self.d_model
+            packed = part[:, : q.packed_bytes(n)]
+            if k in self.columns:
+                ids = (first + np.arange(part.shape[0])) // q.group_size
+                scales, biases = (from_storage(t, q.scale_dtype)[ids, :n] for t in tables[k])
+                out[k] = dequantize(packed, scales, biases, q.bits, 1, n)  # a scale per value
+                continue
+            g = n // q.group_size
+            sb = np.ascontiguousarray(part[:, q.packed_bytes(n):])
+            sb = sb.view(np.uint16 if q.scale_dtype == "bfloat16" else np.dtype(q.scale_dtype))
+            sb = from_storage(sb, q.scale_dtype)
+            out[k] = dequantize(packed, sb[:, :g], sb[:, g:], q.bits, q.group_size, n)
         return out
 
     def pack(self, rows):
-        """{kind: float array [n, d_model]} -> bytes of n padded bundles."""
+        """{kind: float array [n, d_model]} -> bytes of n padded bundles (a float layout), or
+        for a quantized one {kind: uint8 array [n, kind_bytes(kind)]} (layout/quant.py's
+        bundle parts) -> the same."""
         from .safetensors_io import to_storage
 
         n = next(iter(rows.values())).shape[0]
         buf = np.zeros((n, self.stride), dtype=np.uint8)
-        for j, kind in enumerate(self.kinds):
-            data = to_storage(rows[kind], self.dtype).reshape(n, self.d_model)
-            buf[:, j * self.row_bytes : (j + 1) * self.row_bytes] = data.view(np.uint8)
+        for k in self.kinds:
+            off, size = self.kind_offset(k), self.kind_bytes(k)
+            if self.quant is None:
+                data = to_storage(rows[k], self.dtype).reshape(n, self.d_model).view(np.uint8)
+            else:
+                data = rows[k]
+                if data.dtype != np.uint8 or data.shape != (n, size):
+                    raise ValueError(f"{k}: expected uint8 [{n}, {size}], got {data.dtype} {data.shape}")
+            buf[:, off : off + size] = data
         return buf
+
+    @classmethod
+    def from_dict(cls, d):
+        d = dict(d, kinds=tuple(d["kinds"]), columns=tuple(d.get("columns", ())))
+        if d.get("quant") is not None:
+            d["quant"] = QuantSpec(**d["quant"])
+        return cls(**d)
 
 
 @dataclass
@@ -119,37 +207,35 @@ class Manifest:
     source: str = ""
     calibration: dict = field(default_factory=dict)
     dip: dict = field(default_factory=dict)  # {"input"|"down": {"layout": BundleLayout, "files": [...]}}
+    scales: list = field(default_factory=list)  # quantized layouts: per layer {"file", "size", "sha256"}
+    options: dict = field(default_factory=dict)  # the conversion's options ({"quant": ...})
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
     def to_json(self):
-        d = asdict(self)
-        d["layout"]["kinds"] = list(self.layout.kinds)
-        for part in d["dip"].values():
-            part["layout"]["kinds"] = list(part["layout"]["kinds"])
-        return json.dumps(d, indent=1)
+        return json.dumps(asdict(self), indent=1)
+
+    @property
+    def quant(self):
+        return self.layout.quant
 
     @classmethod
     def from_dict(cls, d, where=""):
         if d.get("format") != FORMAT_NAME:
             raise FlashError(f"{where}: not an mlx_flash manifest")
-        if d.get("version") != FORMAT_VERSION:
+        if d.get("version") not in READ_VERSIONS:
             raise FlashError(
                 f"{where}: flash layout version {d.get('version')} is not supported "
-                f"(this mlx_flash reads version {FORMAT_VERSION}); convert the model again"
+                f"(this mlx_flash reads versions {', '.join(map(str, READ_VERSIONS))}); "
+                "convert the model again"
             )
         try:
-            lay = dict(d["layout"])
-            lay["kinds"] = tuple(lay["kinds"])
             d = dict(d)
-            d["layout"] = BundleLayout(**lay)
-            d["dip"] = {
-                name: {"layout": BundleLayout(**dict(part["layout"], kinds=tuple(part["layout"]["kinds"]))),
-                       "files": part["files"]}
-                for name, part in d.get("dip", {}).items()
-            }
+            d["layout"] = BundleLayout.from_dict(d["layout"])
+            d["dip"] = {name: {"layout": BundleLayout.from_dict(part["layout"]), "files": part["files"]}
+                        for name, part in d.get("dip", {}).items()}
             return cls(**d)
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise FlashError(f"{where}: malformed manifest ({e})")
 
 
@@ -228,3 +314,20 @@ def check_file(folder, entry, checksum=True):
         raise FlashError(
             f"{path}: sha256 differs from the manifest (file changed since conversion)"
         )
+
+
+def read_tables(folder, manifest, layout, verify=True):
+    """The column kinds' scale tables of a quantized layout, per layer:
+    [{kind: (scales, biases)}] as stored (bfloat16 as uint16); [] for a float layout."""
+    if layout.quant is None or not layout.columns:
+        return []
+    from .safetensors_io import SafetensorsFile
+
+    out = []
+    for entry in manifest.scales:
+        check_file(folder, entry, checksum=verify)
+        st = SafetensorsFile(Path(folder) / entry["file"])
+        out.append({k: tuple(np.ascontiguousarray(st.read_raw(f"{layout.table_name(k)}.{part}")[0])
+                             for part in ("scales", "biases"))
+                    for k in layout.columns})
+    return out

@@ -151,11 +151,15 @@ class SafetensorsWriter:
         self.f.write(blob)
         self.next = 0
 
-    def write(self, name, array):
+    def write(self, name, array, raw=False):
+        """raw: `array` already holds the dtype's bytes (bfloat16 as uint16)."""
         want, shape, dtype, nbytes = self.order[self.next]
         if name != want or tuple(array.shape) != shape:
             raise ValueError(f"expected {want}{shape}, got {name}{tuple(array.shape)}")
-        data = to_storage(array, dtype) if dtype in NUMPY_TO_ST else array.astype(dtype)
+        if raw:
+            data = array
+        else:
+            data = to_storage(array, dtype) if dtype in NUMPY_TO_ST else array.astype(dtype)
         assert data.nbytes == nbytes
         self.f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
         self.next += 1

@@ -169,10 +169,11 @@ def hold_at_16_bits(model, held, compute, skip=()):
             setattr(parent, name, new)
         else:
             parent[name][i] = new
-    # norms, biases, anything not swapped: the compute dtype
+    # norms, biases, scales, anything not swapped: the compute dtype (packed quantized words stay)
     held_ids = {id(new.weight) for _, _, new in swaps}
     params = tree_flatten(model.parameters())
     model.update(tree_unflatten(
-        [(k, v if id(v) in held_ids or v.dtype == compute else v.astype(compute)) for k, v in params]))
+        [(k, v if id(v) in held_ids or v.dtype == compute or not mx.issubdtype(v.dtype, mx.floating)
+          else v.astype(compute)) for k, v in params]))
     mx.eval(model.parameters())
     return arena

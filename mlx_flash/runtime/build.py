@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 from ..io import FlashReader
-from ..layout.format import check_file
+from ..layout.format import check_file, read_tables
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, _too_small, make_plan, parse_budget
@@ -148,10 +148,13 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     budget = parse_budget(config.memory_budget, model_bytes)
     ffns = [layer_ffn(layer) for layer in model.layers]
     name, density = None, None
+    # a quantized layout's column scales, per layer: in DRAM with the resident weights
+    tables = read_tables(folder, manifest, lay, config.verify)
+    resident = _with_tables(resident, tables)
     if config.mode == "dense":
         plan = make_plan("dense", budget, resident.held_bytes, 0, neuron_bytes, n_layers, lay.n_neurons,
                          held_neuron_bytes=neuron_bytes // 2 if held_ffn else 0)
-        store = _dense_store(folder, manifest, dtype, config.verify, progress, held_ffn)
+        store = _dense_store(folder, manifest, dtype, config.verify, progress, held_ffn, tables)
     else:
         if config.verify:
             for e in manifest.ffn_files:
@@ -159,14 +162,14 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
         if config.mode == "flash":
             name, density = config.sparsity, config.density
             if source is None:
-                source = _make_source(folder, manifest, config, dtype, ffns)
+                source = _make_source(folder, manifest, config, dtype, ffns, tables)
             else:
                 name = getattr(source, "name", "custom")
         if getattr(source, "store", "flash") == "dip":
             plan, store = _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source)
         else:
             plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
-                                        neuron_bytes, held_ffn and config.mode == "hybrid")
+                                        neuron_bytes, held_ffn and config.mode == "hybrid", tables)
     for f in ffns:
         f.store = store
     runtime = Runtime(config, Path(folder), manifest, dtype_name, held or dtype_name, resident, store, plan,
@@ -183,25 +186,34 @@ def rebuild_runtime(model, config, source=None):
     return build_runtime(model, old.folder, old.manifest, config, old.resident, source=source)
 
 
-def _dense_store(folder, manifest, dtype, verify, progress, held):
+def _with_tables(resident, tables):
+    """The resident weights plus a quantized layout's scale tables (held by the store)."""
+    extra = sum(a.nbytes for layer in tables for pair in layer.values() for a in pair)
+    if not extra:
+        return resident
+    return ResidentWeights(resident.held_bytes + extra, resident.compute_bytes + extra,
+                           resident.parameter_bytes + extra)
+
+
+def _dense_store(folder, manifest, dtype, verify, progress, held, tables):
     from tqdm import tqdm
 
     from .stores.dense import DenseStore
 
     bar = tqdm(total=len(manifest.ffn_files), desc="load ffn", disable=not progress, leave=False)
-    store = DenseStore(folder, manifest, dtype, verify=verify, progress=bar, held=held)
+    store = DenseStore(folder, manifest, dtype, verify=verify, progress=bar, held=held, tables=tables)
     bar.close()
     return store
 
 
-def _make_source(folder, manifest, config, dtype, ffns):
+def _make_source(folder, manifest, config, dtype, ffns, tables):
     cls = source_class(config.sparsity)
     lay = manifest.layout
 
     def layer_weights(kinds):
         out = []
-        for e in manifest.ffn_files:
-            rows = read_layer_file(folder, e, lay, config.verify)
+        for layer, e in enumerate(manifest.ffn_files):
+            rows = read_layer_file(folder, e, lay, config.verify, tables[layer] if tables else None)
             out.append({k: mx.array(rows[k]).astype(dtype) for k in kinds})
             mx.eval(list(out[-1].values()))
         return out
@@ -213,7 +225,7 @@ def _make_source(folder, manifest, config, dtype, ffns):
     return cls.build(ctx)
 
 
-def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neuron_bytes, held):
+def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neuron_bytes, held, tables):
     from .stores.flash import FlashStore
     from .stores.streamed import StreamedStore
 
@@ -232,9 +244,9 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
     reader = FlashReader(threads=config.threads, direct=True)
     if mode == "flash":
         store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
-                           overlap=config.overlaps)
+                           overlap=config.overlaps, tables=tables)
     else:
-        store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled)
+        store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables)
     return plan, store
 
 
@@ -250,7 +262,9 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source):
     plan = make_plan("flash", budget, resident.held_bytes, 0, len(lay.kinds) * lay.d_model * dtype.size,
                      len(manifest.ffn_files), lay.n_neurons, dip=dims)
     reader = FlashReader(threads=config.threads, direct=True)
+    tables = [i | d for i, d in zip(read_tables(folder, manifest, manifest.dip["input"]["layout"], config.verify),
+                                    read_tables(folder, manifest, down, config.verify))]
     store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
                      cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
-                     eviction=config.eviction)
+                     eviction=config.eviction, tables=tables)
     return plan, store

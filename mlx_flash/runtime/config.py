@@ -45,7 +45,8 @@ class FlashConfig:
     threads: int = _opt(READ_THREADS, "reader threads", "--threads")
     resident_dtype: str | None = _opt(
         None, "hold embeddings and attention in DRAM at the model's 16-bit flash dtype and convert "
-        "them just before use (exact, half the DRAM; default: the compute dtype)", "--resident-dtype",
+        "them just before use (exact, half the DRAM; default: the compute dtype; a quantized model's: "
+        "at their bits, or dequantized with float32)", "--resident-dtype",
         COMPUTE_DTYPES)
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
                           "next layer's rows; flash: the missing neurons while the cached ones compute)",

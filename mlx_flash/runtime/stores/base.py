@@ -28,8 +28,9 @@ class TooManyNeurons(Exception):
     """A chunk of tokens needs more neurons than cache + scratch hold: split it (FlashFFN does)."""
 
 
-def read_layer_file(folder, entry, layout, verify=True):
-    """One layer's FFN file, read whole -> {kind: float32 numpy [n_neurons, d_model]}."""
+def read_layer_file(folder, entry, layout, verify=True, tables=None):
+    """One layer's FFN file, read whole -> {kind: float32 numpy [n_neurons, d_model]}
+    (tables: the layer's scale tables, for a quantized layout's column kinds)."""
     check_file(folder, entry, checksum=False)
     path = folder / entry["file"]
     buf = bytearray(entry["size"])
@@ -39,11 +40,12 @@ def read_layer_file(folder, entry, layout, verify=True):
         raise FlashError(f"{path}: short read ({got} of {len(buf)} bytes)")
     if verify and hashlib.sha256(buf).hexdigest() != entry["sha256"]:
         raise FlashError(f"{path}: sha256 differs from the manifest (file changed since conversion)")
-    return layout.split(buf)
+    return layout.split(buf, tables)
 
 
-def read_into(reader, file, layout, ids, cache, rows, bundled=True):
-    """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind.
+def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None):
+    """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind
+    (a quantized layout's values dequantized on the way, with the layer's `tables`).
 
     bundled=False: one read per neuron and weight kind, never merged across
     kinds (the paper's layout before row-column bundling, §3.2), for measuring
@@ -51,13 +53,11 @@ def read_into(reader, file, layout, ids, cache, rows, bundled=True):
     if not ids.size:
         return
     if bundled:
-        segs = [(j * layout.row_bytes, layout.d_model, layout.dtype, cache.views[k])
-                for j, k in enumerate(layout.kinds)]
-        reader.read_bundles(file, ids, layout.stride, segs, rows)
+        reader.read_bundles(file, ids, layout.stride, layout.segments(cache.views, tables), rows)
         return
-    for j, k in enumerate(layout.kinds):
-        reader.read_bundles(file, ids, layout.stride, [(0, layout.d_model, layout.dtype, cache.views[k])],
-                            rows, base=j * layout.row_bytes, gap=0)
+    for k in layout.kinds:
+        (off, n, src, dst), = layout.segments(cache.views, tables, kinds=[k])
+        reader.read_bundles(file, ids, layout.stride, [(0, n, src, dst)], rows, base=off, gap=0)
 
 
 class Store:
@@ -122,8 +122,9 @@ class NeuronFileStore(Store):
     layer i computes on the other); a held (float16) hybrid also has two arenas, layer
     i+1's cache converted meanwhile."""
 
-    def __init__(self, folder, manifest, plan, reader, dtype=mx.float32, bundled=True):
+    def __init__(self, folder, manifest, plan, reader, dtype=mx.float32, bundled=True, tables=None):
         self.plan = plan
+        self.tables = tables or [None] * len(manifest.ffn_files)  # per layer (quantized layouts)
         self.bundled = bundled
         self.reader = reader
         self.layout = lay = manifest.layout
@@ -156,7 +157,8 @@ class NeuronFileStore(Store):
         return sum(c.num_used for c in self.caches) + self.scratch.num_used
 
     def _read(self, layer, ids, cache, rows):
-        read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled)
+        read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled,
+                  self.tables[layer])
 
     def _read_counted(self, *jobs):
         """Run reads (layer, ids, cache, rows); -> (bytes, reads) they took. The reader has

@@ -15,7 +15,7 @@ class DenseStore(Store):
     held=True: every row at float16 (as on flash), one layer at a time converted to float32
     through an arena just before use (models/half.py): exact, half the DRAM."""
 
-    def __init__(self, folder, manifest, dtype, verify=True, progress=None, held=False):
+    def __init__(self, folder, manifest, dtype, verify=True, progress=None, held=False, tables=None):
         self.layers = []
         self.arena = None
         layout = manifest.layout
@@ -23,8 +23,8 @@ class DenseStore(Store):
             from ...models.half import Arena
 
             self.arena = Arena(layout.n_neurons * layout.d_model * len(layout.kinds))
-        for entry in manifest.ffn_files:
-            rows = read_layer_file(folder, entry, layout, verify)
+        for layer, entry in enumerate(manifest.ffn_files):
+            rows = read_layer_file(folder, entry, layout, verify, tables[layer] if tables else None)
             if held:  # numpy float16 rows: what the arena converts from
                 self.layers.append({k: v.astype(np.float16) for k, v in rows.items()})
             else:

@@ -1,0 +1,128 @@
+"""What the converter does with each weight's precision, and the quantized bundle parts.
+
+Rules (one per tensor, printed when a value changes):
+- a weight the source stores in MLX's affine form (an mlx-lm quantized folder;
+  GGUF Q4_0 / Q4_1 / Q8_0) is kept as it is, bit-exact, unless --q-bits /
+  --q-group-size ask for another form (then it is re-quantized);
+- a weight quantized in a form with no exact MLX equivalent (GGUF K-quants,
+  Q5_x) is dequantized and re-quantized (--q-bits, default 4; group 32 or
+  --q-group-size);
+- a float weight is quantized only with --quantize (as mlx_lm.convert -q does:
+  mx.quantize of the weight at --dtype, so both give the same values);
+- --dequantize: every weight float at --dtype (the layout of version 1);
+- --q-keep embed,lm_head,attn: those parts stay float at --dtype.
+Only 2-D `.weight` tensors whose input dimension is a multiple of the group size
+are quantized (norms and biases stay float), like mlx_lm.
+"""
+
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import FlashError
+from ..layout.quant import QuantSpec, check_quant, columns, quantize
+
+KEEP_PARTS = ("embed", "lm_head", "attn")
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    quantize: bool = False  # quantize float weights too (--quantize)
+    bits: int | None = None  # --q-bits
+    group_size: int | None = None  # --q-group-size
+    dequantize: bool = False  # --dequantize: everything float
+    keep: tuple = ()  # --q-keep: parts that stay float
+
+    def __post_init__(self):
+        if self.dequantize and (self.quantize or self.bits or self.group_size):
+            raise FlashError("--dequantize cannot be combined with --quantize / --q-bits / --q-group-size")
+        check_quant(self.bits or 4, self.group_size or 64)
+        bad = [k for k in self.keep if k not in KEEP_PARTS]
+        if bad:
+            raise FlashError(f"--q-keep {bad[0]}: unknown part (choose from {', '.join(KEEP_PARTS)})")
+
+    def key(self):
+        return [self.quantize, self.bits, self.group_size, self.dequantize, sorted(self.keep)]
+
+
+def part_of(name):
+    """The --q-keep part a tensor belongs to, or None (the FFN, norms)."""
+    if "embed" in name:
+        return "embed"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if ".self_attn." in name:
+        return "attn"
+    return None
+
+
+def target(src, name, shape, options, dtype, notes):
+    """-> ("float", None) | ("keep", spec) | ("quantize", spec) for one source tensor."""
+    if options.dequantize or len(shape) != 2 or not name.endswith(".weight"):
+        return "float", None
+    # sources that hold float weights only (the benchmarks' random checkpoints) have no quant()
+    exact = src.quant(name) if hasattr(src, "quant") else None
+    lossy = src.lossy(name) if hasattr(src, "lossy") else None
+    if part_of(name) in options.keep:
+        return "float", None
+    if exact is not None and options.bits in (None, exact.bits) and options.group_size in (None, exact.group_size):
+        return "keep", exact
+    if exact is None and lossy is None and not options.quantize:
+        return "float", None
+    bits = options.bits or (exact.bits if exact else 4)
+    group = options.group_size or (exact.group_size if exact else 32 if lossy else 64)
+    if shape[1] % group:
+        notes.add(f"{name}: input dimension {shape[1]} is not a multiple of {group}; kept at {dtype}")
+        return "float", None
+    if lossy is not None:
+        notes.add(f"GGUF {lossy} tensors have no exact MLX form: dequantized and re-quantized to {bits}-bit "
+                  f"affine, group {group} (values change slightly)")
+    elif exact is not None:
+        notes.add(f"{exact.bits}-bit group-{exact.group_size} tensors re-quantized to {bits}-bit group {group} "
+                  "(values change)")
+    return "quantize", QuantSpec(bits, group, dtype if exact is None else exact.scale_dtype)
+
+
+def read_weight(src, name, decision):
+    """The tensor at its target precision: float32 numpy, or a QuantTensor."""
+    kind, spec = decision
+    if kind == "float":
+        return src.read(name)
+    if kind == "keep":
+        return src.read_quantized(name)
+    return quantize(src.read(name), spec.bits, spec.group_size, spec.scale_dtype)
+
+
+def ffn_spec(decisions, where):
+    """The one QuantSpec every FFN weight is stored at, or None for a float layout."""
+    specs = Counter(spec for _, spec in decisions.values())
+    if len(specs) == 1:
+        return next(iter(specs))
+    found = ", ".join(f"{n} at {'float' if s is None else f'{s.bits}-bit group {s.group_size} ({s.scale_dtype} scales)'}"
+                      for s, n in specs.most_common())
+    raise FlashError(f"{where}: the feed-forward weights are stored at different precisions ({found}); "
+                     "the flash layout holds one: choose it with --q-bits / --q-group-size, or --dequantize")
+
+
+def report(notes):
+    for note in sorted(notes):
+        print(f"[mlx_flash] convert: {note}", file=sys.stderr)
+
+
+# --- bundle parts (layout/format.py's BundleLayout.pack takes them per kind)
+
+
+def row_parts(w):
+    """A quantized W [out, in] -> per row: its packed values, scales, biases (uint8 [out, ...])."""
+    return np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(w.packed.shape[0], -1)
+                           for a in (w.packed, w.scales, w.biases)], axis=1)
+
+
+def column_parts(w):
+    """A quantized W [out, in] -> (per column: its packed values [in, out*bits/8],
+    the table (scales, biases) [in / group, out])."""
+    n_in = w.shape[1]
+    return columns(w.packed, w.spec.bits, n_in), (np.ascontiguousarray(w.scales.T),
+                                                   np.ascontiguousarray(w.biases.T))

@@ -1,0 +1,226 @@
+"""Quantized flash: values kept bit-exact from quantized sources, and parity with mlx_lm on the
+same quantized weights (float32 compute), in every exact mode."""
+
+import json
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import convert as mlx_lm_convert
+from mlx_lm.utils import load_model
+
+import mlx_flash
+from mlx_flash.convert import convert
+from mlx_flash.convert.quantize import QuantOptions
+from mlx_flash.errors import FlashError
+from mlx_flash.layout import quant
+from mlx_flash.layout.format import read_manifest
+from helpers import make_llama_folder, make_opt_folder
+from test_parity import TOKENS, greedy
+
+EXACT_MODES = [dict(mode="dense"), dict(mode="naive"), dict(mode="hybrid"),
+               dict(mode="flash", sparsity="oracle", density=1.0, memory_budget="60%")]
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_packing_is_mlx_bit_stream(bits):
+    w = mx.random.normal((8, 256), key=mx.random.key(bits))
+    wq, s, b = mx.quantize(w, group_size=32, bits=bits)
+    packed = np.array(wq)
+    q = quant.unpack(packed, bits, 256)
+    want = np.array(mx.dequantize(wq, s, b, group_size=32, bits=bits))
+    got = quant.dequantize(packed, np.array(s), np.array(b), bits, 32, 256)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+    assert np.array_equal(quant.to_words(quant.pack(q, bits)), packed)
+    cols = quant.unpack(quant.columns(packed, bits, 256), bits, 8)  # [in, out]: values transposed
+    assert np.array_equal(cols, q.T)
+
+
+def test_gguf_q4_1_and_q8_0_blocks_are_kept_bit_exact(smollm2_gguf):
+    """Our repacking of llama.cpp's blocks equals MLX's own GGUF reader, word for word."""
+    from mlx_flash.convert.gguf import GGUFSource
+
+    src = GGUFSource(smollm2_gguf)
+    ref = mx.load(str(smollm2_gguf))
+    checked = 0
+    for name in src.names():
+        if src.quant(name) is None:
+            continue
+        t = src._tensors[name]
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+            continue  # rows un-permuted (llama.cpp's rotary order); checked through the logits below
+        w = src.read_quantized(name)
+        stem = t.name[: -len("weight")]
+        for got, key in ((w.packed, t.name), (w.scales, stem + "scales"), (w.biases, stem + "biases")):
+            want = np.array(ref[key])
+            assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8)), key
+        checked += 1
+    assert checked > 100
+    src.close()
+
+
+def _reference_from_gguf(path, config):
+    """An mlx_lm model holding the GGUF's own quantized values, read by MLX's GGUF reader."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    from mlx_flash.convert.gguf import hf_name, unpermute
+
+    model = Model(ModelArgs.from_dict(config))
+    raw = mx.load(str(path))
+    weights = {}
+    for key, value in raw.items():
+        stem, part = key.rsplit(".", 1)
+        name = hf_name(stem + ".weight")[: -len(".weight")] + "." + part
+        if ".q_proj." in name or ".k_proj." in name:
+            heads = config["num_attention_heads"] if ".q_proj." in name else config["num_key_value_heads"]
+            value = mx.array(unpermute(np.array(value), heads))
+        weights[name] = value
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda p, m: (f"{p}.scales" in weights
+                                              and {"group_size": 32, "bits": 8 if "embed" in p else 4}))
+    model.load_weights(list(weights.items()), strict=False)
+    model.set_dtype(mx.float32)
+    return model
+
+
+def test_smollm2_q4_1_gguf_matches_mlx_lm_on_its_own_values(tmp_path, smollm2_gguf):
+    out = convert(smollm2_gguf, tmp_path / "q4", progress=False)
+    m = read_manifest(out)
+    assert (m.layout.quant.bits, m.layout.quant.group_size) == (4, 32)
+    config = json.loads((out / "config.json").read_text())
+    ref = _reference_from_gguf(smollm2_gguf, config)
+    model, _ = mlx_flash.load(out)
+    x = mx.array([TOKENS])
+    want = ref(x)
+    assert mx.abs(model(x) - want).max().item() < 1e-4
+    assert greedy(model, TOKENS, 8) == greedy(ref, TOKENS, 8)
+    model.runtime.close()
+    for options in EXACT_MODES[1:]:
+        model, _ = mlx_flash.load(out, **options)
+        assert mx.abs(model(x) - want).max().item() < 1e-4, options
+        model.runtime.close()
+
+
+def _mlx_lm_quantized(tmp_path, variant, bits, group=64, **cfg):
+    src, _, _ = make_llama_folder(tmp_path / "hf", variant, intermediate_size=128, **cfg)
+    q = tmp_path / f"mlx-q{bits}"
+    mlx_lm_convert(str(src), str(q), quantize=True, q_bits=bits, q_group_size=group, dtype="float16")
+    return src, q
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mlx_lm_quantized_folder_matches_mlx_lm(tmp_path, variant, bits):
+    _, q = _mlx_lm_quantized(tmp_path, variant, bits)
+    out = convert(q, tmp_path / "flash", progress=False, dip=True)
+    assert read_manifest(out).layout.quant.bits == bits
+    ref, _ = load_model(q)
+    ref.set_dtype(mx.float32)
+    x = mx.array([TOKENS])
+    want = ref(x)
+    for options in EXACT_MODES + [dict(mode="flash", sparsity="dip", density=1.0)]:
+        model, _ = mlx_flash.load(out, **options)
+        diff = mx.abs(model(x) - want).max().item()
+        assert diff < 1e-4, f"{variant} {bits}-bit {options}: max |logit diff| {diff}"
+        if options["mode"] == "dense":
+            assert greedy(model, TOKENS) == greedy(ref, TOKENS)
+        model.runtime.close()
+
+
+def test_convert_quantize_gives_mlx_lm_convert_values(tmp_path):
+    """`convert --quantize` of a float model = `mlx_lm.convert -q` of it (same dtype, bits, group)."""
+    src, q = _mlx_lm_quantized(tmp_path, "llama", 4)
+    ours = convert(src, tmp_path / "flash", progress=False, quant=QuantOptions(quantize=True, bits=4,
+                                                                                  group_size=64))
+    from_mlx = convert(q, tmp_path / "flash-from-mlx", progress=False)
+    a = mx.load(str(ours / "resident.safetensors"))
+    b = mx.load(str(from_mlx / "resident.safetensors"))
+    assert a.keys() == b.keys() and any(k.endswith(".scales") for k in a)
+    for k in a:
+        assert mx.array_equal(a[k], b[k]), k
+    for fa, fb in zip(read_manifest(ours).ffn_files, read_manifest(from_mlx).ffn_files):
+        assert fa["sha256"] == fb["sha256"]
+
+
+def test_quantized_opt_matches_its_dequantized_weights(tmp_path):
+    """OPT has no mlx_lm model: the reference is the float model of the same quantized values."""
+    src, cfg, tensors = make_opt_folder(tmp_path / "hf", "opt")
+    out = convert(src, tmp_path / "q", progress=False, quant=QuantOptions(quantize=True, bits=4, group_size=32))
+    assert read_manifest(out).layout.quant.bits == 4
+    rounded = {}
+    for k, v in tensors.items():
+        if k.endswith(".weight") and v.ndim == 2 and v.shape[1] % 32 == 0:
+            w = quant.quantize(v, 4, 32, "float16")
+            v = w.dequantized()
+        rounded[k] = v
+    ref_src, _, _ = make_opt_folder(tmp_path / "hf-rounded", "opt")
+    from helpers import write_safetensors
+
+    write_safetensors(ref_src / "model.safetensors", rounded)
+    ref = convert(ref_src, tmp_path / "ref", dtype="float32", progress=False)
+    ref_model, _ = mlx_flash.load(ref)
+    x = mx.array([TOKENS])
+    want = ref_model(x)
+    for options in EXACT_MODES:
+        model, _ = mlx_flash.load(out, **options)
+        diff = mx.abs(model(x) - want).max().item()
+        assert diff < 1e-4, f"{options}: {diff}"
+        model.runtime.close()
+
+
+def test_quantized_folder_is_smaller(tmp_path):
+    # wide rows, as in real models (a tiny model's bundles are mostly the 512-byte alignment)
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=256, hidden_size=1536,
+                                  num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2)
+    f16 = convert(src, tmp_path / "f16", progress=False)
+    q4 = convert(src, tmp_path / "q4", progress=False, quant=QuantOptions(quantize=True))
+    size = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and "tokenizer" not in f.name)
+            for p in (f16, q4)}
+    assert size[q4] <= 0.32 * size[f16], size
+    ffn = {p: sum(e["size"] for e in read_manifest(p).ffn_files) for p in (f16, q4)}
+    assert ffn[q4] <= 0.3 * ffn[f16], ffn
+
+
+def test_bad_quantization_options_and_inputs(tmp_path):
+    with pytest.raises(FlashError, match="7-bit"):
+        QuantOptions(quantize=True, bits=7)
+    with pytest.raises(FlashError, match="group size 48"):
+        QuantOptions(quantize=True, group_size=48)
+    with pytest.raises(FlashError, match="--dequantize cannot"):
+        QuantOptions(dequantize=True, bits=4)
+    # an mlx-lm folder whose scales do not match its weights: a clear error, nothing written
+    _, q = _mlx_lm_quantized(tmp_path, "llama", 4)
+    from mlx_flash.layout.safetensors_io import SafetensorsFile
+
+    files = list(q.glob("*.safetensors"))
+    tensors = {}
+    for f in files:
+        st = SafetensorsFile(f)
+        tensors.update({n: st.read_raw(n)[0] for n in st.names()})
+        f.unlink()
+    name = "model.layers.0.mlp.up_proj.scales"
+    tensors[name] = tensors[name][:, :1].copy()
+    tensors["model.layers.0.mlp.up_proj.biases"] = tensors["model.layers.0.mlp.up_proj.biases"][:, :1].copy()
+    mx.save_safetensors(str(q / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()})
+    with pytest.raises(FlashError, match="up_proj"):
+        convert(q, tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
+
+
+def test_version_1_float_folders_still_load(tmp_path):
+    """A folder written before quantized layouts (version 1: no quant fields) loads as before."""
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama")
+    out = convert(src, tmp_path / "f32", dtype="float32", progress=False)
+    model, _ = mlx_flash.load(out)
+    want = model(mx.array([TOKENS]))
+    m = json.loads((out / "manifest.json").read_text())
+    for key in ("scales", "options"):
+        m.pop(key)
+    for key in ("quant", "columns", "tables"):
+        m["layout"].pop(key)
+    m["version"] = 1
+    (out / "manifest.json").write_text(json.dumps(m))
+    old, _ = mlx_flash.load(out, mode="naive")
+    assert mx.array_equal(old(mx.array([TOKENS])), want)

@@ -9,6 +9,7 @@ COMMANDS = {
     "calibrate": "mlx_flash.cli.calibrate",
     "benchmark": "mlx_flash.cli.benchmark",
     "eval": "mlx_flash.cli.eval",
+    "verify": "mlx_flash.cli.verify",
 }
 
 

@@ -21,7 +21,7 @@ from helpers import make_llama_folder, make_opt_folder
 from test_parity import TOKENS, greedy
 
 EXACT_MODES = [dict(mode="dense"), dict(mode="naive"), dict(mode="hybrid"),
-               dict(mode="flash", sparsity="oracle", density=1.0, memory_budget="60%")]
+               dict(mode="flash", sparsity="oracle", density=1.0)]
 
 
 @pytest.mark.parametrize("bits", quant.BITS)
@@ -86,20 +86,33 @@ def _reference_from_gguf(path, config):
 
 
 def test_smollm2_q4_1_gguf_matches_mlx_lm_on_its_own_values(tmp_path, smollm2_gguf):
+    """The reference: mlx_lm's llama holding the values MLX's own GGUF reader gives. Its FFN
+    dequantized (what our CPU FFN computes with: the same values through BLAS) must match to
+    1e-4 in dense mode; with MLX's quantized kernel instead, the logits (magnitude ~30) move by
+    float32 summation order alone (~4e-4 here), and so do the modes that sum the FFN in parts
+    (hybrid: resident + streamed rows): they must stay within that; greedy tokens agree."""
+    from mlx_flash.models.quantized import dequantize_modules
+
     out = convert(smollm2_gguf, tmp_path / "q4", progress=False)
     m = read_manifest(out)
     assert (m.layout.quant.bits, m.layout.quant.group_size) == (4, 32)
     config = json.loads((out / "config.json").read_text())
     ref = _reference_from_gguf(smollm2_gguf, config)
-    model, _ = mlx_flash.load(out)
     x = mx.array([TOKENS])
+    want_q = ref(x)
+    tokens_q = greedy(ref, TOKENS, 8)
+    for layer in ref.model.layers:
+        dequantize_modules(layer.mlp, mx.float32)
     want = ref(x)
-    assert mx.abs(model(x) - want).max().item() < 1e-4
-    assert greedy(model, TOKENS, 8) == greedy(ref, TOKENS, 8)
-    model.runtime.close()
-    for options in EXACT_MODES[1:]:
+    noise = mx.abs(want - want_q).max().item()
+    for options in EXACT_MODES:
         model, _ = mlx_flash.load(out, **options)
-        assert mx.abs(model(x) - want).max().item() < 1e-4, options
+        got = model(x)
+        tol = 1e-4 if options["mode"] in ("dense", "naive") else noise + 1e-4
+        assert mx.abs(got - want).max().item() < tol, options
+        assert mx.abs(got - want_q).max().item() <= 2 * noise + 1e-4, options
+        if options["mode"] == "dense":
+            assert greedy(model, TOKENS, 8) == tokens_q
         model.runtime.close()
 
 
@@ -147,12 +160,13 @@ def test_convert_quantize_gives_mlx_lm_convert_values(tmp_path):
 def test_quantized_opt_matches_its_dequantized_weights(tmp_path):
     """OPT has no mlx_lm model: the reference is the float model of the same quantized values."""
     src, cfg, tensors = make_opt_folder(tmp_path / "hf", "opt")
-    out = convert(src, tmp_path / "q", progress=False, quant=QuantOptions(quantize=True, bits=4, group_size=32))
+    out = convert(src, tmp_path / "q", dtype="float32", progress=False,
+                  quant=QuantOptions(quantize=True, bits=4, group_size=32))
     assert read_manifest(out).layout.quant.bits == 4
     rounded = {}
     for k, v in tensors.items():
         if k.endswith(".weight") and v.ndim == 2 and v.shape[1] % 32 == 0:
-            w = quant.quantize(v, 4, 32, "float16")
+            w = quant.quantize(v, 4, 32, "float32")
             v = w.dequantized()
         rounded[k] = v
     ref_src, _, _ = make_opt_folder(tmp_path / "hf-rounded", "opt")
@@ -201,8 +215,7 @@ def test_bad_quantization_options_and_inputs(tmp_path):
         tensors.update({n: st.read_raw(n)[0] for n in st.names()})
         f.unlink()
     name = "model.layers.0.mlp.up_proj.scales"
-    tensors[name] = tensors[name][:, :1].copy()
-    tensors["model.layers.0.mlp.up_proj.biases"] = tensors["model.layers.0.mlp.up_proj.biases"][:, :1].copy()
+    tensors[name] = tensors[name][:-1].copy()  # a row short
     mx.save_safetensors(str(q / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()})
     with pytest.raises(FlashError, match="up_proj"):
         convert(q, tmp_path / "bad", progress=False)

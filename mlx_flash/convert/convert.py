@@ -15,16 +15,15 @@ import json
 import os
 import shutil
 import sys
-import time
-from collections import Counter
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import FlashError
-from ..layout.format import (DTYPES, MANIFEST, RESIDENT, BundleLayout, Manifest, is_flash_folder, sha256_file,
-                             write_manifest)
+from ..io.checksum import parts_crc
+from ..layout.format import (DTYPES, MANIFEST, RESIDENT, BundleLayout, Manifest, checksum_name, is_flash_folder,
+                             sha256_file, write_manifest)
 from ..layout.safetensors_io import SafetensorsWriter
 from ..models import model_args
 from .quantize import QuantOptions, column_parts, ffn_spec, read_weight, report, row_parts, target
@@ -189,20 +188,37 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
     return out
 
 
-def _write_bundles(path, layout, rows, bar):
-    """Pack {kind: [n, row]} into `path` in chunks; returns the manifest entry's sha256."""
+def _write_bundles(tmp, rel, layout, rows, bar, journal):
+    """Pack {kind: [n, row]} into tmp/rel in chunks, and the CRC32C of every bundle part
+    into its checksum file; both recorded in the journal -> the manifest entry."""
     h = hashlib.sha256()
     n = next(iter(rows.values())).shape[0]
-    with open(path, "wb") as f:
+    crcs = []
+    with open(tmp / rel, "wb") as f:
         for start in range(0, n, NEURON_CHUNK):
             chunk = {k: v[start : start + NEURON_CHUNK] for k, v in rows.items()}
-            data = memoryview(layout.pack(chunk)).cast("B")
+            packed = layout.pack(chunk)
+            crcs.append(parts_crc(packed, layout.parts()))
+            data = memoryview(packed).cast("B")
             f.write(data)
             h.update(data)
             bar.update(len(data))
         f.flush()
         os.fsync(f.fileno())
-    return h.hexdigest()
+    crc_rel = checksum_name(rel)
+    with open(tmp / crc_rel, "wb") as f:
+        f.write(np.concatenate(crcs).astype("<u4").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    journal.record(crc_rel, sha256_file(tmp / crc_rel))
+    journal.record(rel, h.hexdigest())
+    return _bundle_entry(tmp, rel, journal)
+
+
+def _bundle_entry(tmp, rel, journal):
+    crc_rel = checksum_name(rel)
+    return {"file": rel, "size": journal.done[rel][0], "sha256": journal.done[rel][1],
+            "crc32c": {"file": crc_rel, "size": journal.done[crc_rel][0], "sha256": journal.done[crc_rel][1]}}
 
 
 def _write_tables(path, tables):
@@ -313,12 +329,12 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         rel = f"ffn/layer_{layer:03d}.bin"
         scales_rel = [f"ffn/scales_{layer:03d}.safetensors"] if quant is not None else []
         dip_rels = [f"dip/{name}_{layer:03d}.bin" for name in ("in", "down")] if dip else []
-        rels = [rel] + scales_rel + dip_rels
-        if all(journal.has(r) for r in rels):  # written by an earlier run
-            ffn_files.append({"file": rel, "size": layout.file_size, "sha256": journal.done[rel][1]})
+        if all(journal.has(r) and journal.has(checksum_name(r)) for r in [rel] + dip_rels) and \
+                all(journal.has(r) for r in scales_rel):  # written by an earlier run
+            ffn_files.append(_bundle_entry(tmp, rel, journal))
             scale_files += [_entry(tmp, r, journal.done[r][1]) for r in scales_rel]
-            for name, r, lay in zip(("in", "down"), dip_rels, (in_layout, down_layout)):
-                dip_files[name].append({"file": r, "size": lay.file_size, "sha256": journal.done[r][1]})
+            for name, r in zip(("in", "down"), dip_rels):
+                dip_files[name].append(_bundle_entry(tmp, r, journal))
             bar.update(sum(journal.done[r][0] for r in [rel] + dip_rels))
             continue
         rows, tables, dip_in, dip_tables = {}, {}, {}, {}
@@ -336,8 +352,7 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
                 rows[kind] = row_parts(w)
                 if dip:  # the input orientation: a column per input dimension
                     dip_in[kind], dip_tables[in_layout.table_name(kind)] = column_parts(w)
-        digest = _write_bundles(tmp / rel, layout, rows, bar)
-        ffn_files.append({"file": rel, "size": layout.file_size, "sha256": digest})
+        entry = _write_bundles(tmp, rel, layout, rows, bar, journal)
         if quant is not None:
             digest = _write_tables(tmp / scales_rel[0], tables | dip_tables)
             scale_files.append(_entry(tmp, scales_rel[0], digest))
@@ -346,11 +361,8 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
             if quant is None:
                 dip_in = {k: np.ascontiguousarray(rows[k].T) for k in in_layout.kinds}
             for name, lay, part in (("in", in_layout, dip_in), ("down", down_layout, {"down": rows["down"]})):
-                r = f"dip/{name}_{layer:03d}.bin"
-                digest = _write_bundles(tmp / r, lay, part, bar)
-                dip_files[name].append({"file": r, "size": lay.file_size, "sha256": digest})
-                journal.record(r, digest)
-        journal.record(rel, ffn_files[-1]["sha256"])  # the layer last
+                dip_files[name].append(_write_bundles(tmp, f"dip/{name}_{layer:03d}.bin", lay, part, bar, journal))
+        ffn_files.append(entry)
         del rows, tables, dip_in, dip_tables
 
     resident_entry = {

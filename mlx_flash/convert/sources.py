@@ -93,7 +93,16 @@ class SafetensorsFolderSource:
             per_module = self.quantization.get(stem)
             q = per_module if isinstance(per_module, dict) else self.quantization
             group = q["group_size"]
-            words = self.files[name].shape(name)[-1]
+            w_shape = self.files[name].shape(name)
+            words = w_shape[-1]
+            for part in ("scales", "biases"):
+                p_name = f"{stem}.{part}"
+                if p_name not in self.files:
+                    raise FlashError(f"{self.folder}: {name} is quantized but has no {part}")
+                p_shape = self.files[p_name].shape(p_name)
+                if p_shape[:-1] != w_shape[:-1] or p_shape != self.files[stem + ".scales"].shape(stem + ".scales"):
+                    raise FlashError(f"{self.folder}: {p_name} has shape {tuple(p_shape)}, which does not "
+                                     f"match the weight {tuple(w_shape)}")
             groups = self.files[stem + ".scales"].shape(stem + ".scales")[-1]
             n_in = groups * group
             bits = words * 32 // n_in

@@ -9,6 +9,7 @@ from .reader import (
     READ_THREADS,
     FlashFile,
     FlashReader,
+    Quantized,
     ReaderStats,
     ReadError,
     logical_block_size,
@@ -18,6 +19,7 @@ from .reader import (
 __all__ = [
     "FlashReader",
     "FlashFile",
+    "Quantized",
     "ReadError",
     "ReaderStats",
     "DEFAULT_COALESCE_GAP",

@@ -1,7 +1,8 @@
 /* The FlashReader's native batch reader: a persistent pthread pool that runs
  * one batch of positioned reads (pread) into an aligned staging buffer and
  * copies each finished read's rows into their destinations, converting
- * float16/bfloat16 -> float32 (or float32/bfloat16 -> float16) on the way.
+ * float16/bfloat16 -> float32 (or float32/bfloat16 -> float16) on the way,
+ * or dequantizing MLX's group-wise affine quantized values (see dequant()).
  *
  * Why native: a token of a 7B model needs ~12,000 reads; on 2 cores the
  * pure-Python pool spends several microseconds of GIL-held time per read,
@@ -16,8 +17,13 @@
  *   row_start R+1: rows of run i are row_start[i] .. row_start[i+1]-1
  *   rows   K:   byte offset of the row's bundle in its run's buffer,
  *              destination row index
+ *   rows   K:   (also) the row's bundle id as the caller numbered it (the
+ *              neuron id: it picks the scale table row of a quantized column)
  *   segs   S:   {offset in bundle, n values, src dtype, dst dtype,
- *              dst base address, dst row stride in bytes}
+ *              dst base address, dst row stride in bytes,
+ *              and for src QUANT: bits, group size, scale dtype, scale table
+ *              address (0: scales inline), bias table address, table row
+ *              stride in bytes}
  * A worker takes the next run, reads it, and only if all its bytes arrived
  * converts its rows: a failed read never leaves a destination row
  * half-written. The first failure (run, errno or short count) is returned.
@@ -38,19 +44,39 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { F32 = 0, F16 = 1, BF16 = 2 }; /* dtype codes, same as reader.py */
+#include "crc32c.h"
+
+/* IEEE arithmetic, never contracted: s * q + b is a float32 multiply, then an
+ * add (what MLX's CPU dequantize and NumPy compute), and float_to_half relies
+ * on its separate roundings. setup.py also passes -ffp-contract=off (GCC
+ * ignores this pragma; clang contracts by default, on arm64 too). */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+enum { F32 = 0, F16 = 1, BF16 = 2, QUANT = 3 }; /* dtype codes, same as reader.py */
 
 typedef struct {
     int64_t off, n, src, dst, dst_addr, dst_stride;
+    /* src == QUANT only: bits per value, group size, dtype of scales and biases,
+     * column form: the tables' addresses (row id / group of each) and row stride
+     * in bytes; row form (scales_addr 0): scales and biases follow the packed values */
+    int64_t bits, group, scale, scales_addr, biases_addr, table_stride;
 } seg_t;
 
 typedef struct {
     int fd;
     int64_t align, nruns, fault_off, fault_errno;
     const int64_t *run_off, *run_len, *run_need, *run_stage, *row_start;
-    const int64_t *row_src, *row_dst;
+    const int64_t *row_src, *row_dst, *row_id;
     const seg_t *segs;
     int64_t nsegs;
+    /* checksums (read_bundles' checks): rows {offset in bundle, length, column}; each
+     * part's CRC32C must equal crc[row_id * crc_stride + column] before any row of the
+     * run is placed */
+    const int64_t *checks;
+    int64_t nchecks, crc_stride;
+    const uint32_t *crc;
     char *stage;         /* shared staging buffer (slot_bytes == 0) */
     int64_t slot_bytes;  /* > 0: each worker reads into its own slot this big */
     int64_t next;   /* next run to take (atomic) */
@@ -154,6 +180,173 @@ static void convert(const char *src, int64_t sc, char *dst, int64_t dc, int64_t 
     }
 }
 
+/* ---- dequantization: MLX's group-wise affine quantization (mx.quantize)
+ *
+ * n values packed at `bits` bits as ONE little-endian bit stream (value j in
+ * bits j*bits .. j*bits+bits-1; MLX's uint32 words viewed as bytes), each
+ * w_j = scale * q_j + bias in float32 (scale and bias converted exactly).
+ * Row form: the n / group scales, then the n / group biases, follow the packed
+ * bytes (value j: group j / group). Column form: value j's scale and bias are
+ * element j of row (id / group) of two tables in memory. Plain loops the
+ * compiler vectorizes: a row group of 2, 4 or 8 bits is unpacked and scaled in
+ * one pass (its size a constant), anything else unpacked to bytes, then scaled
+ * (x86-64: all of it also compiled for AVX2, chosen at run time as F16C is). */
+
+#define QCHUNK 256 /* values per column chunk; a multiple of 8 (whole bytes at any width) */
+#define QINLINE static inline __attribute__((always_inline))
+
+QINLINE float load_scale(const uint8_t *p, int64_t code) {
+    if (code == F32) {
+        float f;
+        memcpy(&f, p, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return code == F16 ? half_to_float(h) : f32_from_bits((uint32_t)h << 16);
+}
+
+/* values 0 .. m-1 of the bit stream at p -> q; m * bits is a multiple of 8 */
+QINLINE void unpack_bits(const uint8_t *restrict p, int64_t bits, int64_t m, uint8_t *restrict q) {
+    if (bits == 4) {
+        for (int64_t i = 0; i < m / 2; i++) {
+            q[2 * i] = p[i] & 15;
+            q[2 * i + 1] = p[i] >> 4;
+        }
+    } else if (bits == 2) {
+        for (int64_t i = 0; i < m / 4; i++) {
+            const uint8_t x = p[i];
+            q[4 * i] = x & 3;
+            q[4 * i + 1] = (x >> 2) & 3;
+            q[4 * i + 2] = (x >> 4) & 3;
+            q[4 * i + 3] = x >> 6;
+        }
+    } else { /* 3, 5, 6 bits: 8 values in `bits` bytes (6 bits: a tail of 4 in 3) */
+        const uint64_t mask = ((uint64_t)1 << bits) - 1;
+        int64_t j = 0;
+        for (; j + 8 <= m; j += 8, p += bits) {
+            uint64_t x = 0;
+            for (int64_t b = 0; b < bits; b++) x |= (uint64_t)p[b] << (8 * b);
+            for (int k = 0; k < 8; k++) q[j + k] = (uint8_t)((x >> (k * bits)) & mask);
+        }
+        if (j < m) {
+            uint64_t x = 0;
+            for (int64_t b = 0; b < (m - j) * bits / 8; b++) x |= (uint64_t)p[b] << (8 * b);
+            for (int64_t k = 0; j + k < m; k++) q[j + k] = (uint8_t)((x >> (k * bits)) & mask);
+        }
+    }
+}
+
+QINLINE void affine1(const uint8_t *restrict q, float s, float b, float *restrict out, int64_t m) {
+    for (int64_t j = 0; j < m; j++) {
+        const float t = s * (float)q[j];
+        out[j] = t + b;
+    }
+}
+
+QINLINE void affine_n(const uint8_t *restrict q, const float *restrict s, const float *restrict b,
+                      float *restrict out, int64_t m) {
+    for (int64_t j = 0; j < m; j++) {
+        const float t = s[j] * (float)q[j];
+        out[j] = t + b[j];
+    }
+}
+
+/* one group of the row form: G values (a constant after inlining) at p -> out */
+QINLINE void row_group(const uint8_t *restrict p, int64_t bits, int64_t G, float s, float b,
+                       float *restrict out) {
+    if (bits == 8) {
+        affine1(p, s, b, out, G);
+    } else if (bits == 4) { /* unpacked and scaled in one pass */
+        for (int64_t i = 0; i < G / 2; i++) {
+            const float lo = (float)(p[i] & 15), hi = (float)(p[i] >> 4);
+            const float tl = s * lo, th = s * hi;
+            out[2 * i] = tl + b;
+            out[2 * i + 1] = th + b;
+        }
+    } else if (bits == 2) {
+        for (int64_t i = 0; i < G / 4; i++)
+            for (int k = 0; k < 4; k++) {
+                const float t = s * (float)((p[i] >> (2 * k)) & 3);
+                out[4 * i + k] = t + b;
+            }
+    } else {
+        uint8_t q[128];
+        unpack_bits(p, bits, G, q);
+        affine1(q, s, b, out, G);
+    }
+}
+
+/* the packed values at p (bundle + seg offset) of bundle `id` -> dst (float32 or float16) */
+QINLINE void dequant_impl(const uint8_t *p, const seg_t *s, int64_t id, char *dst) {
+    const int64_t bits = s->bits, n = s->n, g = s->group, ssz = s->scale == F32 ? 4 : 2;
+    const int to16 = s->dst == F16;
+    uint8_t q[QCHUNK];
+    float tmp[QCHUNK];
+    if (!s->scales_addr) { /* row form: per-group scale and bias after the packed values */
+        const uint8_t *sc = p + n * bits / 8, *bi = sc + (n / g) * ssz;
+        for (int64_t k = 0; k < n / g; k++) {
+            const float sv = load_scale(sc + k * ssz, s->scale), bv = load_scale(bi + k * ssz, s->scale);
+            const uint8_t *pk = p + k * g * bits / 8;
+            float *out = to16 ? tmp : (float *)dst + k * g;
+            if (g == 32) /* constant group sizes: loops the compiler unrolls */
+                row_group(pk, bits, 32, sv, bv, out);
+            else if (g == 64)
+                row_group(pk, bits, 64, sv, bv, out);
+            else
+                row_group(pk, bits, 128, sv, bv, out);
+            if (to16) convert((const char *)tmp, F32, dst + k * g * 2, F16, g);
+        }
+        return;
+    }
+    /* column form: value j's scale and bias are tables[id / group][j] */
+    const char *srow = (const char *)(intptr_t)s->scales_addr + (id / g) * s->table_stride;
+    const char *brow = (const char *)(intptr_t)s->biases_addr + (id / g) * s->table_stride;
+    float sf[QCHUNK], bf[QCHUNK];
+    for (int64_t j0 = 0; j0 < n; j0 += QCHUNK) {
+        const int64_t m = n - j0 < QCHUNK ? n - j0 : QCHUNK;
+        const float *sp = sf, *bp = bf;
+        if (s->scale == F32) {
+            sp = (const float *)srow + j0;
+            bp = (const float *)brow + j0;
+        } else {
+            convert(srow + j0 * 2, s->scale, (char *)sf, F32, m);
+            convert(brow + j0 * 2, s->scale, (char *)bf, F32, m);
+        }
+        float *out = to16 ? tmp : (float *)dst + j0;
+        if (bits == 8) {
+            affine_n(p + j0, sp, bp, out, m);
+        } else {
+            unpack_bits(p + j0 * bits / 8, bits, m, q);
+            affine_n(q, sp, bp, out, m);
+        }
+        if (to16) convert((const char *)tmp, F32, dst + j0 * 2, F16, m);
+    }
+}
+
+static void dequant_portable(const uint8_t *p, const seg_t *s, int64_t id, char *dst) {
+    dequant_impl(p, s, id, dst);
+}
+
+#ifdef F16C_PATH
+static int use_avx2;
+/* the same code, vectorized 8 floats wide (AVX2 has no FMA: nothing to contract) */
+__attribute__((target("avx2"))) static void dequant_avx2(const uint8_t *p, const seg_t *s,
+                                                         int64_t id, char *dst) {
+    dequant_impl(p, s, id, dst);
+}
+#endif
+
+static void dequant(const uint8_t *p, const seg_t *s, int64_t id, char *dst) {
+#ifdef F16C_PATH
+    if (use_avx2) {
+        dequant_avx2(p, s, id, dst);
+        return;
+    }
+#endif
+    dequant_portable(p, s, id, dst);
+}
+
 /* ---- one run: read it whole, then place its rows */
 
 static void fail(batch_t *b, int64_t run, int err, int64_t got) {
@@ -190,12 +383,26 @@ static void do_run(batch_t *b, int64_t i, char *slot) {
         fail(b, i, err, got);
         return;
     }
+    for (int64_t k = b->row_start[i]; b->nchecks && k < b->row_start[i + 1]; k++) {
+        const char *bundle = buf + b->row_src[k];
+        for (int64_t c = 0; c < b->nchecks; c++) {
+            const int64_t *ck = b->checks + 3 * c;
+            if (crc32c_update(0, bundle + ck[0], (size_t)ck[1]) !=
+                b->crc[b->row_id[k] * b->crc_stride + ck[2]]) {
+                fail(b, i, EBADMSG, k * b->nchecks + c); /* got: which row and check */
+                return;
+            }
+        }
+    }
     for (int64_t k = b->row_start[i]; k < b->row_start[i + 1]; k++) {
         const char *bundle = buf + b->row_src[k];
         for (int64_t j = 0; j < b->nsegs; j++) {
             const seg_t *s = &b->segs[j];
             char *dst = (char *)(intptr_t)s->dst_addr + b->row_dst[k] * s->dst_stride;
-            convert(bundle + s->off, s->src, dst, s->dst, s->n);
+            if (s->src == QUANT)
+                dequant((const uint8_t *)bundle + s->off, s, b->row_id ? b->row_id[k] : 0, dst);
+            else
+                convert(bundle + s->off, s->src, dst, s->dst, s->n);
         }
     }
 }
@@ -348,17 +555,23 @@ static int64_t *int64s(Py_buffer *v, int64_t count, const char *name) {
 }
 
 /* run(fd, align, nruns, run_off, run_len, run_need, run_stage, row_start,
- *     row_src, row_dst, segs, stage, slot_bytes, fault_off, fault_errno)
- * -> None, or (failed run index (-1: none), errno (0 = short read), bytes that arrived) */
+ *     row_src, row_dst, row_id, segs, stage, slot_bytes, fault_off, fault_errno)
+ * -> None, or (failed run index (-1: none), errno (0 = short read), bytes that arrived)
+ * row_id: each row's bundle id (int64, rows' order), needed by quantized
+ * column segments only (may be empty otherwise) */
 static PyObject *Pool_run(Pool *self, PyObject *args) {
     batch_t b;
     memset(&b, 0, sizeof b);
-    Py_buffer v[9];
-    long long align, nruns, slot_bytes, fault_off, fault_errno;
-    if (!PyArg_ParseTuple(args, "iLLy*y*y*y*y*y*y*y*w*LLL", &b.fd, &align, &nruns, &v[0], &v[1],
-                          &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &slot_bytes,
-                          &fault_off, &fault_errno))
+    Py_buffer v[12];
+    long long align, nruns, slot_bytes, fault_off, fault_errno, crc_stride;
+    if (!PyArg_ParseTuple(args, "iLLy*y*y*y*y*y*y*y*y*w*LLLy*y*L", &b.fd, &align, &nruns, &v[0], &v[1],
+                          &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &v[9], &slot_bytes,
+                          &fault_off, &fault_errno, &v[10], &v[11], &crc_stride))
         return NULL;
+    b.checks = (const int64_t *)v[10].buf;
+    b.nchecks = v[10].len / 24;
+    b.crc = (const uint32_t *)v[11].buf;
+    b.crc_stride = crc_stride;
     b.slot_bytes = slot_bytes;
     b.align = align;
     b.nruns = nruns;
@@ -366,7 +579,7 @@ static PyObject *Pool_run(Pool *self, PyObject *args) {
     b.fault_errno = fault_errno;
     PyObject *result = NULL;
     int64_t nrows = 0;
-    int busy = 0;
+    int busy = 0, need_ids = 0;
     if (!self->threads || self->pid != getpid()) {
         PyErr_SetString(PyExc_RuntimeError, "Pool is closed (or was inherited by fork)");
         goto out;
@@ -382,17 +595,38 @@ static PyObject *Pool_run(Pool *self, PyObject *args) {
         !(b.row_start = int64s(&v[4], b.nruns + 1, "row_start")))
         goto out;
     nrows = b.nruns ? b.row_start[b.nruns] : 0;
-    b.segs = (const seg_t *)v[7].buf;
-    b.nsegs = v[7].len / (Py_ssize_t)sizeof(seg_t);
-    if (!(b.row_src = int64s(&v[5], nrows, "row_src")) ||
-        (b.nsegs && !(b.row_dst = int64s(&v[6], nrows, "row_dst"))))
+    if (v[8].len % (Py_ssize_t)sizeof(seg_t)) {
+        PyErr_Format(PyExc_ValueError, "segs: %zd bytes, not rows of %d int64",
+                     v[8].len, (int)(sizeof(seg_t) / 8));
         goto out;
-    b.stage = (char *)v[8].buf;
+    }
+    b.segs = (const seg_t *)v[8].buf;
+    b.nsegs = v[8].len / (Py_ssize_t)sizeof(seg_t);
+    for (int64_t j = 0; j < b.nsegs; j++) { /* the rest is checked in Python */
+        const seg_t *s = &b.segs[j];
+        if (s->src != QUANT) continue;
+        int ok = (s->bits == 2 || s->bits == 3 || s->bits == 4 || s->bits == 5 || s->bits == 6 ||
+                  s->bits == 8) &&
+                 (s->group == 32 || s->group == 64 || s->group == 128) && s->scale >= F32 &&
+                 s->scale <= BF16 && s->n >= 0 && (s->n * s->bits) % 8 == 0 &&
+                 (s->scales_addr ? s->biases_addr != 0 : s->n % s->group == 0);
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError, "segment %lld: bad quantization parameters", (long long)j);
+            goto out;
+        }
+        need_ids |= s->scales_addr != 0;
+    }
+    need_ids |= b.nchecks > 0; /* (the table's size against the ids is checked in Python) */
+    if (!(b.row_src = int64s(&v[5], nrows, "row_src")) ||
+        (b.nsegs && !(b.row_dst = int64s(&v[6], nrows, "row_dst"))) ||
+        (need_ids && !(b.row_id = int64s(&v[7], nrows, "row_id"))))
+        goto out;
+    b.stage = (char *)v[9].buf;
     /* every run must fit its buffer (the rows are checked in Python) */
     for (int64_t i = 0; i < b.nruns; i++) {
         int fits = b.run_len[i] >= b.run_need[i] &&
                    (b.slot_bytes > 0 ? b.run_len[i] <= b.slot_bytes
-                                     : b.run_stage[i] >= 0 && b.run_stage[i] + b.run_len[i] <= v[8].len);
+                                     : b.run_stage[i] >= 0 && b.run_stage[i] + b.run_len[i] <= v[9].len);
         if (!fits) {
             PyErr_Format(PyExc_ValueError, "run %lld does not fit its staging buffer", (long long)i);
             goto out;
@@ -431,8 +665,54 @@ static PyObject *Pool_run(Pool *self, PyObject *args) {
         Py_INCREF(result);
     }
 out:
-    for (int i = 0; i < 9; i++) PyBuffer_Release(&v[i]);
+    for (int i = 0; i < 12; i++) PyBuffer_Release(&v[i]);
     return result;
+}
+
+/* crc32c(data, crc=0) -> CRC32C of a bytes-like, continuing crc */
+static PyObject *py_crc32c(PyObject *mod, PyObject *args) {
+    Py_buffer d;
+    unsigned int crc = 0;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "y*|I", &d, &crc)) return NULL;
+    uint32_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = crc32c_update(crc, d.buf, (size_t)d.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    return PyLong_FromUnsignedLong(r);
+}
+
+/* crc32c_rows(rows, row_bytes, off, n, out, crc): out[k] = CRC32C of bytes off..off+n-1 of
+ * row k (a uint32 array with one entry per row) */
+static PyObject *py_crc32c_rows(PyObject *mod, PyObject *args) {
+    Py_buffer r, o;
+    long long row_bytes, off, n;
+    unsigned int crc = 0;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "y*LLLw*|I", &r, &row_bytes, &off, &n, &o, &crc)) return NULL;
+    int64_t rows = o.len / 4;
+    if (row_bytes <= 0 || off < 0 || n < 0 || off + n > row_bytes || rows * row_bytes > r.len) {
+        PyBuffer_Release(&r);
+        PyBuffer_Release(&o);
+        PyErr_SetString(PyExc_ValueError, "crc32c_rows: parts outside the rows");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t k = 0; k < rows; k++)
+        ((uint32_t *)o.buf)[k] = crc32c_update(crc, (const char *)r.buf + k * row_bytes + off, (size_t)n);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&r);
+    PyBuffer_Release(&o);
+    Py_RETURN_NONE;
+}
+
+/* crc32c_hardware(flag) -> bool: the CRC instruction on/off (-1: query) */
+static PyObject *py_crc32c_hardware(PyObject *mod, PyObject *args) {
+    int flag;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "i", &flag)) return NULL;
+    return PyBool_FromLong(crc32c_hardware(flag));
 }
 
 /* convert(src, src_code, dst, dst_code, n): the conversion alone, for tests */
@@ -455,6 +735,53 @@ static PyObject *py_convert(PyObject *mod, PyObject *args) {
     PyBuffer_Release(&s);
     PyBuffer_Release(&d);
     Py_RETURN_NONE;
+}
+
+/* dequantize(src, n, bits, group, scale_code, scales, biases, dst, dst_code): one
+ * quantized row, the segment code alone (tests, scripts/bench_dequant.py). scales and
+ * biases None: the row form (scales and biases follow the packed bytes in src); else
+ * the column form, buffers of the n scales and n biases of this row (a table row). */
+static PyObject *py_dequantize(PyObject *mod, PyObject *args) {
+    Py_buffer src, d, sb[2];
+    PyObject *tables[2];
+    long long n, bits, group, sc, dc;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "y*LLLLOOw*L", &src, &n, &bits, &group, &sc, &tables[0],
+                          &tables[1], &d, &dc))
+        return NULL;
+    int have = 0;
+    PyObject *result = NULL;
+    const int64_t ssz = sc == F32 ? 4 : 2;
+    seg_t s;
+    memset(&s, 0, sizeof s);
+    s.n = n, s.src = QUANT, s.dst = dc, s.bits = bits, s.group = group, s.scale = sc;
+    int ok = (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
+             (group == 32 || group == 64 || group == 128) && sc >= F32 && sc <= BF16 &&
+             (dc == F32 || dc == F16) && n >= 0 && (n * bits) % 8 == 0 &&
+             d.len >= n * (dc == F32 ? 4 : 2);
+    if (ok && tables[0] == Py_None && tables[1] == Py_None) {
+        ok = n % group == 0 && src.len >= n * bits / 8 + 2 * (n / group) * ssz;
+    } else if (ok) {
+        for (; have < 2; have++)
+            if (PyObject_GetBuffer(tables[have], &sb[have], PyBUF_SIMPLE) < 0) goto out;
+        ok = src.len >= n * bits / 8 && sb[0].len >= n * ssz && sb[1].len >= n * ssz;
+        s.scales_addr = (int64_t)(intptr_t)sb[0].buf;
+        s.biases_addr = (int64_t)(intptr_t)sb[1].buf;
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "bad dequantize arguments");
+        goto out;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    dequant((const uint8_t *)src.buf, &s, 0, (char *)d.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    for (int i = 0; i < have; i++) PyBuffer_Release(&sb[i]);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&d);
+    return result;
 }
 
 /* move_rows(buf, row_bytes, dst_rows, src_rows): row src_rows[i] of buf onto row dst_rows[i]
@@ -507,14 +834,17 @@ static PyTypeObject PoolType = {
     .tp_methods = Pool_methods,
 };
 
-/* simd(flag) -> bool: use F16C (if the CPU has it); flag < 0 only asks */
+/* simd(flag) -> bool: use F16C and AVX2 (those the CPU has); flag < 0 only asks */
 static PyObject *py_simd(PyObject *mod, PyObject *args) {
     int flag;
     (void)mod;
     if (!PyArg_ParseTuple(args, "i", &flag)) return NULL;
 #ifdef F16C_PATH
-    if (flag >= 0) use_f16c = flag && __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-    return PyBool_FromLong(use_f16c);
+    if (flag >= 0) {
+        use_f16c = flag && __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+        use_avx2 = flag && __builtin_cpu_supports("avx2");
+    }
+    return PyBool_FromLong(use_f16c || use_avx2);
 #else
     Py_RETURN_FALSE;
 #endif
@@ -522,8 +852,13 @@ static PyObject *py_simd(PyObject *mod, PyObject *args) {
 
 static PyMethodDef module_methods[] = {
     {"convert", py_convert, METH_VARARGS, "convert(src, src_code, dst, dst_code, n)"},
+    {"dequantize", py_dequantize, METH_VARARGS,
+     "dequantize(src, n, bits, group, scale_code, scales, biases, dst, dst_code)"},
     {"move_rows", py_move_rows, METH_VARARGS, "move_rows(buf, row_bytes, dst_rows, src_rows)"},
-    {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool: F16C conversion on/off (-1: query)"},
+    {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool: F16C / AVX2 code on/off (-1: query)"},
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
+    {"crc32c_rows", py_crc32c_rows, METH_VARARGS, "crc32c_rows(rows, row_bytes, off, n, out, crc=0)"},
+    {"crc32c_hardware", py_crc32c_hardware, METH_VARARGS, "crc32c_hardware(flag) -> bool (-1: query)"},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
@@ -533,6 +868,7 @@ PyMODINIT_FUNC PyInit__native(void) {
 #ifdef F16C_PATH
     __builtin_cpu_init();
     use_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    use_avx2 = __builtin_cpu_supports("avx2");
 #endif
     if (PyType_Ready(&PoolType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);

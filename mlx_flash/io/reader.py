@@ -8,6 +8,9 @@ when every destination row is in place:
     reader.read_bundles(f, neuron_ids, stride,
                         [(0, d, "float16", up), (2 * d, d, "float16", down)], dst_rows)
 
+A segment's source is float32/float16/bfloat16, or Quantized (MLX's group-wise
+affine quantization, dequantized on copy; see Quantized).
+
 How, and why (measured figures: FACTS.md, `mlx_flash.benchmark storage`):
 
 - Uncached: O_DIRECT on Linux, fcntl F_NOCACHE (+ F_RDAHEAD off) on macOS, as
@@ -51,6 +54,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import FlashError
+from .native import native_module as _native_module
 
 log = logging.getLogger("mlx_flash.io")
 
@@ -76,6 +80,12 @@ DEFAULT_MAX_READ = 256 * 1024
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 DST_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+QUANT_CODE = 3  # a Quantized segment's src code in the seg table
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUPS = (32, 64, 128)
+# the seg table's columns (int64), as _native.c's seg_t
+SEG_FIELDS = ("off", "n", "src", "dst", "dst_addr", "dst_stride",
+              "bits", "group", "scale", "scales_addr", "biases_addr", "table_stride")
 
 _F_NOCACHE = 48  # <sys/fcntl.h> on macOS, when Python's fcntl module lacks them
 _F_RDAHEAD = 45
@@ -98,14 +108,16 @@ class ReadError(FlashError):
         super().__init__(f"{file}: read failed{where}: {reason}")
 
 
-def _native_module():
-    if os.environ.get("MLX_FLASH_NO_NATIVE"):
-        return None, "MLX_FLASH_NO_NATIVE is set"
-    try:
-        from . import _native
-    except ImportError as e:
-        return None, f"the native extension is not built ({e})"
-    return _native, ""
+class ChecksumError(ReadError):
+    """A bundle part whose bytes do not match its checksum, read twice."""
+
+    def __init__(self, file, bundle, part, offset):
+        self.bundle, self.part = bundle, part
+        super().__init__(file, offset, f"bundle {bundle} (part {part}) does not match its checksum, "
+                         "read twice: the file is damaged (mlx_flash.verify checks a whole folder; "
+                         "convert the model again)")
+
+
 
 
 def native_available():
@@ -134,6 +146,86 @@ def native_convert():
         _convert_py(stage, 0, n, "bfloat16" if src_code == 2 else "float16", dst.reshape(-1)[:n])
 
     return convert
+
+
+@dataclass(frozen=True, eq=False)
+class Quantized:
+    """Group-wise affine quantized values (MLX's mx.quantize layout), dequantized on copy.
+
+    A read_bundles segment (off, n, Quantized(...), dst): the bundle holds n values
+    of `bits` bits at byte `off`, packed as one little-endian bit stream (value j in
+    bits j*bits .. j*bits+bits-1: MLX's uint32 words viewed as bytes; n*bits a
+    multiple of 8), and each arrives as w_j = scale * q_j + bias, computed in float32
+    (a multiply, then an add: bit for bit MLX's CPU dequantize with float32 scales)
+    and stored as float32 or rounded to float16.
+
+    table None, the row form: the n / group_size scales, then the n / group_size
+    biases (scale_dtype) follow the packed bytes; value j is in group j // group_size.
+    table (scales, biases), the column form: C-contiguous 2-D arrays [T, >= n] of
+    scale_dtype (bfloat16 as uint16), kept in memory; value j of bundle id i (the
+    neuron id as passed to read_bundles, without `base`) uses scales[i // group_size, j]
+    and biases[i // group_size, j].
+    """
+
+    bits: int  # 2, 3, 4, 5, 6 or 8
+    group_size: int  # 32, 64 or 128
+    scale_dtype: str  # 'float32' | 'float16' | 'bfloat16': dtype of scales and biases
+    table: tuple | None = None  # None, or (scales, biases): C-contiguous 2-D numpy arrays [T, n]
+
+    def packed_bytes(self, n):
+        return n * self.bits // 8
+
+    def __repr__(self):  # the tables by shape, not by value (error messages show segments)
+        t = "" if self.table is None else ", table=" + "/".join(
+            f"{getattr(a, 'shape', '?')}" for a in self.table)
+        return f"Quantized({self.bits}, {self.group_size}, {self.scale_dtype!r}{t})"
+
+    def nbytes(self, n):
+        """Bytes of a segment of n values in the bundle (packed values, inline scales)."""
+        inline = 0 if self.table is not None else 2 * (n // self.group_size) * ITEMSIZE[self.scale_dtype]
+        return self.packed_bytes(n) + inline
+
+
+_TABLE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                 "bfloat16": np.dtype(np.uint16)}
+
+
+def _scales_f32(raw, scale_dtype):
+    """Scale/bias values as stored (uint8 bytes or a table's row) -> float32, exactly."""
+    if scale_dtype == "bfloat16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw.view(_TABLE_DTYPES[scale_dtype]).astype(np.float32)
+
+
+def _unpack_py(packed, bits, n):
+    """uint8 bytes of a little-endian bit stream -> its n values (uint8)."""
+    if bits == 8:
+        return packed[:n]
+    if bits == 4:
+        q = np.empty(2 * len(packed), dtype=np.uint8)
+        q[0::2] = packed & 15
+        q[1::2] = packed >> 4
+        return q[:n]
+    b = np.unpackbits(packed, bitorder="little")[: n * bits].reshape(n, bits)
+    return (b << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
+
+
+def _dequant_py(stage, a, n, q, neuron, out):
+    """stage[a:] holds a Quantized segment of n values (bundle id `neuron`) -> out."""
+    pb = q.packed_bytes(n)
+    vals = _unpack_py(stage[a : a + pb], q.bits, n).astype(np.float32)
+    if q.table is None:
+        g, ssz = n // q.group_size, ITEMSIZE[q.scale_dtype]
+        sb = _scales_f32(stage[a + pb : a + pb + 2 * g * ssz], q.scale_dtype)
+        scales = np.repeat(sb[:g], q.group_size)
+        biases = np.repeat(sb[g:], q.group_size)
+    else:
+        t = neuron // q.group_size
+        scales = _scales_f32(q.table[0][t, :n], q.scale_dtype)
+        biases = _scales_f32(q.table[1][t, :n], q.scale_dtype)
+    w = vals * scales  # float32, rounded; then the add, rounded: as the C code
+    w += biases
+    out[:] = w
 
 
 @dataclass
@@ -264,7 +356,8 @@ class _Plan:
     """One batch, ready for a pool: run arrays, row arrays, segment table."""
 
     __slots__ = ("run_off", "run_len", "run_need", "run_stage", "row_start", "row_src",
-                 "row_dst", "segs", "seg_table", "stage_bytes", "slot_bytes")
+                 "row_dst", "row_id", "segs", "seg_table", "stage_bytes", "slot_bytes",
+                 "checks", "crc", "base", "stride")
 
 
 class _PyPool:
@@ -337,7 +430,10 @@ class _PyBatch:
         self.row_start = plan.row_start.tolist()
         self.row_src = plan.row_src.tolist()
         self.row_dst = plan.row_dst.tolist() if plan.row_dst is not None else None
+        self.row_id = plan.row_id.tolist() if plan.row_id is not None else None
         self.segs = plan.segs
+        self.checks = plan.checks.tolist()
+        self.crc = plan.crc
         self.nruns = len(self.run_off)
         self.fault_off, self.fault_errno = fault
         self.failure = None
@@ -392,13 +488,26 @@ class _PyBatch:
             if self.failure is None:
                 self.failure = (i, err, got)
             return
+        if self.checks:
+            from .checksum import crc32c
+
+            for k in range(self.row_start[i], self.row_start[i + 1]):
+                for c, (off, n, col) in enumerate(self.checks):
+                    a = so + self.row_src[k] + off
+                    if crc32c(stage[a : a + n].tobytes()) != int(self.crc[self.row_id[k], col]):
+                        if self.failure is None:
+                            self.failure = (i, errno.EBADMSG, k * len(self.checks) + c)
+                        return
         if not self.segs:
             return
         for k in range(self.row_start[i], self.row_start[i + 1]):
             src, row = so + self.row_src[k], self.row_dst[k]
             for seg_off, n, src_dtype, dst in self.segs:
                 a = src + seg_off
-                _convert_py(stage, a, n, src_dtype, dst[row, :n])
+                if isinstance(src_dtype, Quantized):
+                    _dequant_py(stage, a, n, src_dtype, self.row_id[k], dst[row, :n])
+                else:
+                    _convert_py(stage, a, n, src_dtype, dst[row, :n])
 
 
 def _convert_py(stage, a, n, src_dtype, out):
@@ -422,19 +531,25 @@ class _NativePool:
         self._pool = mod.Pool(threads)
 
     def run_plan(self, fd, align, plan, stage, fault):
+        # plan.segs holds the Quantized tables whose addresses plan.seg_table carries:
+        # the caller keeps the plan (so the arrays) alive for the call
         return self._pool.run(
             fd, align, len(plan.run_off), plan.run_off, plan.run_len, plan.run_need,
             plan.run_stage, plan.row_start, plan.row_src,
-            plan.row_dst if plan.row_dst is not None else _EMPTY, plan.seg_table,
-            stage if not plan.slot_bytes else _NO_STAGE, plan.slot_bytes, fault[0], fault[1])
+            plan.row_dst if plan.row_dst is not None else _EMPTY,
+            plan.row_id if plan.row_id is not None else _EMPTY, plan.seg_table,
+            stage if not plan.slot_bytes else _NO_STAGE, plan.slot_bytes, fault[0], fault[1],
+            plan.checks, plan.crc, plan.crc.shape[1] if plan.crc.ndim == 2 else 0)
 
     def close(self):
         self._pool.close()
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_CHECKS = np.zeros((0, 3), dtype=np.int64)
+_NO_CRC = np.zeros(0, dtype=np.uint32)
 _NO_STAGE = bytearray(0)
-_NO_SEGS = np.zeros((0, 6), dtype=np.int64)
+_NO_SEGS = np.zeros((0, len(SEG_FIELDS)), dtype=np.int64)
 
 
 class FlashReader:
@@ -525,12 +640,14 @@ class FlashReader:
 
     # ---- batches
 
-    def read_bundles(self, f, neuron_ids, stride, segments, dst_rows, base=0, gap=None):
+    def read_bundles(self, f, neuron_ids, stride, segments, dst_rows, base=0, gap=None, checks=None):
         """Read bundles and place their segments into destination rows.
 
         For each k: the bundle at neuron_ids[k] * stride; for each segment
         (byte_offset_in_bundle, n_values, src_dtype, dst), its n_values values
-        of src_dtype go, converted, into dst[dst_rows[k], :n_values]. Returns
+        of src_dtype go, converted, into dst[dst_rows[k], :n_values]. src_dtype:
+        'float32', 'float16', 'bfloat16', or a Quantized (dequantized on copy;
+        its column form picks table row neuron_ids[k] // group_size). Returns
         when every row is in place. Raises ReadError on any failure; then
         the rows of the failed read(s) are untouched, rows of reads that
         succeeded hold their new values, and the batch as a whole must be
@@ -538,17 +655,19 @@ class FlashReader:
         base: byte offset added to every bundle's start (a part of each bundle);
         gap: this batch's coalescing gap instead of the reader's (0: merge only
         touching reads, < 0: never merge).
+        checks: (crc, parts): every bundle's parts [(offset, length, column)] must have
+        the CRC32C crc[neuron_ids[k], column] (crc: uint32 [n_bundles, columns]) before
+        any row of its read is placed; a mismatch is read once more, then raised as a
+        ChecksumError naming the bundle, the part and its offset in the file.
         """
         t0 = time.perf_counter()
         ids = np.asarray(neuron_ids, dtype=np.int64).reshape(-1)
         rows = np.asarray(dst_rows, dtype=np.int64).reshape(-1)
         if ids.shape != rows.shape:
             raise ValueError("neuron_ids and dst_rows differ in length")
-        segs, table, need = self._check_segments(segments, stride, rows)
+        segs, table, need = self._check_segments(segments, stride, rows, ids)
         if len(ids) == 0:
             return
-        if ids.min() < 0:
-            raise ValueError("negative neuron id")
         last = base + int(ids.max()) * stride
         if last + need > f.size:
             raise ReadError(f.path, last, f"bundle ends beyond the end of the file "
@@ -561,10 +680,29 @@ class FlashReader:
             plan = self._plan(f, starts, np.full(len(starts), need, dtype=np.int64), private=True,
                               gap=gap)
             plan.row_dst = rows
+            plan.row_id = ids
             plan.segs = segs
             plan.seg_table = table
+            plan.checks, plan.crc = self._check_checks(checks, ids, need)
+            plan.base, plan.stride = base, stride
             self._execute(f, plan)
             self._account(len(ids) * need, plan, t0)
+
+    @staticmethod
+    def _check_checks(checks, ids, need):
+        if checks is None:
+            return _NO_CHECKS, _NO_CRC
+        crc, parts = checks
+        if not (isinstance(crc, np.ndarray) and crc.dtype == np.uint32 and crc.ndim == 2
+                and crc.flags.c_contiguous):
+            raise ValueError("checks: crc must be a C-contiguous 2-D uint32 array")
+        table = np.array(parts, dtype=np.int64).reshape(-1, 3)
+        if len(ids) and int(ids.max()) >= crc.shape[0]:
+            raise ValueError(f"checks: bundle {int(ids.max())} has no checksum ({crc.shape[0]} rows)")
+        if ((table[:, 0] < 0) | (table[:, 1] < 0) | (table[:, 0] + table[:, 1] > need)
+                | (table[:, 2] < 0) | (table[:, 2] >= crc.shape[1])).any():
+            raise ValueError(f"checks: a part outside the {need} bytes read per bundle, or no such column")
+        return table, crc
 
     def read(self, f, offsets, lengths, copy=True):
         """Plain batch read -> list of bytes-like, in the order asked.
@@ -584,7 +722,8 @@ class FlashReader:
             src = np.repeat(plan.run_stage, counts) + plan.row_src  # in the shared staging
             if order is not None:
                 src[order] = src.copy()
-            plan.row_dst, plan.segs, plan.seg_table = None, (), _NO_SEGS
+            plan.row_dst, plan.row_id, plan.segs, plan.seg_table = None, None, (), _NO_SEGS
+            plan.checks, plan.crc = _NO_CHECKS, _NO_CRC
             self._execute(f, plan)
             mv = memoryview(self._stage_mm)[: plan.stage_bytes]
             if copy:
@@ -608,7 +747,8 @@ class FlashReader:
             if order is not None:
                 offs, lens = offs[order], lens[order]
             plan = self._plan(f, offs, lens, private=True)
-            plan.row_dst, plan.segs, plan.seg_table = None, (), _NO_SEGS
+            plan.row_dst, plan.row_id, plan.segs, plan.seg_table = None, None, (), _NO_SEGS
+            plan.checks, plan.crc = _NO_CHECKS, _NO_CRC
             self._execute(f, plan)
             self._account(int(lens.sum()), plan, t0)
 
@@ -636,35 +776,88 @@ class FlashReader:
             return None
         return np.argsort(offs, kind="stable")
 
-    def _check_segments(self, segments, stride, rows):
+    def _check_segments(self, segments, stride, rows, ids):
         if stride <= 0:
             raise ValueError("stride must be positive")
         if not segments:
             raise ValueError("read_bundles needs at least one segment")
+        if len(ids) and ids.min() < 0:
+            raise ValueError("negative neuron id")
         segs, table, need = [], [], 0
         rmin = int(rows.min()) if len(rows) else 0
         rmax = int(rows.max()) if len(rows) else 0
         for off, n, src_dtype, dst in segments:
-            if src_dtype not in DTYPE_CODES:
-                raise ValueError(f"src dtype {src_dtype!r}: not one of {list(DTYPE_CODES)}")
+            quant = isinstance(src_dtype, Quantized)
+            if not quant and src_dtype not in DTYPE_CODES:
+                raise ValueError(f"src dtype {src_dtype!r}: not one of {list(DTYPE_CODES)} "
+                                 "or a Quantized")
             if not isinstance(dst, np.ndarray) or dst.dtype not in DST_CODES or dst.ndim != 2:
                 raise ValueError("dst must be a 2-D float32 or float16 numpy array")
             if not (dst.flags.c_contiguous and dst.flags.aligned and dst.flags.writeable):
                 raise ValueError("dst must be C-contiguous, aligned and writeable")
-            isz = ITEMSIZE[src_dtype]
+            if quant:
+                qcols, nbytes = self._check_quantized(off, n, src_dtype, ids)
+                isz = 1
+            else:
+                qcols, isz = (0,) * 6, ITEMSIZE[src_dtype]
+                nbytes = n * isz
             if off < 0 or off % isz or stride % isz or n < 0 or n > dst.shape[1]:
                 raise ValueError(f"segment ({off}, {n}, {src_dtype}) does not fit "
                                  f"stride {stride} / dst {dst.shape}")
-            if off + n * isz > stride:
-                raise ValueError(f"segment ({off}, {n}, {src_dtype}) overruns the bundle stride {stride}")
+            if off + nbytes > stride:
+                raise ValueError(f"segment ({off}, {n}, {src_dtype}) overruns the bundle stride "
+                                 f"{stride} ({nbytes} bytes at {off})")
             if len(rows) and (rmin < 0 or rmax >= dst.shape[0]):
                 raise ValueError(f"dst_rows outside 0..{dst.shape[0] - 1}")
-            need = max(need, off + n * isz)
+            need = max(need, off + nbytes)
             segs.append((int(off), int(n), src_dtype, dst))
-            table.append((off, n, DTYPE_CODES[src_dtype], DST_CODES[dst.dtype],
-                          dst.__array_interface__["data"][0], dst.strides[0]))
-        table = np.array(table, dtype=np.int64).reshape(-1, 6)
+            table.append((off, n, QUANT_CODE if quant else DTYPE_CODES[src_dtype],
+                          DST_CODES[dst.dtype], dst.__array_interface__["data"][0],
+                          dst.strides[0]) + qcols)
+        table = np.array(table, dtype=np.int64).reshape(-1, len(SEG_FIELDS))
         return segs, table, need
+
+    @staticmethod
+    def _check_quantized(off, n, q, ids):
+        """-> (seg table columns bits .. table_stride, bytes in the bundle); ValueError if bad."""
+        what = f"quantized segment ({off}, {n}, bits={q.bits}, group_size={q.group_size})"
+        if q.bits not in QUANT_BITS:
+            raise ValueError(f"{what}: {q.bits}-bit values are not supported (bits: {QUANT_BITS})")
+        if q.group_size not in QUANT_GROUPS:
+            raise ValueError(f"{what}: group size {q.group_size} is not supported "
+                             f"(group_size: {QUANT_GROUPS})")
+        if q.scale_dtype not in DTYPE_CODES:
+            raise ValueError(f"{what}: scale_dtype {q.scale_dtype!r} is not one of {list(DTYPE_CODES)}")
+        if n < 0 or n * q.bits % 8:
+            raise ValueError(f"{what}: {n} values of {q.bits} bits are not a whole number of bytes")
+        if q.table is None:
+            if n % q.group_size:
+                raise ValueError(f"{what}: inline scales need n a multiple of the group size")
+            return (q.bits, q.group_size, DTYPE_CODES[q.scale_dtype], 0, 0, 0), q.nbytes(n)
+        if not (isinstance(q.table, tuple) and len(q.table) == 2):
+            raise ValueError(f"{what}: table must be None or a (scales, biases) tuple")
+        want = _TABLE_DTYPES[q.scale_dtype]
+        shape = None
+        for name, t in zip(("scales", "biases"), q.table):
+            if not isinstance(t, np.ndarray) or t.ndim != 2:
+                raise ValueError(f"{what}: table {name} must be a 2-D numpy array")
+            if t.dtype != want:
+                raise ValueError(f"{what}: table {name} is {t.dtype}, scale_dtype {q.scale_dtype} "
+                                 f"needs {want}")
+            if not (t.flags.c_contiguous and t.flags.aligned):
+                raise ValueError(f"{what}: table {name} must be C-contiguous and aligned")
+            if t.shape[1] < n:
+                raise ValueError(f"{what}: table {name} {t.shape} is narrower than the {n} values")
+            if shape is not None and t.shape != shape:
+                raise ValueError(f"{what}: table scales {shape} and biases {t.shape} differ in shape")
+            shape = t.shape
+        if len(ids) and int(ids.max()) // q.group_size >= shape[0]:
+            raise ValueError(f"{what}: neuron id {int(ids.max())} needs table row "
+                             f"{int(ids.max()) // q.group_size}, the table has {shape[0]} rows")
+        scales, biases = q.table
+        return (q.bits, q.group_size, DTYPE_CODES[q.scale_dtype],
+                scales.__array_interface__["data"][0], biases.__array_interface__["data"][0],
+                scales.strides[0]), q.nbytes(n)
 
     def _plan(self, f, starts, need, private=False, gap=None):
         """private: each pool thread reads into its own small slot and copies
@@ -700,7 +893,7 @@ class FlashReader:
             self._pid = os.getpid()
         return self._pool
 
-    def _execute(self, f, plan, retry=True):
+    def _execute(self, f, plan, retry=True, reread=True):
         if f.fd < 0:
             raise ReadError(f.path, None, "file is closed")
         pool = self._get_pool()
@@ -718,6 +911,15 @@ class FlashReader:
         if i < 0:
             raise ReadError(f.path, None, f"no memory for the staging slots ({os.strerror(err)})")
         off, need = int(plan.run_off[i]), int(plan.run_need[i])
+        if err == errno.EBADMSG and len(plan.checks):
+            if reread:  # a transient corruption (bus, cache) passes the second time
+                log_once(("reread", f.path), "FlashReader: %s: a bundle did not match its checksum; "
+                         "reading it again", f.path)
+                return self._execute(f, plan, retry, reread=False)
+            k, c = divmod(got, len(plan.checks))
+            bundle = int(plan.row_id[k])
+            raise ChecksumError(f.path, bundle, int(plan.checks[c][2]),
+                                plan.base + bundle * plan.stride + int(plan.checks[c][0]))
         if err == errno.EINVAL and f.direct and retry:
             # some file systems accept O_DIRECT at open and refuse the reads
             log_once(("odirect-read", os.path.dirname(f.path)),
@@ -725,7 +927,7 @@ class FlashReader:
                      "the page cache instead", f.path)
             self._reopen_buffered(f)
             self._fault = (-1, 0)  # an injected fault belongs to the old descriptor
-            return self._execute(f, plan, retry=False)
+            return self._execute(f, plan, retry=False, reread=reread)
         if err:
             name = errno.errorcode.get(err, str(err))
             raise ReadError(f.path, off, f"{name}: {os.strerror(err)}")

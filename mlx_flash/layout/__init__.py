@@ -1,5 +1,7 @@
 """The on-disk format: the manifest (format.py, its only writer), bundle layouts,
-streaming safetensors, export back to HF. Imports nothing of mlx_flash but errors.
+streaming safetensors, quantization (quant.py), export back to HF, whole-folder checks
+(verify.py). Imports nothing of mlx_flash but errors and io (the reader's segment type,
+the checksum's C code).
 """
 
 from .format import (

@@ -35,6 +35,12 @@ the scales and biases stay in DRAM as a table, in the layer's
 DIP input orientation is all columns (of gate and up); its down rows share
 the main layout's down table. A float layout (version 1 and 2) has no tables.
 
+Checksums (version 2): next to every file of bundles X.bin, X.crc32c holds
+the CRC32C of each bundle's part of each weight kind (uint32 little-endian,
+[n_bundles, n_kinds]), so that the reader checks every part it reads
+(io/checksum.py); the manifest entry names it ("crc32c": {file, size, sha256}).
+A version 1 folder has none and loads unchecked, with a line that says so.
+
 A folder is complete only if manifest.json exists: the converter writes into
 a temporary folder and renames it into place last.
 """
@@ -100,6 +106,10 @@ class BundleLayout:
 
     def kind_offset(self, kind):
         return sum(self.kind_bytes(k) for k in self.kinds[: self.kinds.index(kind)])
+
+    def parts(self):
+        """[(offset, bytes)] of each weight kind's part of a bundle: what a checksum covers."""
+        return [(self.kind_offset(k), self.kind_bytes(k)) for k in self.kinds]
 
     @property
     def row_bytes(self):
@@ -331,3 +341,21 @@ def read_tables(folder, manifest, layout, verify=True):
                              for part in ("scales", "biases"))
                     for k in layout.columns})
     return out
+
+
+def checksum_name(rel):
+    """The checksum file of a file of bundles: ffn/layer_000.bin -> ffn/layer_000.crc32c."""
+    return str(Path(rel).with_suffix(".crc32c"))
+
+
+def read_checksums(folder, entry, layout, verify=True):
+    """A bundle file's per-part CRC32Cs, uint32 [n_bundles, n_kinds], or None (version 1)."""
+    crc = entry.get("crc32c")
+    if crc is None:
+        return None
+    check_file(folder, crc, checksum=verify)
+    table = np.fromfile(Path(folder) / crc["file"], dtype="<u4").astype(np.uint32)
+    if table.size != layout.n_neurons * len(layout.kinds):
+        raise FlashError(f"{Path(folder) / crc['file']}: {table.size} checksums, expected "
+                         f"{layout.n_neurons} x {len(layout.kinds)}")
+    return table.reshape(layout.n_neurons, len(layout.kinds))

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 from ..io import FlashReader
-from ..layout.format import check_file, read_tables
+from ..layout.format import check_file, read_checksums, read_tables
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, _too_small, make_plan, parse_budget
@@ -150,8 +150,8 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     name, density = None, None
     # a quantized layout's column scales, per layer: in DRAM with the resident weights
     tables = read_tables(folder, manifest, lay, config.verify)
-    resident = _with_tables(resident, tables)
     if config.mode == "dense":
+        resident = _with_extra(resident, tables)
         plan = make_plan("dense", budget, resident.held_bytes, 0, neuron_bytes, n_layers, lay.n_neurons,
                          held_neuron_bytes=neuron_bytes // 2 if held_ffn else 0)
         store = _dense_store(folder, manifest, dtype, config.verify, progress, held_ffn, tables)
@@ -166,10 +166,18 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
             else:
                 name = getattr(source, "name", "custom")
         if getattr(source, "store", "flash") == "dip":
-            plan, store = _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source)
+            inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
+            dip_tables = [i | d for i, d in zip(read_tables(folder, manifest, inp, config.verify),
+                                                read_tables(folder, manifest, down, config.verify))]
+            crcs = _checksums(folder, manifest, config, "dip")
+            resident = _with_extra(resident, dip_tables, crcs)
+            plan, store = _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source,
+                                     dip_tables, crcs)
         else:
+            crcs = _checksums(folder, manifest, config, "ffn")
+            resident = _with_extra(resident, tables, crcs)
             plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
-                                        neuron_bytes, held_ffn and config.mode == "hybrid", tables)
+                                        neuron_bytes, held_ffn and config.mode == "hybrid", tables, crcs)
     for f in ffns:
         f.store = store
     runtime = Runtime(config, Path(folder), manifest, dtype_name, held or dtype_name, resident, store, plan,
@@ -186,9 +194,41 @@ def rebuild_runtime(model, config, source=None):
     return build_runtime(model, old.folder, old.manifest, config, old.resident, source=source)
 
 
-def _with_tables(resident, tables):
-    """The resident weights plus a quantized layout's scale tables (held by the store)."""
-    extra = sum(a.nbytes for layer in tables for pair in layer.values() for a in pair)
+def _checksums(folder, manifest, config, part):
+    """The part checksums of the files of bundles a store reads ("ffn": per layer; "dip": per
+    layer (input, down)), which it checks on every read; None with --no-verify or for a
+    version 1 folder (which says so once)."""
+    n = len(manifest.ffn_files)
+    if not config.verify:
+        return None
+    if part == "ffn":
+        out = [read_checksums(folder, e, manifest.layout) for e in manifest.ffn_files]
+    else:
+        inp, down = manifest.dip["input"], manifest.dip["down"]
+        out = [(read_checksums(folder, i, inp["layout"]), read_checksums(folder, d, down["layout"]))
+               for i, d in zip(inp["files"], down["files"])]
+    if n and manifest.ffn_files[0].get("crc32c") is None:
+        from ..io.reader import log_once
+
+        log_once(("unchecked", str(folder)), "%s: a flash layout of version %d has no bundle checksums: "
+                 "its reads are not checked (convert it again to have them)", folder, manifest.version)
+        return None
+    return out
+
+
+def _with_extra(resident, *arrays):
+    """The resident weights plus what a store keeps beside its rows: a quantized layout's
+    scale tables, the bundle checksums (nested lists / dicts / tuples of arrays)."""
+    def nbytes(x):
+        if x is None:
+            return 0
+        if isinstance(x, dict):
+            x = list(x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(nbytes(v) for v in x)
+        return x.nbytes
+
+    extra = nbytes(list(arrays))
     if not extra:
         return resident
     return ResidentWeights(resident.held_bytes + extra, resident.compute_bytes + extra,
@@ -225,7 +265,7 @@ def _make_source(folder, manifest, config, dtype, ffns, tables):
     return cls.build(ctx)
 
 
-def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neuron_bytes, held, tables):
+def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neuron_bytes, held, tables, crcs):
     from .stores.flash import FlashStore
     from .stores.streamed import StreamedStore
 
@@ -244,13 +284,14 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
     reader = FlashReader(threads=config.threads, direct=True)
     if mode == "flash":
         store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
-                           overlap=config.overlaps, tables=tables)
+                           overlap=config.overlaps, tables=tables, crcs=crcs)
     else:
-        store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables)
+        store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables,
+                              crcs=crcs)
     return plan, store
 
 
-def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source):
+def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, tables, crcs):
     from .stores.dip import DIPStore
 
     inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
@@ -262,9 +303,7 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source):
     plan = make_plan("flash", budget, resident.held_bytes, 0, len(lay.kinds) * lay.d_model * dtype.size,
                      len(manifest.ffn_files), lay.n_neurons, dip=dims)
     reader = FlashReader(threads=config.threads, direct=True)
-    tables = [i | d for i, d in zip(read_tables(folder, manifest, manifest.dip["input"]["layout"], config.verify),
-                                    read_tables(folder, manifest, down, config.verify))]
     store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
                      cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
-                     eviction=config.eviction, tables=tables)
+                     eviction=config.eviction, tables=tables, crcs=crcs)
     return plan, store

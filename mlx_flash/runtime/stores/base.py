@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from ...cache import NeuronCache
 from ...errors import FlashError
+from ...io.reader import ChecksumError
 from ...layout.format import check_file
 from ...models.ffn import FFNRows
 from ..stats import TokenStats
@@ -43,21 +44,30 @@ def read_layer_file(folder, entry, layout, verify=True, tables=None):
     return layout.split(buf, tables)
 
 
-def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None):
+def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None, crc=None, where=""):
     """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind
-    (a quantized layout's values dequantized on the way, with the layer's `tables`).
+    (a quantized layout's values dequantized on the way, with the layer's `tables`), each
+    part checked against its CRC32C when `crc` (the file's [n_bundles, kinds]) is given.
 
     bundled=False: one read per neuron and weight kind, never merged across
     kinds (the paper's layout before row-column bundling, §3.2), for measuring
-    what bundling buys."""
+    what bundling buys. where: "layer N" for a damaged part's error."""
     if not ids.size:
         return
-    if bundled:
-        reader.read_bundles(file, ids, layout.stride, layout.segments(cache.views, tables), rows)
-        return
-    for k in layout.kinds:
-        (off, n, src, dst), = layout.segments(cache.views, tables, kinds=[k])
-        reader.read_bundles(file, ids, layout.stride, [(0, n, src, dst)], rows, base=off, gap=0)
+    try:
+        if bundled:
+            checks = None if crc is None else (crc, [(o, n, j) for j, (o, n) in enumerate(layout.parts())])
+            reader.read_bundles(file, ids, layout.stride, layout.segments(cache.views, tables), rows,
+                                checks=checks)
+            return
+        for j, k in enumerate(layout.kinds):
+            (off, n, src, dst), = layout.segments(cache.views, tables, kinds=[k])
+            checks = None if crc is None else (crc, [(0, layout.kind_bytes(k), j)])
+            reader.read_bundles(file, ids, layout.stride, [(0, n, src, dst)], rows, base=off, gap=0,
+                                checks=checks)
+    except ChecksumError as e:
+        raise FlashError(f"{where + ', ' if where else ''}neuron {e.bundle} ({layout.kinds[e.part]}): "
+                         f"{e}") from None
 
 
 class Store:
@@ -122,9 +132,11 @@ class NeuronFileStore(Store):
     layer i computes on the other); a held (float16) hybrid also has two arenas, layer
     i+1's cache converted meanwhile."""
 
-    def __init__(self, folder, manifest, plan, reader, dtype=mx.float32, bundled=True, tables=None):
+    def __init__(self, folder, manifest, plan, reader, dtype=mx.float32, bundled=True, tables=None,
+                 crcs=None):
         self.plan = plan
         self.tables = tables or [None] * len(manifest.ffn_files)  # per layer (quantized layouts)
+        self.crcs = crcs or [None] * len(manifest.ffn_files)  # per layer: checksums, unless --no-verify
         self.bundled = bundled
         self.reader = reader
         self.layout = lay = manifest.layout
@@ -158,7 +170,7 @@ class NeuronFileStore(Store):
 
     def _read(self, layer, ids, cache, rows):
         read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled,
-                  self.tables[layer])
+                  self.tables[layer], self.crcs[layer], f"layer {layer}")
 
     def _read_counted(self, *jobs):
         """Run reads (layer, ids, cache, rows); -> (bytes, reads) they took. The reader has

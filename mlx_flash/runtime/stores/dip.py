@@ -36,10 +36,11 @@ from .base import Store, read_into
 class _Side:
     """One cache (input columns or down rows) of one layer, with its policy and file."""
 
-    def __init__(self, reader, entry_path, size, layout, capacity, policy, dtype, tables=None):
+    def __init__(self, reader, entry_path, size, layout, capacity, policy, dtype, tables=None, crc=None,
+                 where=""):
         self.file = reader.open(entry_path, expected_size=size)
         self.layout = layout
-        self.tables = tables
+        self.tables, self.crc, self.where = tables, crc, where
         self.cache = NeuronCache(capacity, layout.n_neurons, layout.d_model, layout.kinds, dtype)
         self.policy = policy
 
@@ -67,7 +68,8 @@ class _Side:
         return int(present.sum()), t1 - t0, time.perf_counter() - t1, stream.size > 0
 
     def _read(self, reader, ids, cache, rows):
-        read_into(reader, self.file, self.layout, ids, cache, rows, tables=self.tables)
+        read_into(reader, self.file, self.layout, ids, cache, rows, tables=self.tables, crc=self.crc,
+                  where=self.where)
 
 
 class DIPStore(Store):
@@ -75,7 +77,7 @@ class DIPStore(Store):
 
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
                  gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
-                 record_trace=False, tables=None):
+                 record_trace=False, tables=None, crcs=None):
         if not manifest.dip:
             raise FlashError(
                 f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"
@@ -99,12 +101,15 @@ class DIPStore(Store):
 
         self.sides = []
         tables = tables or [None] * len(inp["files"])  # per layer: the input and down columns' scales
+        crcs = crcs or [(None, None)] * len(inp["files"])  # per layer: (input, down) checksums
         for layer, (fi, fd) in enumerate(zip(inp["files"], down["files"])):
             self.sides.append((
                 _Side(reader, folder / fi["file"], fi["size"], inp["layout"], cap_in,
-                      policy(self.d_model, layer, "in"), dtype, tables[layer]),
+                      policy(self.d_model, layer, "in"), dtype, tables[layer], crcs[layer][0],
+                      f"layer {layer} (DIP input columns)"),
                 _Side(reader, folder / fd["file"], fd["size"], down["layout"], cap_down,
-                      policy(self.n_ff, layer, "down"), dtype, tables[layer]),
+                      policy(self.n_ff, layer, "down"), dtype, tables[layer], crcs[layer][1],
+                      f"layer {layer} (DIP down rows)"),
             ))
         sc_in, sc_down = plan.dip_scratch
         self.scratch_in = NeuronCache(max(sc_in, 1), self.d_model, self.n_ff, inp["layout"].kinds, dtype)

@@ -16,6 +16,7 @@ from .layout.format import check_file, is_flash_folder, read_manifest
 from .models.quantized import dequantize_modules, quantized_modules
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       make_config)
+from .runtime.config import keep_quantized
 
 BUDGET_CACHE_LIMIT = 32 << 20  # MLX buffer cache under --memory-budget (bytes)
 
@@ -103,13 +104,17 @@ def _build_model(folder, manifest, config: FlashConfig):
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
-    if config.resident_dtype is not None and quantized_modules(model):
-        # quantized resident weights: held at their bits unless asked for a float dtype
-        if held is not None:
-            raise FlashError(f"--resident-dtype {config.resident_dtype}: {folder}'s resident weights are "
-                             f"quantized; hold them at their bits (the default) or at {dtype}")
+    quantized = bool(quantized_modules(model))
+    if quantized and held is not None:
+        raise FlashError(f"--resident-dtype {config.resident_dtype}: {folder}'s resident weights are "
+                         f"quantized; hold them at their bits (quantized) or at {dtype}")
+    if not quantized and config.resident_dtype == "quantized":
+        raise FlashError(f"--resident-dtype quantized: {folder}'s resident weights are not quantized "
+                         "(convert it with --quantize)")
+    if quantized and not keep_quantized(config, mx.default_device() == mx.cpu):
         dequantize_modules(model, DTYPES[dtype])
         weights = dict(tree_flatten(model.parameters()))
+        quantized = False
     compute_bytes = sum(v.size * (DTYPES[dtype].size if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
                         for v in weights.values())  # what "50%" is of
     if held is not None:
@@ -127,7 +132,8 @@ def _build_model(folder, manifest, config: FlashConfig):
     if config.memory_budget is not None:
         mx.set_cache_limit(BUDGET_CACHE_LIMIT)
     parameters = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return model, tokenizer, ResidentWeights(sum(v.nbytes for v in weights.values()), compute_bytes, parameters)
+    return model, tokenizer, ResidentWeights(sum(v.nbytes for v in weights.values()), compute_bytes, parameters,
+                                             quantized)
 
 
 def quantize_resident(model, quantization, folder):

@@ -33,6 +33,7 @@ class ResidentWeights:
     held_bytes: int
     compute_bytes: int
     parameter_bytes: int
+    quantized: bool = False  # a quantized model's, held at their bits
 
 
 @dataclass
@@ -180,7 +181,8 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
                                         neuron_bytes, held_ffn and config.mode == "hybrid", tables, crcs)
     for f in ffns:
         f.store = store
-    runtime = Runtime(config, Path(folder), manifest, dtype_name, held or dtype_name, resident, store, plan,
+    resident_dtype = "quantized" if resident.quantized else held or dtype_name
+    runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
                       budget, model_bytes, source, name, density, ffns)
     model.runtime = runtime
     return runtime
@@ -232,7 +234,7 @@ def _with_extra(resident, *arrays):
     if not extra:
         return resident
     return ResidentWeights(resident.held_bytes + extra, resident.compute_bytes + extra,
-                           resident.parameter_bytes + extra)
+                           resident.parameter_bytes + extra, resident.quantized)
 
 
 def _dense_store(folder, manifest, dtype, verify, progress, held, tables):

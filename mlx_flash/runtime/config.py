@@ -12,6 +12,7 @@ from ..io.reader import READ_THREADS
 MODES = ("dense", "naive", "hybrid", "flash")
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 HELD_DTYPES = ("float16", "bfloat16")  # what resident weights may be held at, converted before use
+RESIDENT_DTYPES = COMPUTE_DTYPES + ("quantized",)  # quantized: a quantized model's, at their bits
 EVICTIONS = ("lru", "lfu", "belady")  # belady: replays a recorded trace (benchmarks only)
 
 
@@ -45,9 +46,10 @@ class FlashConfig:
     threads: int = _opt(READ_THREADS, "reader threads", "--threads")
     resident_dtype: str | None = _opt(
         None, "hold embeddings and attention in DRAM at the model's 16-bit flash dtype and convert "
-        "them just before use (exact, half the DRAM; default: the compute dtype; a quantized model's: "
-        "at their bits, or dequantized with float32)", "--resident-dtype",
-        COMPUTE_DTYPES)
+        "them just before use (exact, half the DRAM; default: the compute dtype). A quantized model's: "
+        "'quantized' holds them at their bits (MLX's quantized matmul: 1/8 of float32's DRAM, slower "
+        "on the CPU), float32 dequantizes them at load; default: float32 on the CPU unless "
+        "--memory-budget is given, else quantized", "--resident-dtype", RESIDENT_DTYPES)
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
                           "next layer's rows; flash: the missing neurons while the cached ones compute)",
                           "--no-prefetch", negate=True)
@@ -77,9 +79,9 @@ class FlashConfig:
             bad(f"--threads must be in 1..1024, got {self.threads}")
         if self.eviction not in EVICTIONS:
             bad(f"unknown eviction policy '{self.eviction}' (choose from {', '.join(EVICTIONS)})")
-        if self.resident_dtype is not None and self.resident_dtype not in COMPUTE_DTYPES:
+        if self.resident_dtype is not None and self.resident_dtype not in RESIDENT_DTYPES:
             bad(f"unsupported resident dtype '{self.resident_dtype}' (choose from "
-                f"{', '.join(COMPUTE_DTYPES)})")
+                f"{', '.join(RESIDENT_DTYPES)})")
 
     @property
     def overlaps(self):
@@ -93,7 +95,7 @@ class FlashConfig:
     def held_dtype(self, flash_dtype, compute_dtype):
         """The 16-bit dtype resident weights are held at, or None for the compute dtype."""
         r = self.resident_dtype
-        if r in (None, compute_dtype):
+        if r in (None, compute_dtype, "quantized"):
             return None
         if r not in HELD_DTYPES:
             raise FlashError(f"unsupported resident dtype '{r}' (choose from {', '.join(HELD_DTYPES)}, "
@@ -107,6 +109,15 @@ class FlashConfig:
                              f"--resident-dtype {r}: the model is {flash_dtype} on flash; holding it at "
                              f"16 bits would round it (convert it with --dtype {r})")
         return r
+
+
+def keep_quantized(config, on_cpu):
+    """Hold a quantized model's resident weights at their bits (else dequantize them)? On the
+    CPU MLX's quantized matmul is 2x (decode) to 50x (prompt) slower than float32 BLAS
+    (models/quantized.py), so only when a memory budget asks for the DRAM or when told."""
+    if config.resident_dtype is None:
+        return not on_cpu or config.memory_budget is not None
+    return config.resident_dtype == "quantized"
 
 
 def option_names():

@@ -243,3 +243,45 @@ def test_version_1_float_folders_still_load(tmp_path):
     (out / "manifest.json").write_text(json.dumps(m))
     old, _ = mlx_flash.load(out, mode="naive")
     assert mx.array_equal(old(mx.array([TOKENS])), want)
+
+
+def test_gguf_with_mixed_block_types_is_widened_exactly(tmp_path):
+    """Q4_1 gate, Q8_0 up, Q4_0 down (test_gguf's file): held at 8 bits, every value as stored."""
+    from test_gguf import write_gguf
+
+    from mlx_flash.convert.gguf import GGUFSource
+    from mlx_flash.layout.format import read_tables
+    from mlx_flash.runtime.stores.base import read_layer_file
+
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path)
+    out = convert(path, tmp_path / "flash", progress=False)
+    m = read_manifest(out)
+    assert m.layout.quant.bits == 8
+    src = GGUFSource(path)
+    tables = read_tables(out, m, m.layout)
+    for layer, entry in enumerate(m.ffn_files):
+        rows = read_layer_file(out, entry, m.layout, tables=tables[layer])
+        for kind, name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            want = src.read(f"model.layers.{layer}.mlp.{name}.weight")
+            assert np.array_equal(rows[kind], want.T if kind == "down" else want), (layer, kind)
+    model, _ = mlx_flash.load(out, mode="naive")
+    dense, _ = mlx_flash.load(out)
+    x = mx.array([[1, 2, 3, 4]])
+    assert mx.abs(model(x) - dense(x)).max().item() < 1e-5
+
+
+def test_gguf_types_with_no_exact_form_are_requantized_and_say_so(tmp_path, monkeypatch, capfd):
+    import test_gguf
+    from gguf import GGMLQuantizationType as T
+
+    layers = [(b, h, s, T.Q5_0 if b.startswith("ffn_") and b != "ffn_norm" else t)
+              for b, h, s, t in test_gguf.LAYER_TENSORS]
+    monkeypatch.setattr(test_gguf, "LAYER_TENSORS", layers)
+    path = tmp_path / "q5.gguf"
+    test_gguf.write_gguf(path)
+    out = convert(path, tmp_path / "flash", progress=False)
+    err = capfd.readouterr().err
+    assert "GGUF Q5_0 tensors have no exact MLX form: dequantized and re-quantized to 4-bit" in err, err
+    q = read_manifest(out).layout.quant
+    assert (q.bits, q.group_size) == (4, 32)

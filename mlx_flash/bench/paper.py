@@ -54,6 +54,16 @@ CONFIGS = {  # name: (mode, window, bundled, predictor, overlap)
     # while the FFN computes on its cached ones
     "all+overlap": ("flash", 5, True, True, True),
 }
+UNCHECKED = "/unchecked"  # a row name's suffix: that row's reads skip their CRC32C checks
+
+
+def row_config(name):
+    """'all/unchecked' -> ('all', False): the configuration and whether its reads are checked."""
+    base = name[: -len(UNCHECKED)] if name.endswith(UNCHECKED) else name
+    if base not in CONFIGS:
+        raise FlashError(f"unknown configuration '{name}' (available: {', '.join(CONFIGS)}, each "
+                         f"also as NAME{UNCHECKED})")
+    return base, not name.endswith(UNCHECKED)
 KiB, MiB = 1024, 1024 * 1024
 
 
@@ -117,17 +127,20 @@ def throughput_at(curve, size):
 # --- the runs
 
 
-def attach(model, config, trace, budget, threads, predictor_rank, window=None):
+def attach(model, config, trace, budget, threads, predictor_rank, window=None, verify=True):
     """A fresh runtime for `config` on the loaded model (the last one released); returns its store.
-    window: another window than the configuration's (Figure 7)."""
+    window: another window than the configuration's (Figure 7); verify: check every read's
+    CRC32C (what users run; --no-verify measures without)."""
     from ..runtime import FlashConfig, rebuild_runtime
 
+    config, checked = row_config(config)
+    verify = verify and checked
     mode, cfg_window, bundled, predictor, overlap = CONFIGS[config]
     source = None
     if mode == "flash":
         source = TraceSource(trace, model.runtime.manifest.layout.d_model,
                              predictor_rank=predictor_rank if predictor else 0)
-    cfg = FlashConfig(dtype="float32", verify=False, mode=mode, memory_budget=budget, threads=threads,
+    cfg = FlashConfig(dtype="float32", verify=verify, mode=mode, memory_budget=budget, threads=threads,
                       window=cfg_window if window is None else window, bundled=bundled,
                       prefetch=False, overlap=overlap)
     return rebuild_runtime(model, cfg, source=source).store
@@ -233,8 +246,10 @@ def drive_store(store, d_model, tokens, warmup=5):
 def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup=6, rounds=2,
         prompt_tokens=8, configs=tuple(CONFIGS), windows=(0, 1, 2, 3, 4, 5, 6, 8),
         window_tokens=12, long_tokens=1000, threads=READ_THREADS, predictor_rank=128, active=0.03,
-        new=0.024, k=5, home=None, progress=True, log=print):
-    """Everything of `mlx_flash.benchmark paper`; returns a dict (rows, figures, machine)."""
+        new=0.024, k=5, home=None, progress=True, log=print, verify=True):
+    """Everything of `mlx_flash.benchmark paper`; returns a dict (rows, figures, machine).
+    dtype: the weights on flash, float32 / float16 / bfloat16, or q4 / q8 (group-wise 4- or
+    8-bit, group 64, float16 scales; dequantized as the reader copies them)."""
     from ..blas import blas_info
     from ..layout.format import read_manifest
     from ..loader import load
@@ -243,7 +258,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     manifest = read_manifest(folder)
     lay = manifest.layout
     n_layers = len(manifest.ffn_files)
-    log(f"checkpoint {folder} ({shape}, {dtype} on flash)")
+    log(f"checkpoint {folder} ({shape}, {dtype} on flash; reads {'checked' if verify else 'unchecked'})")
     model, _ = load(folder, mode="naive", verify=False, prefetch=False)  # resident weights once; stores swap below
     resident_bytes = model.runtime.resident.held_bytes
     release(model)
@@ -254,7 +269,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     files = [folder / e["file"] for e in manifest.ffn_files]
     bundle = lay.bundle_bytes
     chunks = sorted({4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB,
-                     bundle, lay.row_bytes})
+                     bundle, lay.kind_bytes(lay.kinds[0])})
     curve = disk_curve(files, chunks)
     mv_bw = matvec_bandwidth(lay.n_neurons, lay.d_model)
     mem_bw = max(memory_bandwidth(), mv_bw)  # the fastest the weights were seen to stream
@@ -269,8 +284,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     prompt = rng.integers(0, 256, prompt_tokens).tolist()
 
     for config in configs:
-        if config not in CONFIGS:
-            raise FlashError(f"unknown configuration '{config}' (available: {', '.join(CONFIGS)})")
+        row_config(config)
     per = {c: [] for c in configs}
     curves, best_bw = [curve], mem_bw
     for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
@@ -279,9 +293,9 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
         for config in configs:
-            store = attach(model, config, trace, memory_budget, threads, predictor_rank)
+            store = attach(model, config, trace, memory_budget, threads, predictor_rank, verify=verify)
             plan = store.plan
-            sparse = CONFIGS[config][0] == "flash"
+            sparse = CONFIGS[row_config(config)[0]][0] == "flash"
             n_tok = tokens if sparse else max(1, tokens // 4)
             n_warm = warmup if sparse else 1
             bw = max(mem_bw, matvec_bandwidth(lay.n_neurons, lay.d_model))  # now, for this row
@@ -304,7 +318,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
 
     fig7 = []
     for w in windows or ():
-        store = attach(model, "all", trace, memory_budget, threads, predictor_rank, window=w)
+        store = attach(model, "all", trace, memory_budget, threads, predictor_rank, window=w, verify=verify)
         r = drive_store(store, lay.d_model, window_tokens)
         fig7.append({"window": w, "io_ms": float(np.mean([x["io_ms"] for x in r])),
                      "mem_ms": float(np.mean([x["mem_ms"] for x in r])),
@@ -318,7 +332,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
 
     fig8 = []
     if long_tokens:
-        store = attach(model, "all", trace, memory_budget, threads, predictor_rank)
+        store = attach(model, "all", trace, memory_budget, threads, predictor_rank, verify=verify)
         log(f"long generation: {long_tokens} tokens through the store")
         r = drive_store(store, lay.d_model, long_tokens)
         fig8 = [{"token": i, "io_ms": x["io_ms"], "mem_ms": x["mem_ms"],
@@ -326,7 +340,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         release(model)
 
     return {
-        "shape": shape, "flash_dtype": dtype, "compute_dtype": "float32",
+        "shape": shape, "flash_dtype": dtype, "compute_dtype": "float32", "verify": verify,
         "memory_budget": memory_budget, "model_bytes_float32": model_bytes,
         "resident_bytes": resident_bytes, "neuron_bytes": neuron_bytes,
         "checkpoint": str(folder), "trace": trace_stats | {"concentration": trace.concentration},
@@ -369,6 +383,7 @@ def report(res):
     m = res["machine"]
     t = res["trace"]
     head = (f"{res['shape']} shape, random weights; {res['flash_dtype']} on flash, float32 compute; "
+            f"reads {'checked (CRC32C)' if res.get('verify', True) else 'unchecked (--no-verify)'}; "
             f"memory budget {res['memory_budget']} of the float32 model "
             f"({res['model_bytes_float32'] / 1e9:.1f} GB; resident attention + embeddings "
             f"{res['resident_bytes'] / 1e9:.1f} GB); {m['platform']}, {m['blas']}; "
@@ -400,7 +415,7 @@ def report(res):
 def write_outputs(res, out="results", json_path=None):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"paper-{res['shape']}-{res['flash_dtype']}"
+    stem = f"paper-{res['shape']}-{res['flash_dtype']}" + ("" if res.get("verify", True) else "-unchecked")
     md_path, csv_path = out / (stem + ".md"), out / (stem + ".csv")
     md = report(res)
     md_path.write_text(md)

@@ -141,9 +141,17 @@ def checkpoint_dir(shape, dtype, home=None):
     return Path(home or default_home()) / "bench" / f"{shape}-{dtype}"
 
 
-def build_checkpoint(shape, dtype="float16", home=None, progress=True, seed=0):
-    """The flash-layout checkpoint of `shape` with random weights; built once, then reused."""
-    from ..convert import convert
+QUANTIZED = {"q4": 4, "q8": 8}  # checkpoint dtypes that are group-wise quantized (group 64)
 
-    return convert(RandomSource(shape, seed=seed), checkpoint_dir(shape, dtype, home), dtype=dtype,
-                   progress=progress)
+
+def build_checkpoint(shape, dtype="float16", home=None, progress=True, seed=0):
+    """The flash-layout checkpoint of `shape` with random weights; built once, then reused.
+    dtype q4 / q8: quantized as mlx_lm.convert -q would (group 64, float16 scales)."""
+    from ..convert import convert
+    from ..convert.quantize import QuantOptions
+
+    quant = None
+    if dtype in QUANTIZED:
+        quant = QuantOptions(quantize=True, bits=QUANTIZED[dtype], group_size=64)
+    return convert(RandomSource(shape, seed=seed), checkpoint_dir(shape, dtype, home),
+                   dtype="float16" if quant else dtype, progress=progress, quant=quant)

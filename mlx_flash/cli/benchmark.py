@@ -75,8 +75,11 @@ def add_paper_parser(sub):
                                    "sparsity from a trace fitted to the paper (3%% active, 2.4%% new "
                                    "per token at k = 5).")
     s.add_argument("--shape", default="opt-6.7b", choices=sorted(SHAPES))
-    s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                   help="weights on flash (compute is float32 on the CPU)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "q4", "q8"],
+                   help="weights on flash (compute is float32 on the CPU); q4 / q8: group-wise 4- / "
+                        "8-bit, group 64, dequantized as they are read")
+    s.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not check the reads' CRC32C (to measure what the checks cost)")
     s.add_argument("--memory-budget", default="50%",
                    help="weights in DRAM: a share of the float32 model or bytes (default 50%%)")
     s.add_argument("--tokens", type=int, default=8, help="measured decode tokens per sparse row "
@@ -107,7 +110,7 @@ def paper_main(args, argv):
                     windows=args.windows, window_tokens=args.window_tokens,
                     long_tokens=args.long_tokens, threads=args.threads,
                     predictor_rank=args.predictor_rank, active=args.active, new=args.new, k=args.k,
-                    progress=not args.quiet)
+                    progress=not args.quiet, verify=args.verify)
     res["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
     md, written = paper.write_outputs(res, args.out, args.json)
     print()

@@ -267,7 +267,9 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     notes = set()
     decisions = {name: target(src, original[name], src.shape(original[name]), options, dtype, notes)
                  for name in original}
-    quant = ffn_spec({n: decisions[n] for n in ffn_names}, source_name)
+    ffn_decisions = {n: decisions[n] for n in ffn_names}
+    quant = ffn_spec(ffn_decisions, source_name, notes)
+    decisions.update(ffn_decisions)
     d_model = args.hidden_size
     first = src.shape(original[family.ffn_tensors(args, 0)[kinds[0]][0]])
     n_neurons = first[0]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import FlashError
-from ..layout.quant import QuantSpec, check_quant, columns, quantize
+from ..layout.quant import QuantSpec, QuantTensor, check_quant, columns, pack, quantize, to_words, unpack
 
 KEEP_PARTS = ("embed", "lm_head", "attn")
 
@@ -92,11 +92,29 @@ def read_weight(src, name, decision):
         return src.read(name)
     if kind == "keep":
         return src.read_quantized(name)
+    if kind == "widen":  # the same values and scales, each value in more bits
+        w = src.read_quantized(name)
+        q = unpack(w.packed, w.spec.bits, w.shape[1])
+        return QuantTensor(to_words(pack(q, spec.bits)), w.scales, w.biases, spec)
     return quantize(src.read(name), spec.bits, spec.group_size, spec.scale_dtype)
 
 
-def ffn_spec(decisions, where):
-    """The one QuantSpec every FFN weight is stored at, or None for a float layout."""
+def ffn_spec(decisions, where, notes=None):
+    """The one QuantSpec every FFN weight is stored at, or None for a float layout. Kept
+    weights that differ only in bits (GGUF Q4_0 / Q4_1 beside Q8_0) are widened to the most
+    bits, exactly: a 4-bit value is an 8-bit value with the same scale and bias. `decisions`
+    is updated in place."""
+    kept = {spec for kind, spec in decisions.values() if kind == "keep"}
+    if len(kept) > 1 and len({(s.group_size, s.scale_dtype) for s in kept}) == 1 and \
+            all(kind == "keep" for kind, _ in decisions.values()):
+        wide = max(kept, key=lambda s: s.bits)
+        for name, (kind, spec) in decisions.items():
+            if spec != wide:
+                decisions[name] = ("widen", wide)
+        if notes is not None:
+            notes.add(f"the feed-forward weights are stored at {', '.join(sorted(str(s.bits) for s in kept))} "
+                      f"bits: all held at {wide.bits} bits, the values unchanged (--q-bits re-quantizes "
+                      "them to one width instead)")
     specs = Counter(spec for _, spec in decisions.values())
     if len(specs) == 1:
         return next(iter(specs))

@@ -30,7 +30,7 @@ def test_parse_system_forms():
     assert peers.parse_system("mlx_flash:naive").resident_dtype is None
     assert peers.parse_system("llama.cpp-f16").gguf == "f16"
     names = [s.spec for s in peers.parse_systems(peers.DEFAULT_SYSTEMS)]
-    assert names[0] == "mlx_flash:dense@none" and "llama.cpp-f32" in names
+    assert names[0] == "mlx_flash:dense@none" and "llama.cpp-q4_1" in names  # the 4-bit default model's own
 
 
 @pytest.mark.parametrize("spec, words", [

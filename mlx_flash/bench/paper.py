@@ -259,11 +259,19 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     lay = manifest.layout
     n_layers = len(manifest.ffn_files)
     log(f"checkpoint {folder} ({shape}, {dtype} on flash; reads {'checked' if verify else 'unchecked'})")
-    model, _ = load(folder, mode="naive", verify=False, prefetch=False)  # resident weights once; stores swap below
+    # resident weights once; stores swap below. A quantized checkpoint's are held at their bits,
+    # as a user's are under a memory budget (MLX's quantized matmul computes with them)
+    resident = "quantized" if manifest.layout.quant is not None else None
+    model, _ = load(folder, mode="naive", verify=False, prefetch=False, resident_dtype=resident)
     resident_bytes = model.runtime.resident.held_bytes
     release(model)
     neuron_bytes = len(lay.kinds) * lay.d_model * 4
-    model_bytes = resident_bytes + neuron_bytes * lay.n_neurons * n_layers
+    # every dtype's rows get the same budget in bytes: a share of this shape's float32 model
+    from ..runtime.budget import parse_budget
+    from .peers.files import model_float32_bytes
+
+    model_bytes = model_float32_bytes(folder)
+    budget_text, memory_budget = memory_budget, str(parse_budget(memory_budget, model_bytes))
 
     log("measuring the disk (uncached random reads of the checkpoint) and memory bandwidth")
     files = [folder / e["file"] for e in manifest.ffn_files]
@@ -341,7 +349,8 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
 
     return {
         "shape": shape, "flash_dtype": dtype, "compute_dtype": "float32", "verify": verify,
-        "memory_budget": memory_budget, "model_bytes_float32": model_bytes,
+        "resident_dtype": model.runtime.resident_dtype,
+        "memory_budget": f"{budget_text} ({int(memory_budget) / 1e9:.2f} GB)", "model_bytes_float32": model_bytes,
         "resident_bytes": resident_bytes, "neuron_bytes": neuron_bytes,
         "checkpoint": str(folder), "trace": trace_stats | {"concentration": trace.concentration},
         "predictor_rank": predictor_rank, "disk_curve_gbs": {str(c): v for c, v in curve.items()},
@@ -386,7 +395,8 @@ def report(res):
             f"reads {'checked (CRC32C)' if res.get('verify', True) else 'unchecked (--no-verify)'}; "
             f"memory budget {res['memory_budget']} of the float32 model "
             f"({res['model_bytes_float32'] / 1e9:.1f} GB; resident attention + embeddings "
-            f"{res['resident_bytes'] / 1e9:.1f} GB); {m['platform']}, {m['blas']}; "
+            f"{res['resident_bytes'] / 1e9:.1f} GB, held at {res.get('resident_dtype', 'float32')}); "
+            f"{m['platform']}, {m['blas']}; "
             f"trace {t['active']:.1%} active, {t['new']:.1%} new at k={t['k']}; predictor rank "
             f"{res['predictor_rank']}; {res['tokens']} decode tokens per sparse row after the warm-up "
             f"(a quarter for naive / hybrid), {res['rounds']} alternating rounds, medians; "

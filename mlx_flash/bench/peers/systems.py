@@ -12,8 +12,9 @@ RUNTIMES = ("mlx_flash", "mlx_lm", "llama.cpp")
 MLX_FLASH_MODES = ("dense", "naive", "hybrid", "flash")
 SPARSITIES = ("oracle", "threshold", "dip", "dip-ca", "predictor")
 GGUF_TYPES = ("f32", "f16", "q4_1")
-DEFAULT_SYSTEMS = ("mlx_flash:dense@none,mlx_flash:hybrid:f16,mlx_flash:naive:f16,mlx_flash:flash:dip:0.5:f16,"
-                   "mlx_lm,llama.cpp-f32,llama.cpp-f16")
+# the default model is 4-bit: under a limit its resident weights are held at their bits
+DEFAULT_SYSTEMS = ("mlx_flash:dense@none,mlx_flash:hybrid,mlx_flash:naive,mlx_flash:flash:dip:0.5,"
+                   "mlx_lm,llama.cpp-q4_1,llama.cpp-f16")
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 
 SPEC_HELP = ("mlx_flash:dense, mlx_flash:naive, mlx_flash:hybrid, mlx_flash:flash:<sparsity>:<density> "

@@ -15,8 +15,7 @@ from .errors import FlashError
 from .layout.format import check_file, is_flash_folder, read_manifest
 from .models.quantized import dequantize_modules, quantized_modules
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
-                      make_config)
-from .runtime.config import keep_quantized
+                      keep_quantized, make_config)
 
 BUDGET_CACHE_LIMIT = 32 << 20  # MLX buffer cache under --memory-budget (bytes)
 

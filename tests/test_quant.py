@@ -282,6 +282,40 @@ def test_gguf_types_with_no_exact_form_are_requantized_and_say_so(tmp_path, monk
     test_gguf.write_gguf(path)
     out = convert(path, tmp_path / "flash", progress=False)
     err = capfd.readouterr().err
-    assert "GGUF Q5_0 tensors have no exact MLX form: dequantized and re-quantized to 4-bit" in err, err
+    assert "GGUF Q5_0 tensors have no exact MLX form: dequantized and re-quantized to 5-bit" in err, err
     q = read_manifest(out).layout.quant
-    assert (q.bits, q.group_size) == (4, 32)
+    assert (q.bits, q.group_size) == (5, 32)  # the width of the source's type
+
+
+def test_q_bits_without_quantize_on_a_float_source_is_an_error(tmp_path):
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=128)
+    with pytest.raises(FlashError, match="need --quantize"):
+        convert(src, tmp_path / "out", progress=False, quant=QuantOptions(bits=8))
+    assert not (tmp_path / "out").exists()
+
+
+def test_rebuilding_a_runtime_counts_its_tables_once(tmp_path):
+    from mlx_flash.runtime import FlashConfig, rebuild_runtime
+
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=128)
+    out = convert(src, tmp_path / "q4", progress=False, quant=QuantOptions(quantize=True, bits=4, group_size=32))
+    model, _ = mlx_flash.load(out, mode="naive")
+    first = model.runtime.resident.held_bytes
+    for _ in range(3):
+        rebuild_runtime(model, FlashConfig(mode="naive"))
+    assert model.runtime.resident.held_bytes == first
+
+
+def test_one_token_past_cache_and_scratch_streams_in_passes(tmp_path):
+    """A token that needs more neurons than its cache and the scratch hold is computed exactly,
+    its extra neurons read into the scratch a load at a time."""
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=128)
+    out = convert(src, tmp_path / "q4", progress=False, quant=QuantOptions(quantize=True, bits=4, group_size=32))
+    dense, _ = mlx_flash.load(out)
+    x = mx.array([[7]])
+    want = dense(x)
+    model, _ = mlx_flash.load(out, mode="flash", sparsity="oracle", density=1.0, memory_budget="80%",
+                              prefetch=False)
+    store = model.runtime.store
+    assert store.caches[0].capacity + store.scratch.capacity < 128
+    assert mx.abs(model(x) - want).max().item() < 1e-4

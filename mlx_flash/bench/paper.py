@@ -246,7 +246,7 @@ def drive_store(store, d_model, tokens, warmup=5):
 def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup=6, rounds=2,
         prompt_tokens=8, configs=tuple(CONFIGS), windows=(0, 1, 2, 3, 4, 5, 6, 8),
         window_tokens=12, long_tokens=1000, threads=READ_THREADS, predictor_rank=128, active=0.03,
-        new=0.024, k=5, home=None, progress=True, log=print, verify=True):
+        new=0.024, k=5, home=None, progress=True, log=print, verify=True, resident_dtype=None):
     """Everything of `mlx_flash.benchmark paper`; returns a dict (rows, figures, machine).
     dtype: the weights on flash, float32 / float16 / bfloat16, or q4 / q8 (group-wise 4- or
     8-bit, group 64, float16 scales; dequantized as the reader copies them)."""
@@ -261,7 +261,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     log(f"checkpoint {folder} ({shape}, {dtype} on flash; reads {'checked' if verify else 'unchecked'})")
     # resident weights once; stores swap below. A quantized checkpoint's are held at their bits,
     # as a user's are under a memory budget (MLX's quantized matmul computes with them)
-    resident = "quantized" if manifest.layout.quant is not None else None
+    resident = resident_dtype or ("quantized" if manifest.layout.quant is not None else None)
     model, _ = load(folder, mode="naive", verify=False, prefetch=False, resident_dtype=resident)
     resident_bytes = model.runtime.resident.held_bytes
     release(model)
@@ -426,6 +426,8 @@ def write_outputs(res, out="results", json_path=None):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"paper-{res['shape']}-{res['flash_dtype']}" + ("" if res.get("verify", True) else "-unchecked")
+    if res["flash_dtype"] in ("q4", "q8") and res.get("resident_dtype") != "quantized":
+        stem += "-resident-" + str(res.get("resident_dtype"))
     md_path, csv_path = out / (stem + ".md"), out / (stem + ".csv")
     md = report(res)
     md_path.write_text(md)

@@ -78,6 +78,9 @@ def add_paper_parser(sub):
     s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "q4", "q8"],
                    help="weights on flash (compute is float32 on the CPU); q4 / q8: group-wise 4- / "
                         "8-bit, group 64, dequantized as they are read")
+    s.add_argument("--resident-dtype", default=None, choices=["quantized", "float32"],
+                   help="q4 / q8: hold attention and embeddings at their bits (default, as under a "
+                        "user's budget) or dequantized at float32")
     s.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check the reads' CRC32C (to measure what the checks cost)")
     s.add_argument("--memory-budget", default="50%",
@@ -110,7 +113,7 @@ def paper_main(args, argv):
                     windows=args.windows, window_tokens=args.window_tokens,
                     long_tokens=args.long_tokens, threads=args.threads,
                     predictor_rank=args.predictor_rank, active=args.active, new=args.new, k=args.k,
-                    progress=not args.quiet, verify=args.verify)
+                    progress=not args.quiet, verify=args.verify, resident_dtype=args.resident_dtype)
     res["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
     md, written = paper.write_outputs(res, args.out, args.json)
     print()

@@ -267,6 +267,10 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     notes = set()
     decisions = {name: target(src, original[name], src.shape(original[name]), options, dtype, notes)
                  for name in original}
+    if (options.bits or options.group_size) and not options.quantize and \
+            all(kind == "float" for kind, _ in decisions.values()):
+        raise FlashError(f"{source_name} holds no quantized weights: --q-bits / --q-group-size need "
+                         "--quantize (-q) to quantize them")
     ffn_decisions = {n: decisions[n] for n in ffn_names}
     quant = ffn_spec(ffn_decisions, source_name, notes)
     decisions.update(ffn_decisions)

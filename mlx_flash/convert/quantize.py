@@ -25,6 +25,8 @@ from ..errors import FlashError
 from ..layout.quant import QuantSpec, QuantTensor, check_quant, columns, pack, quantize, to_words, unpack
 
 KEEP_PARTS = ("embed", "lm_head", "attn")
+# GGUF types with no exact MLX form -> the bits they are re-quantized to by default
+LOSSY_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,14 @@ def target(src, name, shape, options, dtype, notes):
         return "keep", exact
     if exact is None and lossy is None and not options.quantize:
         return "float", None
-    bits = options.bits or (exact.bits if exact else 4)
+    bits = options.bits or (exact.bits if exact else LOSSY_BITS.get(lossy, 8) if lossy else 4)
     group = options.group_size or (exact.group_size if exact else 32 if lossy else 64)
     if shape[1] % group:
         notes.add(f"{name}: input dimension {shape[1]} is not a multiple of {group}; kept at {dtype}")
         return "float", None
     if lossy is not None:
         notes.add(f"GGUF {lossy} tensors have no exact MLX form: dequantized and re-quantized to {bits}-bit "
-                  f"affine, group {group} (values change slightly)")
+                  f"affine, group {group} (values change slightly; --q-bits chooses)")
     elif exact is not None:
         notes.add(f"{exact.bits}-bit group-{exact.group_size} tensors re-quantized to {bits}-bit group {group} "
                   "(values change)")
@@ -100,21 +102,20 @@ def read_weight(src, name, decision):
 
 
 def ffn_spec(decisions, where, notes=None):
-    """The one QuantSpec every FFN weight is stored at, or None for a float layout. Kept
-    weights that differ only in bits (GGUF Q4_0 / Q4_1 beside Q8_0) are widened to the most
-    bits, exactly: a 4-bit value is an 8-bit value with the same scale and bias. `decisions`
-    is updated in place."""
-    kept = {spec for kind, spec in decisions.values() if kind == "keep"}
-    if len(kept) > 1 and len({(s.group_size, s.scale_dtype) for s in kept}) == 1 and \
-            all(kind == "keep" for kind, _ in decisions.values()):
-        wide = max(kept, key=lambda s: s.bits)
+    """The one QuantSpec every FFN weight is stored at, or None for a float layout. Quantized
+    weights that differ only in bits (GGUF Q4_0 / Q4_1 beside Q8_0, Q4_K beside Q6_K) are all
+    held at the most bits: kept ones widened exactly (a 4-bit value is an 8-bit value with the
+    same scale and bias), re-quantized ones re-quantized there. `decisions` is updated."""
+    specs = {spec for kind, spec in decisions.values()}
+    if len(specs) > 1 and None not in specs and len({(s.group_size, s.scale_dtype) for s in specs}) == 1:
+        wide = max(specs, key=lambda s: s.bits)
         for name, (kind, spec) in decisions.items():
             if spec != wide:
-                decisions[name] = ("widen", wide)
+                decisions[name] = ("widen" if kind == "keep" else kind, wide)
         if notes is not None:
-            notes.add(f"the feed-forward weights are stored at {', '.join(sorted(str(s.bits) for s in kept))} "
-                      f"bits: all held at {wide.bits} bits, the values unchanged (--q-bits re-quantizes "
-                      "them to one width instead)")
+            notes.add(f"the feed-forward weights are stored at {', '.join(sorted(str(s.bits) for s in specs))} "
+                      f"bits: all held at {wide.bits} bits (kept values unchanged; --q-bits chooses one "
+                      "width instead)")
     specs = Counter(spec for _, spec in decisions.values())
     if len(specs) == 1:
         return next(iter(specs))

@@ -870,6 +870,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     use_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
     use_avx2 = __builtin_cpu_supports("avx2");
 #endif
+    crc32c_hardware(-1); /* choose the CRC32C path and build its table now, under the GIL */
     if (PyType_Ready(&PoolType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -333,13 +333,30 @@ def read_tables(folder, manifest, layout, verify=True):
         return []
     from .safetensors_io import SafetensorsFile
 
+    if len(manifest.scales) != len(manifest.ffn_files):
+        raise FlashError(f"{folder}: the manifest lists {len(manifest.scales)} scale files for "
+                         f"{len(manifest.ffn_files)} layers; convert the model again")
+    q = layout.quant
+    storage = np.dtype(np.uint16 if q.scale_dtype == "bfloat16" else q.scale_dtype)
+    shape = (layout.n_neurons // q.group_size, layout.d_model)
     out = []
     for entry in manifest.scales:
         check_file(folder, entry, checksum=verify)
         st = SafetensorsFile(Path(folder) / entry["file"])
-        out.append({k: tuple(np.ascontiguousarray(st.read_raw(f"{layout.table_name(k)}.{part}")[0])
-                             for part in ("scales", "biases"))
-                    for k in layout.columns})
+        tables = {}
+        for k in layout.columns:
+            pair = []
+            for part in ("scales", "biases"):
+                name = f"{layout.table_name(k)}.{part}"
+                if name not in st.names():
+                    raise FlashError(f"{st.path}: no tensor {name}; convert the model again")
+                a = np.ascontiguousarray(st.read_raw(name)[0])
+                if a.dtype != storage or a.shape != shape:
+                    raise FlashError(f"{st.path}: {name} is {a.dtype} {a.shape}, the layout needs "
+                                     f"{q.scale_dtype} {shape}; convert the model again")
+                pair.append(a)
+            tables[k] = tuple(pair)
+        out.append(tables)
     return out
 
 

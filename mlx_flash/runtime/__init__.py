@@ -14,8 +14,8 @@ are used (no file outside runtime/ imports a store).
 """
 
 from .build import DTYPES, ResidentWeights, Runtime, build_runtime, check_resident_fits, compute_dtype, rebuild_runtime
-from .config import FlashConfig, add_cli_args, from_cli, make_config
+from .config import FlashConfig, add_cli_args, from_cli, keep_quantized, make_config
 from .stores.base import TooManyNeurons
 
 __all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args", "build_runtime",
-           "check_resident_fits", "compute_dtype", "from_cli", "make_config", "rebuild_runtime"]
+           "check_resident_fits", "compute_dtype", "from_cli", "keep_quantized", "make_config", "rebuild_runtime"]

@@ -34,6 +34,7 @@ class ResidentWeights:
     compute_bytes: int
     parameter_bytes: int
     quantized: bool = False  # a quantized model's, held at their bits
+    extra_bytes: int = 0  # of the above, the store's scale tables and checksums (_with_extra)
 
 
 @dataclass
@@ -203,6 +204,13 @@ def _checksums(folder, manifest, config, part):
     n = len(manifest.ffn_files)
     if not config.verify:
         return None
+    from ..io import native_available
+    from ..io.reader import log_once
+
+    if not native_available():  # NumPy's CRC32C takes seconds per token: say so, read unchecked
+        log_once("crc-native", "FlashReader: checking reads needs the native extension (not built); "
+                 "reads of %s are not checked", folder)
+        return None
     if part == "ffn":
         out = [read_checksums(folder, e, manifest.layout) for e in manifest.ffn_files]
     else:
@@ -210,8 +218,6 @@ def _checksums(folder, manifest, config, part):
         out = [(read_checksums(folder, i, inp["layout"]), read_checksums(folder, d, down["layout"]))
                for i, d in zip(inp["files"], down["files"])]
     if n and manifest.ffn_files[0].get("crc32c") is None:
-        from ..io.reader import log_once
-
         log_once(("unchecked", str(folder)), "%s: a flash layout of version %d has no bundle checksums: "
                  "its reads are not checked (convert it again to have them)", folder, manifest.version)
         return None
@@ -231,10 +237,9 @@ def _with_extra(resident, *arrays):
         return x.nbytes
 
     extra = nbytes(list(arrays))
-    if not extra:
-        return resident
-    return ResidentWeights(resident.held_bytes + extra, resident.compute_bytes + extra,
-                           resident.parameter_bytes + extra, resident.quantized)
+    base = resident.extra_bytes  # a rebuilt runtime's: replaced, not added again
+    return ResidentWeights(resident.held_bytes - base + extra, resident.compute_bytes - base + extra,
+                           resident.parameter_bytes - base + extra, resident.quantized, extra)
 
 
 def _dense_store(folder, manifest, dtype, verify, progress, held, tables):

@@ -176,8 +176,15 @@ class NeuronFileStore(Store):
         """Run reads (layer, ids, cache, rows); -> (bytes, reads) they took. The reader has
         one user at a time (the main thread, or the worker while the main thread waits)."""
         b0, r0 = self._counts()
-        for job in jobs:
-            self._read(*job)
+        try:
+            for job in jobs:
+                self._read(*job)
+        except BaseException:
+            # the rows appended for these reads hold nothing valid: forget their ids, so that a
+            # caller that catches the error and goes on never computes with them
+            for _, ids, cache, _ in jobs:
+                cache.delete(ids[cache.contains(ids)])
+            raise
         b1, r1 = self._counts()
         return b1 - b0, r1 - r0
 

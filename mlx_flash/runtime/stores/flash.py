@@ -19,7 +19,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from .base import NeuronFileStore
+from .base import NeuronFileStore, TooManyNeurons
 
 
 class FlashStore(NeuronFileStore):
@@ -54,13 +54,32 @@ class FlashStore(NeuronFileStore):
 
         return [old, rest]
 
+    def _passes(self, layer, ids, mask, shape):
+        """A callable FFN part: the neurons `ids` of one token that neither its cache nor one
+        scratch load held, read into the scratch a load at a time. FlashFFN calls it after it
+        has evaluated the parts before, so the scratch's rows are free to overwrite."""
+
+        def more():
+            cap = self.scratch.capacity
+            chunk, rest = ids[:cap], ids[cap:]
+            self.scratch.delete(self.scratch.cached_ids())
+            t = time.perf_counter()
+            got = self._read_counted((layer, chunk, self.scratch, self.scratch.append(chunk)))
+            self.stats.add(io_s=time.perf_counter() - t, bytes_read=got[0], reads=got[1])
+            return [self._part(self.scratch, mask=mask, shape=shape)] + (
+                [self._passes(layer, rest, mask, shape)] if rest.size else [])
+
+        return more
+
     def rows(self, layer, x):
         st = self._begin(layer, x)
         t1 = time.perf_counter()
         mask = self.source.select(layer, x)
         ids = np.flatnonzero(mask.any(axis=0)).astype(np.int64)
         limit = self.caches[layer].capacity + self.scratch.capacity
-        self._check_fits(ids.size, limit, x, layer)
+        if ids.size > limit and int(np.prod(x.shape[:-1])) > 1:
+            raise TooManyNeurons()  # a chunk of tokens: FlashFFN runs it in halves
+        # one token past cache + scratch: the rest streams through the scratch in passes
         t2 = time.perf_counter()
         got = (0, 0)  # (bytes, reads) of this layer; an overlapped read adds its own later
 
@@ -78,18 +97,21 @@ class FlashStore(NeuronFileStore):
         hits = ids.size - missing.size
         room = cache.capacity - cache.num_used
         keep, overflow = missing[:room], missing[room:]
+        overflow, later = overflow[: self.scratch.capacity], overflow[self.scratch.capacity :]
         new_rows = cache.append(keep)
         self.scratch.delete(self.scratch.cached_ids())
         over_rows = self.scratch.append(overflow)
         t3 = time.perf_counter()
         st["windows"].append(len(hist))
-        if self.overlap and new_rows.size + overflow.size and new_rows.size < cache.num_used:
+        if self.overlap and new_rows.size + overflow.size and new_rows.size < cache.num_used and not later.size:
             parts = self._overlapped(layer, cache, keep, new_rows, overflow, over_rows, mask, x.shape)
         else:
             got = self._read_counted((layer, keep, cache, new_rows),
                                      (layer, overflow, self.scratch, over_rows))
             parts = [self._part(cache, mask=mask, shape=x.shape)] + (
                 [self._part(self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
+            if later.size:
+                parts.append(self._passes(layer, later, mask, x.shape))
         t4 = time.perf_counter()
         self.stats.add(t2 - t1, t3 - t2, t4 - t3, got[0], got[1], int(ids.size), int(hits))
         return parts

@@ -44,7 +44,8 @@ def load_for_cli(args):
     rt = model.runtime
     m = rt.manifest
     print(
-        f"[mlx_flash] model {rt.folder} ({m.model_type}, flash {m.dtype}, "
+        f"[mlx_flash] model {rt.folder} ({m.model_type}, flash "
+        f"{m.dtype if m.layout.quant is None else f'{m.layout.quant.bits}-bit g{m.layout.quant.group_size}'}, "
         f"compute {rt.compute_dtype}, resident {rt.resident_dtype}); BLAS: {blas_info()}; loaded in {dt:.1f} s",
         file=sys.stderr,
     )

@@ -163,16 +163,17 @@ def test_convert_quantize_gives_mlx_lm_convert_values(tmp_path):
         assert fa["sha256"] == fb["sha256"]
 
 
-def test_quantized_opt_matches_its_dequantized_weights(tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_opt_matches_its_dequantized_weights(tmp_path, bits):
     """OPT has no mlx_lm model: the reference is the float model of the same quantized values."""
     src, cfg, tensors = make_opt_folder(tmp_path / "hf", "opt")
     out = convert(src, tmp_path / "q", dtype="float32", progress=False,
-                  quant=QuantOptions(quantize=True, bits=4, group_size=32))
-    assert read_manifest(out).layout.quant.bits == 4
+                  quant=QuantOptions(quantize=True, bits=bits, group_size=32))
+    assert read_manifest(out).layout.quant.bits == bits
     rounded = {}
     for k, v in tensors.items():
         if k.endswith(".weight") and v.ndim == 2 and v.shape[1] % 32 == 0:
-            w = quant.quantize(v, 4, 32, "float32")
+            w = quant.quantize(v, bits, 32, "float32")
             v = w.dequantized()
         rounded[k] = v
     ref_src, _, _ = make_opt_folder(tmp_path / "hf-rounded", "opt")

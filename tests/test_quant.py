@@ -320,3 +320,12 @@ def test_one_token_past_cache_and_scratch_streams_in_passes(tmp_path):
     store = model.runtime.store
     assert store.caches[0].capacity + store.scratch.capacity < 128
     assert mx.abs(model(x) - want).max().item() < 1e-4
+
+
+def test_a_budget_too_small_for_dequantized_residents_is_refused_before_loading(smollm2):
+    """--resident-dtype float32 under a budget: the check counts the values the 4-bit words
+    become, not the words."""
+    with pytest.raises(FlashError, match="too small"):
+        mlx_flash.load(smollm2, mode="naive", resident_dtype="float32", memory_budget="100MB")
+    model, _ = mlx_flash.load(smollm2, mode="naive", memory_budget="100MB")  # held at their bits: fits
+    assert model.runtime.resident_dtype == "quantized"

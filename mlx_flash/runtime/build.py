@@ -5,6 +5,7 @@ registry, or an object the benchmarks pass), the reader, the store; attaches
 the store to every FlashFFN and the Runtime to `model.runtime`.
 """
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from ..layout.format import check_file, read_checksums, read_tables
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, _too_small, make_plan, parse_budget
-from .config import FlashConfig
+from .config import FlashConfig, keep_quantized
 from .stores.base import read_layer_file
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -115,7 +116,21 @@ def check_resident_fits(folder, manifest, config):
     st = SafetensorsFile(folder / manifest.resident["file"])
     itemsize = DTYPES[dtype].size
     held_size = itemsize if held is None else DTYPES[held].size
-    sizes = [(int(np.prod(st.shape(n))), len(st.shape(n))) for n in st.names()]
+    names = set(st.names())
+    # a quantized model's weights: their packed words (4 bytes each) when held at their bits,
+    # else the values they dequantize to
+    quantization = {}
+    if not keep_quantized(config, mx.default_device() == mx.cpu):
+        quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
+    sizes = []
+    for n in names:
+        stem, part = n.rsplit(".", 1)
+        shape = st.shape(n)
+        if isinstance(quantization.get(stem), dict):
+            if part != "weight":
+                continue  # scales and biases go with the dequantized values
+            shape = tuple(shape[:-1]) + (shape[-1] * 32 // quantization[stem]["bits"],)
+        sizes.append((int(np.prod(shape)), len(shape)))
     resident = sum(size * (held_size if ndim == 2 else itemsize) for size, ndim in sizes)
     full = sum(size for size, _ in sizes) * itemsize  # what "50%" is of
     budget = parse_budget(config.memory_budget, full + _ffn_bytes(manifest, itemsize))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
-from ..layout.safetensors_io import SafetensorsFile
+from ..layout.safetensors_io import ST_TO_NUMPY, SafetensorsFile
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -112,7 +112,7 @@ class SafetensorsFolderSource:
                 raise FlashError(f"{where}: {words} packed words and {groups} scales per row fit no "
                                  f"{group}-value groups (config.json's quantization does not match the weights)")
             dtype = self.files[stem + ".scales"].tensors[stem + ".scales"]["dtype"]
-            scale_dtype = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}.get(dtype)
+            scale_dtype = ST_TO_NUMPY.get(dtype)
             if scale_dtype is None:
                 raise FlashError(f"{where}: scales of dtype {dtype} are not supported")
             self._specs[name] = QuantSpec(bits, group, scale_dtype)

@@ -577,6 +577,7 @@ class FlashReader:
         self._stage_mm = None
         self._stage = None
         self._fault = (-1, 0)  # test hook: fail reads covering this offset with this errno
+        self._compiled = {}  # segments / checks tuples -> their validated tables (_memo)
         mod, why = _native_module()
         if backend == "native" and mod is None:
             raise FlashError(f"FlashReader: native backend requested but {why}")
@@ -688,21 +689,25 @@ class FlashReader:
             self._execute(f, plan)
             self._account(len(ids) * need, plan, t0)
 
-    @staticmethod
-    def _check_checks(checks, ids, need):
+    def _check_checks(self, checks, ids, need):
         if checks is None:
             return _NO_CHECKS, _NO_CRC
         crc, parts = checks
+        table = self._memo(("checks", checks, need), lambda: self._compile_checks(crc, parts, need))
+        if len(ids) and int(ids.max()) >= crc.shape[0]:
+            raise ValueError(f"checks: bundle {int(ids.max())} has no checksum ({crc.shape[0]} rows)")
+        return table, crc
+
+    @staticmethod
+    def _compile_checks(crc, parts, need):
         if not (isinstance(crc, np.ndarray) and crc.dtype == np.uint32 and crc.ndim == 2
                 and crc.flags.c_contiguous):
             raise ValueError("checks: crc must be a C-contiguous 2-D uint32 array")
         table = np.array(parts, dtype=np.int64).reshape(-1, 3)
-        if len(ids) and int(ids.max()) >= crc.shape[0]:
-            raise ValueError(f"checks: bundle {int(ids.max())} has no checksum ({crc.shape[0]} rows)")
         if ((table[:, 0] < 0) | (table[:, 1] < 0) | (table[:, 0] + table[:, 1] > need)
                 | (table[:, 2] < 0) | (table[:, 2] >= crc.shape[1])).any():
             raise ValueError(f"checks: a part outside the {need} bytes read per bundle, or no such column")
-        return table, crc
+        return table
 
     def read(self, f, offsets, lengths, copy=True):
         """Plain batch read -> list of bytes-like, in the order asked.
@@ -777,15 +782,44 @@ class FlashReader:
         return np.argsort(offs, kind="stable")
 
     def _check_segments(self, segments, stride, rows, ids):
+        """-> (segs, seg table, bytes needed per bundle), or ValueError. What depends only on the
+        segments is compiled once per tuple of segments (a store passes the same tuple token
+        after token); the rows and ids are checked on every call."""
         if stride <= 0:
             raise ValueError("stride must be positive")
         if not segments:
             raise ValueError("read_bundles needs at least one segment")
         if len(ids) and ids.min() < 0:
             raise ValueError("negative neuron id")
-        segs, table, need = [], [], 0
-        rmin = int(rows.min()) if len(rows) else 0
-        rmax = int(rows.max()) if len(rows) else 0
+        c = self._memo(("segs", segments, stride), lambda: self._compile_segments(segments, stride))
+        segs, table, need, dst_rows, tables = c
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= dst_rows):
+            raise ValueError(f"dst_rows outside 0..{dst_rows - 1}")
+        if len(ids) and tables:
+            top = int(ids.max())
+            for what, group, n_rows in tables:
+                if top // group >= n_rows:
+                    raise ValueError(f"{what}: neuron id {top} needs table row {top // group}, "
+                                     f"the table has {n_rows} rows")
+        return segs, table, need
+
+    def _memo(self, key, make):
+        """make(), kept for a key whose container is a tuple (its identity then names the same
+        contents; the entry holds the tuple so the identity is not reused)."""
+        if not isinstance(key[1], tuple):
+            return make()
+        k = (key[0], id(key[1]), key[2])
+        hit = self._compiled.get(k)
+        if hit is not None and hit[0] is key[1]:
+            return hit[1]
+        value = make()
+        if len(self._compiled) >= 1024:  # a bound, for callers that make new tuples each time
+            self._compiled.clear()
+        self._compiled[k] = (key[1], value)
+        return value
+
+    def _compile_segments(self, segments, stride):
+        segs, table, need, dst_rows, tables = [], [], 0, None, []
         for off, n, src_dtype, dst in segments:
             quant = isinstance(src_dtype, Quantized)
             if not quant and src_dtype not in DTYPE_CODES:
@@ -796,7 +830,10 @@ class FlashReader:
             if not (dst.flags.c_contiguous and dst.flags.aligned and dst.flags.writeable):
                 raise ValueError("dst must be C-contiguous, aligned and writeable")
             if quant:
-                qcols, nbytes = self._check_quantized(off, n, src_dtype, ids)
+                qcols, nbytes, table_rows = self._check_quantized(off, n, src_dtype)
+                if table_rows is not None:
+                    tables.append((f"quantized segment ({off}, {n}, bits={src_dtype.bits}, "
+                                   f"group_size={src_dtype.group_size})", src_dtype.group_size, table_rows))
                 isz = 1
             else:
                 qcols, isz = (0,) * 6, ITEMSIZE[src_dtype]
@@ -807,19 +844,19 @@ class FlashReader:
             if off + nbytes > stride:
                 raise ValueError(f"segment ({off}, {n}, {src_dtype}) overruns the bundle stride "
                                  f"{stride} ({nbytes} bytes at {off})")
-            if len(rows) and (rmin < 0 or rmax >= dst.shape[0]):
-                raise ValueError(f"dst_rows outside 0..{dst.shape[0] - 1}")
+            dst_rows = dst.shape[0] if dst_rows is None else min(dst_rows, dst.shape[0])
             need = max(need, off + nbytes)
             segs.append((int(off), int(n), src_dtype, dst))
             table.append((off, n, QUANT_CODE if quant else DTYPE_CODES[src_dtype],
                           DST_CODES[dst.dtype], dst.__array_interface__["data"][0],
                           dst.strides[0]) + qcols)
         table = np.array(table, dtype=np.int64).reshape(-1, len(SEG_FIELDS))
-        return segs, table, need
+        return segs, table, need, dst_rows, tables
 
     @staticmethod
-    def _check_quantized(off, n, q, ids):
-        """-> (seg table columns bits .. table_stride, bytes in the bundle); ValueError if bad."""
+    def _check_quantized(off, n, q):
+        """-> (seg table columns bits .. table_stride, bytes in the bundle, the column form's table
+        rows or None); ValueError if bad."""
         what = f"quantized segment ({off}, {n}, bits={q.bits}, group_size={q.group_size})"
         if q.bits not in QUANT_BITS:
             raise ValueError(f"{what}: {q.bits}-bit values are not supported (bits: {QUANT_BITS})")
@@ -833,7 +870,7 @@ class FlashReader:
         if q.table is None:
             if n % q.group_size:
                 raise ValueError(f"{what}: inline scales need n a multiple of the group size")
-            return (q.bits, q.group_size, DTYPE_CODES[q.scale_dtype], 0, 0, 0), q.nbytes(n)
+            return (q.bits, q.group_size, DTYPE_CODES[q.scale_dtype], 0, 0, 0), q.nbytes(n), None
         if not (isinstance(q.table, tuple) and len(q.table) == 2):
             raise ValueError(f"{what}: table must be None or a (scales, biases) tuple")
         want = _TABLE_DTYPES[q.scale_dtype]
@@ -851,13 +888,10 @@ class FlashReader:
             if shape is not None and t.shape != shape:
                 raise ValueError(f"{what}: table scales {shape} and biases {t.shape} differ in shape")
             shape = t.shape
-        if len(ids) and int(ids.max()) // q.group_size >= shape[0]:
-            raise ValueError(f"{what}: neuron id {int(ids.max())} needs table row "
-                             f"{int(ids.max()) // q.group_size}, the table has {shape[0]} rows")
         scales, biases = q.table
         return (q.bits, q.group_size, DTYPE_CODES[q.scale_dtype],
                 scales.__array_interface__["data"][0], biases.__array_interface__["data"][0],
-                scales.strides[0]), q.nbytes(n)
+                scales.strides[0]), q.nbytes(n), shape[0]
 
     def _plan(self, f, starts, need, private=False, gap=None):
         """private: each pool thread reads into its own small slot and copies

@@ -14,8 +14,8 @@ import numpy as np
 
 from ..models import model_args
 from .format import read_manifest, read_tables
-from .quant import QuantSpec, QuantTensor
-from .safetensors_io import SafetensorsFile, SafetensorsWriter
+from .quant import QuantSpec, QuantTensor, value_shapes
+from .safetensors_io import ST_TO_NUMPY, SafetensorsFile, SafetensorsWriter
 
 
 def export_hf(folder, out, dtype="float32"):
@@ -30,14 +30,7 @@ def export_hf(folder, out, dtype="float32"):
     quantization = config.pop("quantization", None) or {}
     names = set(res.names())
     specs, plan = [], []
-    for name in res.names():
-        stem = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")) and stem + ".weight" in names:
-            continue  # part of a quantized weight
-        shape = res.shape(name)
-        if f"{stem}.scales" in names:
-            q = quantization[stem]
-            shape = (shape[0], shape[1] * 32 // q["bits"])
+    for name, shape in value_shapes(res, quantization).items():  # quantized weights: dequantized
         specs.append((to_hf(args, name), shape, dtype))
         plan.append(("resident", name))
     for layer in range(len(manifest.ffn_files)):
@@ -55,7 +48,7 @@ def export_hf(folder, out, dtype="float32"):
             if f"{stem}.scales" in names:
                 q = quantization[stem]
                 (scales, st), biases = res.read_raw(stem + ".scales"), res.read_raw(stem + ".biases")[0]
-                sd = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}[st]
+                sd = ST_TO_NUMPY[st]
                 w = QuantTensor(res.read_raw(what)[0], scales, biases, QuantSpec(q["bits"], q["group_size"], sd))
                 writer.write(hf, w.dequantized())
             else:

@@ -170,7 +170,7 @@ class BundleLayout:
             packed = part[:, : q.packed_bytes(n)]
             if k in self.columns:
                 ids = (first + np.arange(part.shape[0])) // q.group_size
-                scales, biases = (from_storage(t, q.scale_dtype)[ids, :n] for t in tables[k])
+                scales, biases = (from_storage(np.ascontiguousarray(t[ids, :n]), q.scale_dtype) for t in tables[k])
                 out[k] = dequantize(packed, scales, biases, q.bits, 1, n)  # a scale per value
                 continue
             g = n // q.group_size

@@ -147,3 +147,22 @@ def quantize(w, bits, group_size, scale_dtype):
     s, b = (np.array(x.astype(mx.float32)) for x in (s, b))
     return QuantTensor(np.array(wq), to_storage(s, scale_dtype), to_storage(b, scale_dtype),
                        QuantSpec(bits, group_size, scale_dtype))
+
+
+def value_shapes(st, quantization):
+    """{name: shape} of a resident safetensors file's tensors counted in values: a quantized
+    weight (named in `quantization`, config.json's mlx-lm form) by the values its packed words
+    hold, its scales and biases left out; every other tensor as stored."""
+    names = set(st.names())
+    out = {}
+    for n in st.names():
+        stem, part = n.rsplit(".", 1)
+        q = quantization.get(stem) if stem + ".scales" in names else None
+        if isinstance(q, dict):
+            if part != "weight":
+                continue
+            shape = st.shape(n)
+            out[n] = tuple(shape[:-1]) + (shape[-1] * 32 // q["bits"],)
+        else:
+            out[n] = tuple(st.shape(n))
+    return out

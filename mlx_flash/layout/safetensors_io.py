@@ -29,6 +29,7 @@ _RAW = {
     "BOOL": np.bool_,
 }
 NUMPY_TO_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+ST_TO_NUMPY = {v: k for k, v in NUMPY_TO_ST.items()}
 
 
 def bf16_to_f32(raw_u16):

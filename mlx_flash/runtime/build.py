@@ -16,6 +16,7 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..io import FlashReader
 from ..layout.format import check_file, read_checksums, read_tables
+from ..layout.quant import value_shapes
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, _too_small, make_plan, parse_budget
@@ -116,21 +117,12 @@ def check_resident_fits(folder, manifest, config):
     st = SafetensorsFile(folder / manifest.resident["file"])
     itemsize = DTYPES[dtype].size
     held_size = itemsize if held is None else DTYPES[held].size
-    names = set(st.names())
     # a quantized model's weights: their packed words (4 bytes each) when held at their bits,
     # else the values they dequantize to
     quantization = {}
     if not keep_quantized(config, mx.default_device() == mx.cpu):
         quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
-    sizes = []
-    for n in names:
-        stem, part = n.rsplit(".", 1)
-        shape = st.shape(n)
-        if isinstance(quantization.get(stem), dict):
-            if part != "weight":
-                continue  # scales and biases go with the dequantized values
-            shape = tuple(shape[:-1]) + (shape[-1] * 32 // quantization[stem]["bits"],)
-        sizes.append((int(np.prod(shape)), len(shape)))
+    sizes = [(int(np.prod(shape)), len(shape)) for shape in value_shapes(st, quantization).values()]
     resident = sum(size * (held_size if ndim == 2 else itemsize) for size, ndim in sizes)
     full = sum(size for size, _ in sizes) * itemsize  # what "50%" is of
     budget = parse_budget(config.memory_budget, full + _ffn_bytes(manifest, itemsize))
@@ -183,9 +175,9 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
             else:
                 name = getattr(source, "name", "custom")
         if getattr(source, "store", "flash") == "dip":
-            inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
-            dip_tables = [i | d for i, d in zip(read_tables(folder, manifest, inp, config.verify),
-                                                read_tables(folder, manifest, down, config.verify))]
+            inp = manifest.dip["input"]["layout"]
+            # the DIP down rows share the main layout's down table (the same tensor)
+            dip_tables = [i | d for i, d in zip(read_tables(folder, manifest, inp, config.verify), tables)]
             crcs = _checksums(folder, manifest, config, "dip")
             resident = _with_extra(resident, dip_tables, crcs)
             plan, store = _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source,

@@ -26,17 +26,10 @@ def model_float32_bytes(folder):
     folder = Path(folder)
     manifest = read_manifest(folder)
     st = SafetensorsFile(folder / manifest.resident["file"])
-    quantized = json.loads((folder / "config.json").read_text()).get("quantization") or {}
-    names = set(st.names())
-    resident = 0
-    for n in names:  # a quantized weight counts its values, not its packed words and scales
-        stem, part = n.rsplit(".", 1)
-        if part in ("scales", "biases") and stem + ".weight" in names:
-            continue
-        shape = st.shape(n)
-        if stem + ".scales" in names:
-            shape = shape[:-1] + (shape[-1] * 32 // quantized[stem]["bits"],)
-        resident += _prod(shape)
+    from ...layout.quant import value_shapes
+
+    quantization = json.loads((folder / "config.json").read_text()).get("quantization") or {}
+    resident = sum(_prod(shape) for shape in value_shapes(st, quantization).values())
     lay = manifest.layout
     ffn = len(manifest.ffn_files) * len(lay.kinds) * lay.d_model * lay.n_neurons
     return 4 * (resident + ffn)

@@ -44,30 +44,45 @@ def read_layer_file(folder, entry, layout, verify=True, tables=None):
     return layout.split(buf, tables)
 
 
-def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None, crc=None, where=""):
+def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None, crc=None, where="",
+              memo=None):
     """Read the bundles `ids` of `file` into rows `rows` of `cache`, one segment per weight kind
     (a quantized layout's values dequantized on the way, with the layer's `tables`), each
     part checked against its CRC32C when `crc` (the file's [n_bundles, kinds]) is given.
 
     bundled=False: one read per neuron and weight kind, never merged across
     kinds (the paper's layout before row-column bundling, §3.2), for measuring
-    what bundling buys. where: "layer N" for a damaged part's error."""
+    what bundling buys. where: "layer N" for a damaged part's error. memo: a store's
+    dict, which keeps the reads' segments and checks from token to token (the reader
+    then validates them once)."""
     if not ids.size:
         return
     try:
-        if bundled:
-            checks = None if crc is None else (crc, [(o, n, j) for j, (o, n) in enumerate(layout.parts())])
-            reader.read_bundles(file, ids, layout.stride, layout.segments(cache.views, tables), rows,
-                                checks=checks)
-            return
-        for j, k in enumerate(layout.kinds):
-            (off, n, src, dst), = layout.segments(cache.views, tables, kinds=[k])
-            checks = None if crc is None else (crc, [(0, layout.kind_bytes(k), j)])
-            reader.read_bundles(file, ids, layout.stride, [(0, n, src, dst)], rows, base=off, gap=0,
+        for base, segs, checks in _reads(memo, layout, cache, tables, crc, bundled):
+            reader.read_bundles(file, ids, layout.stride, segs, rows, base=base, gap=None if bundled else 0,
                                 checks=checks)
     except ChecksumError as e:
         raise FlashError(f"{where + ', ' if where else ''}neuron {e.bundle} ({layout.kinds[e.part]}): "
                          f"{e}") from None
+
+
+def _reads(memo, layout, cache, tables, crc, bundled):
+    """[(base, segments, checks)] of read_into's read_bundles calls, as tuples (kept in memo)."""
+    key = (id(cache), id(tables), id(crc), bundled)
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None and hit[0] is cache:
+        return hit[1]
+    if bundled:
+        parts = tuple((o, n, j) for j, (o, n) in enumerate(layout.parts()))
+        reads = [(0, tuple(layout.segments(cache.views, tables)), None if crc is None else (crc, parts))]
+    else:
+        reads = []
+        for j, k in enumerate(layout.kinds):
+            (off, n, src, dst), = layout.segments(cache.views, tables, kinds=[k])
+            reads.append((off, ((0, n, src, dst),), None if crc is None else (crc, ((0, layout.kind_bytes(k), j),))))
+    if memo is not None:
+        memo[key] = (cache, reads)  # the cache pins the key's identity; tables and crc are the store's
+    return reads
 
 
 class Store:
@@ -137,6 +152,7 @@ class NeuronFileStore(Store):
         self.plan = plan
         self.tables = tables or [None] * len(manifest.ffn_files)  # per layer (quantized layouts)
         self.crcs = crcs or [None] * len(manifest.ffn_files)  # per layer: checksums, unless --no-verify
+        self._reads = {}  # read_into's memo
         self.bundled = bundled
         self.reader = reader
         self.layout = lay = manifest.layout
@@ -170,7 +186,7 @@ class NeuronFileStore(Store):
 
     def _read(self, layer, ids, cache, rows):
         read_into(self.reader, self.files[layer], self.layout, ids, cache, rows, self.bundled,
-                  self.tables[layer], self.crcs[layer], f"layer {layer}")
+                  self.tables[layer], self.crcs[layer], f"layer {layer}", self._reads)
 
     def _read_counted(self, *jobs):
         """Run reads (layer, ids, cache, rows); -> (bytes, reads) they took. The reader has

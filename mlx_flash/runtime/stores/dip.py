@@ -41,6 +41,7 @@ class _Side:
         self.file = reader.open(entry_path, expected_size=size)
         self.layout = layout
         self.tables, self.crc, self.where = tables, crc, where
+        self._reads = {}  # read_into's memo
         self.cache = NeuronCache(capacity, layout.n_neurons, layout.d_model, layout.kinds, dtype)
         self.policy = policy
 
@@ -69,7 +70,7 @@ class _Side:
 
     def _read(self, reader, ids, cache, rows):
         read_into(reader, self.file, self.layout, ids, cache, rows, tables=self.tables, crc=self.crc,
-                  where=self.where)
+                  where=self.where, memo=self._reads)
 
 
 class DIPStore(Store):

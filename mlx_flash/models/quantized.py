@@ -1,7 +1,7 @@
 """Resident quantized weights (embeddings, attention, lm_head): held at their bits by MLX's
 quantized modules, or dequantized once at load.
 
-On the CPU MLX's quantized matmul has no BLAS behind it: measured here (MLX 0.32.4,
+On the CPU MLX's quantized matmul has no BLAS behind it: measured here (scripts/bench_qmm.py) (MLX 0.32.4,
 OpenBLAS, 2 cores, 4096 x 4096, 4-bit group 64) one token takes 14.7 ms against
 6.4 ms in float32, and a 64-token prompt chunk 970 ms against 19 ms. Holding at 4
 bits costs 1/8 of the DRAM; dequantizing is what a prompt-heavy CPU run wants.

@@ -1,7 +1,11 @@
-"""Builds the optional native reader (mlx_flash/io/_native.c); everything else is in pyproject.toml.
+"""Builds the optional native parts; everything else is in pyproject.toml.
 
-The extension is optional: if it fails to compile, the install still succeeds
-and FlashReader falls back to its pure-Python pool (and says so once).
+- mlx_flash/io/_native.c: the reader's pool, conversions and checksums;
+- mlx_flash/kernels/_qmv.c: the quantized matvec of resident weights on the CPU.
+
+Both are optional: if one fails to compile, the install still succeeds, and
+FlashReader falls back to its pure-Python pool, quantized weights to MLX's own
+quantized_matmul (each says so once).
 """
 
 import sys
@@ -19,10 +23,18 @@ setup(
         Extension(
             "mlx_flash.io._native",
             sources=["mlx_flash/io/_native.c", "mlx_flash/io/crc32c.c"],
-            depends=["mlx_flash/io/crc32c.h"],
+            depends=["mlx_flash/io/crc32c.h", "mlx_flash/kernels/quant.h"],
             extra_compile_args=args,
             extra_link_args=[] if sys.platform == "darwin" else ["-pthread"],
             optional=True,
-        )
+        ),
+        Extension(
+            "mlx_flash.kernels._qmv",
+            sources=["mlx_flash/kernels/_qmv.c"],
+            depends=["mlx_flash/kernels/quant.h"],
+            extra_compile_args=args,
+            extra_link_args=[] if sys.platform == "darwin" else ["-pthread"],
+            optional=True,
+        ),
     ]
 )

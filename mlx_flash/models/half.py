@@ -75,17 +75,19 @@ def _uint16_view(w):
     return np.array(w.view(mx.uint16), copy=False)
 
 
-def chunked_matmul(x, rows16, code, arena, bias=None):
-    """x @ W.T for a 16-bit [out, in] weight W (its uint16 view `rows16`), in row chunks
-    through the arena; eager."""
+def chunked_matmul(x, n_out, d, fill, arena, bias=None):
+    """x @ W.T for a weight W [n_out, d] that fill(start, stop, out) writes, rows start ..
+    stop-1 as float32, into the NumPy buffer `out`: in row chunks through the arena; eager."""
     mx.eval(x)
-    out, d = rows16.shape
     step = max(1, arena.values // d)
     parts = []
-    for start in range(0, out, step):
-        y = x @ arena.fill_rows({0: rows16[start : start + step]}, code)[0].T
+    for start in range(0, n_out, step):
+        stop = min(n_out, start + step)
+        size = (stop - start) * d
+        fill(start, stop, arena.view[:size])
+        y = x @ arena.array[:size].reshape(stop - start, d).T
         if bias is not None:
-            y = y + bias[start : start + step]
+            y = y + bias[start:stop]
         mx.eval(y)
         parts.append(y)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
@@ -101,8 +103,11 @@ class _Held(nn.Module):
         self._rows16 = _uint16_view(weight)
         self._code = _CODES[weight.dtype]
 
+    def _fill(self, start, stop, out):
+        self._arena.convert(self._rows16[start:stop], self._code, out, 0, out.size)
+
     def _matmul(self, x, bias=None):
-        return chunked_matmul(x, self._rows16, self._code, self._arena, bias)
+        return chunked_matmul(x, *self._rows16.shape, self._fill, self._arena, bias)
 
 
 class HalfLinear(_Held):

@@ -1,19 +1,32 @@
-"""Resident quantized weights (embeddings, attention, lm_head): held at their bits by MLX's
-quantized modules, or dequantized once at load.
+"""Resident quantized weights (embeddings, attention, lm_head; a dense model's FFN):
+held at their bits, or dequantized once at load.
 
-On the CPU MLX's quantized matmul has no BLAS behind it: measured here (scripts/bench_qmm.py) (MLX 0.32.4,
-OpenBLAS, 2 cores, 4096 x 4096, 4-bit group 64) one token takes 14.7 ms against
-6.4 ms in float32, and a 64-token prompt chunk 970 ms against 19 ms. Holding at 4
-bits costs 1/8 of the DRAM; dequantizing is what a prompt-heavy CPU run wants.
+On the GPU MLX's quantized modules compute them. On the CPU MLX's own quantized
+matmul has no BLAS behind it: measured here (scripts/bench_qmm.py; MLX 0.32.4,
+OpenBLAS, 2 cores, 4096 x 4096, 4-bit group 64) one token takes ~15 ms against
+~7 ms in float32, and a 64-token prompt chunk 970 ms against 19 ms. So on the
+CPU the held modules are swapped for NativeQuantizedLinear / -Embedding
+(use_native_kernels): one position (a decode token) goes through the native
+matvec (kernels/_qmv.c: the packed words streamed once, ~1 ms for that matrix),
+several positions (a prompt) are dequantized in row chunks into a float32 arena
+and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+
+from ..kernels import QuantMatrix
+from .half import ARENA_VALUES, Arena, chunked_matmul
 
 
 def quantized_modules(model):
     return [(path, m) for path, m in model.named_modules()
             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
+def native_modules(model):
+    return [m for _, m in model.named_modules() if isinstance(m, _NativeQuantized)]
 
 
 def dequantize_modules(model, dtype):
@@ -35,6 +48,92 @@ def dequantize_modules(model, dtype):
     if swaps:
         model.update_modules(_tree(swaps))
     return len(swaps)
+
+
+class _NativeQuantized(nn.Module):
+    """A weight held at its bits, its QuantMatrix for the kernels, and the arena of prompts."""
+
+    def __init__(self, m, kernels, arena):
+        super().__init__()
+        self.weight, self.scales, self.biases = m.weight, _held_scales(m.scales), _held_scales(m.biases)
+        self.group_size, self.bits = m.group_size, m.bits
+        self._q = QuantMatrix(kernels, self.weight, self.scales, self.biases, self.bits, self.group_size)
+        self._arena = arena
+
+    def _product(self, x, bias=None):
+        """x @ W.T (+ bias): the native matvec for one position, else dequantized chunks + BLAS."""
+        if x.size != x.shape[-1]:
+            return chunked_matmul(x, self._q.n, self._q.k, self._q.dequantize, self._arena, bias)
+        mx.eval(x)
+        y = mx.array(self._q.matvec(np.array(x.astype(mx.float32), copy=False).reshape(-1)))
+        y = y.reshape(*x.shape[:-1], self._q.n).astype(x.dtype)
+        return y if bias is None else y + bias
+
+
+class NativeQuantizedLinear(_NativeQuantized):
+    """nn.QuantizedLinear computed by the native kernels (same values, float32 sums)."""
+
+    def __init__(self, m, kernels, arena):
+        super().__init__(m, kernels, arena)
+        if "bias" in m:
+            self.bias = m.bias
+
+    def __call__(self, x):
+        return self._product(x, self.bias if "bias" in self else None)
+
+
+class NativeQuantizedEmbedding(_NativeQuantized):
+    """nn.QuantizedEmbedding: lookups dequantize their rows; as_linear (a tied lm_head) goes
+    through the kernels for one position."""
+
+    def __init__(self, m, kernels, arena, dtype):
+        super().__init__(m, kernels, arena)
+        self._dtype = dtype
+
+    def _values(self, w, s, b):
+        # float32 scales: s * q + b computed in float32, as the kernels do (MLX computes
+        # in the scales' dtype, and a float16 result would round the values)
+        return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=self.group_size,
+                             bits=self.bits).astype(self._dtype)
+
+    def __call__(self, x):
+        return self._values(self.weight[x], self.scales[x], self.biases[x])
+
+    def as_linear(self, x):
+        if x.size == x.shape[-1]:
+            return self._product(x)
+        # several positions: lazy, so that a caller that drops these logits (mlx_lm's
+        # prefill) never computes them nor holds [positions, vocab] floats
+        step = max(1, self._arena.values // self._q.k)
+        return mx.concatenate([x @ self._values(self.weight[i : i + step], self.scales[i : i + step],
+                                                self.biases[i : i + step]).T
+                               for i in range(0, self._q.n, step)], axis=-1)
+
+
+def _held_scales(a):
+    """Scales / biases at float16 when that holds them exactly (the loader widened a
+    float16 model's to float32 for MLX's modules): half their DRAM, the same values."""
+    if a.dtype == mx.float32:
+        h = a.astype(mx.float16)
+        if mx.array_equal(h.astype(mx.float32), a).item():
+            return h
+    return a
+
+
+def use_native_kernels(model, kernels, dtype=mx.float32):
+    """Swap every quantized Linear / Embedding of `model` for its native-kernel version
+    (CPU). -> the arena they share (None if there was nothing to swap)."""
+    found = quantized_modules(model)
+    if not found:
+        return None
+    width = max(m.weight.shape[1] * 32 // m.bits for _, m in found)
+    arena = Arena(max(width, min(ARENA_VALUES, max(m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+                                                   for _, m in found))))
+    swaps = [(path, NativeQuantizedLinear(m, kernels, arena) if isinstance(m, nn.QuantizedLinear)
+              else NativeQuantizedEmbedding(m, kernels, arena, dtype)) for path, m in found]
+    model.update_modules(_tree(swaps))
+    mx.eval(model.parameters())
+    return arena
 
 
 def _tree(swaps):

@@ -8,7 +8,7 @@
     stores/     base.py (what every store shares), dense.py, streamed.py (naive / hybrid),
                 flash.py (windowed neuron caches), dip.py (DIP / DIP-CA)
 
-May import: errors, sizes, io, cache, layout, models.ffn / models.half, sparsity. Never
+May import: errors, sizes, io, kernels, cache, layout, models.ffn / models.half, sparsity. Never
 the loader, the CLI or the benchmarks. Outside this package only this module's names
 are used (no file outside runtime/ imports a store).
 """

@@ -47,9 +47,9 @@ class FlashConfig:
     resident_dtype: str | None = _opt(
         None, "hold embeddings and attention in DRAM at the model's 16-bit flash dtype and convert "
         "them just before use (exact, half the DRAM; default: the compute dtype). A quantized model's: "
-        "'quantized' holds them at their bits (MLX's quantized matmul: 1/8 of float32's DRAM, slower "
-        "on the CPU), float32 dequantizes them at load; default: float32 on the CPU unless "
-        "--memory-budget is given, else quantized", "--resident-dtype", RESIDENT_DTYPES)
+        "'quantized' holds them at their bits (1/7 of float32's DRAM; on the CPU the native quantized "
+        "matvec, ~10x float32's decode), float32 dequantizes them at load; default: quantized (float32 "
+        "on a CPU without the native kernels, unless --memory-budget is given)", "--resident-dtype", RESIDENT_DTYPES)
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
                           "next layer's rows; flash: the missing neurons while the cached ones compute)",
                           "--no-prefetch", negate=True)
@@ -112,11 +112,16 @@ class FlashConfig:
 
 
 def keep_quantized(config, on_cpu):
-    """Hold a quantized model's resident weights at their bits (else dequantize them)? On the
-    CPU MLX's quantized matmul is 2x (decode) to 50x (prompt) slower than float32 BLAS
-    (models/quantized.py), so only when a memory budget asks for the DRAM or when told."""
+    """Hold a quantized model's resident weights at their bits (else dequantize them)? Yes,
+    unless told otherwise, or on a CPU without the native kernels (kernels/_qmv.c), where
+    MLX's own quantized matmul is 2x (decode) to 50x (prompt) slower than float32 BLAS
+    (models/quantized.py): there only when a memory budget asks for the DRAM."""
     if config.resident_dtype is None:
-        return not on_cpu or config.memory_budget is not None
+        if not on_cpu or config.memory_budget is not None:
+            return True
+        from ..kernels import qmv_module
+
+        return qmv_module()[0] is not None
     return config.resident_dtype == "quantized"
 
 

@@ -1,0 +1,69 @@
+"""Native compute kernels for the CPU (optional, built by setup.py from _qmv.c): the
+quantized matvec and row dequantization of weights held at their bits.
+
+They know arrays, not models: models/quantized.py decides where they are used.
+"""
+
+import os
+
+import numpy as np
+
+import mlx.core as mx
+
+SCALE_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # _qmv.c's dtype codes
+
+
+def qmv_module():
+    """-> (the _qmv module, "") or (None, why not)."""
+    if os.environ.get("MLX_FLASH_NO_NATIVE"):
+        return None, "MLX_FLASH_NO_NATIVE is set"
+    try:
+        from . import _qmv
+    except ImportError as e:
+        return None, f"the native kernels are not built ({e})"
+    return _qmv, ""
+
+
+def default_threads():
+    """The kernels' threads: MLX_FLASH_KERNEL_THREADS, else the CPUs this process may use (at most 16)."""
+    env = os.environ.get("MLX_FLASH_KERNEL_THREADS")
+    if env:
+        return int(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(16, cpus or 1))
+
+
+def _numpy(a):
+    """A NumPy view of an evaluated MLX array's memory (bfloat16 as its uint16 bits)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a, copy=False)
+
+
+class QuantMatrix:
+    """A group-wise quantized [N, K] weight as MLX holds it (packed uint32 words, scales and
+    biases [N, K / group]) seen by the kernels: views of MLX's memory, no copies."""
+
+    def __init__(self, module, weight, scales, biases, bits, group_size):
+        mx.eval(weight, scales, biases)
+        if scales.dtype not in SCALE_CODES or biases.dtype != scales.dtype:
+            raise ValueError(f"quantized weight: scales {scales.dtype} / biases {biases.dtype} are not "
+                             "float32, float16 or bfloat16 alike")
+        self.kernels = module
+        self.n = weight.shape[0]
+        self.k = weight.shape[1] * 32 // bits
+        self.bits, self.group_size = bits, group_size
+        self.code = SCALE_CODES[scales.dtype]
+        self._keep = (weight, scales, biases)  # the views below point into these
+        self.w, self.s, self.b = _numpy(weight), _numpy(scales), _numpy(biases)
+
+    def matvec(self, x, out=None):
+        """x: float32 NumPy [K] (contiguous) -> y [N] = x @ W.T."""
+        y = np.empty(self.n, np.float32) if out is None else out
+        self.kernels.qmv(x, self.w, self.s, self.b, y, self.n, self.k, self.bits, self.group_size, self.code)
+        return y
+
+    def dequantize(self, start, stop, out):
+        """Rows start .. stop-1 as float32 into `out` (a writable buffer of (stop - start) * K floats)."""
+        self.kernels.dequantize(None, self.w[start:stop], self.s[start:stop], self.b[start:stop], out,
+                                stop - start, self.k, self.bits, self.group_size, self.code)

@@ -1,0 +1,424 @@
+/* Quantized matrix-vector products on the CPU, for single-token decode:
+ *
+ *     y[n] = sum_k x[k] * (scale[n, k / g] * q[n, k] + bias[n, k / g])
+ *
+ * for a weight W [N, K] held as MLX holds it (mx.quantize: q packed along each
+ * row as one little-endian bit stream in uint32 words; scales and biases
+ * [N, K / g] at float32, float16 or bfloat16).
+ *
+ * Why: MLX 0.32's CPU quantized_matmul runs a 4096 x 4096 4-bit matvec in
+ * ~15 ms here, twice float32 BLAS (7 ms), although it reads 1/7 of the bytes
+ * (scripts/bench_qmm.py). A decode matvec is bound by the bytes it streams from
+ * DRAM; this one reads the packed words once and never writes a float weight.
+ *
+ * Per row and group, acc = sum_k q_k * x_k in float32 lanes, and
+ *     y[n] = sum_g scale_g * acc_g + sum_g bias_g * xsum_g
+ * where xsum_g (x summed over group g) is computed once per call. The sums run
+ * in another order than dequantize-then-dot: not bit-identical to MLX's result,
+ * equal to ~1e-6 relative (tests/test_qmv.py holds it to 1e-5).
+ *
+ * x86-64 with AVX2 + FMA + F16C: 4- and 8-bit rows are unpacked and multiplied
+ * in registers (4 bits: x is reordered once per call so that a byte's low and
+ * high nibbles meet their own x without a shuffle). Every other case (2, 3, 5,
+ * 6 bits, other CPUs): a portable loop, tested on x86 by switching SIMD off.
+ *
+ * Rows are split over a small persistent pthread pool (the caller's thread
+ * takes the first share); the GIL is released while it runs, and no worker
+ * touches a Python object. Threads do not survive fork(): a child makes its own.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "quant.h"
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const uint8_t *w;  /* packed rows, row_bytes apart */
+    const uint8_t *s, *b;  /* scales, biases: [N, K / g] at scode */
+    const float *x, *xp, *xsum;  /* x [K]; x reordered for the 4-bit SIMD loop; [K / g] group sums */
+    float *y;    /* qmv: [n]; dequantize: [n, k] */
+    int64_t n, k, g, bits, scode, row_bytes;
+    int simd, dequantize;
+} job_t;
+
+/* ---- one row */
+
+static void scales_f32(const uint8_t *p, int64_t code, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = load_scale(p + i * (code == F32 ? 4 : 2), code);
+}
+
+static float dot_portable(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float t = 0;
+    for (; i < n; i++) t += a[i] * b[i];
+    for (int j = 0; j < 8; j++) t += acc[j];
+    return t;
+}
+
+/* any width: unpack a group to bytes, then eight independent lanes (vectorizable
+ * without reassociating a sum) */
+static float row_portable(const job_t *j, const uint8_t *w, const float *sc) {
+    uint8_t q[128];
+    float t = 0;
+    for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
+        unpack_bits(w + k0 * j->bits / 8, j->bits, j->g, q);
+        float acc[8] = {0};
+        for (int64_t i = 0; i < j->g; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] += (float)q[i + l] * j->x[k0 + i + l];
+        float a = 0;
+        for (int l = 0; l < 8; l++) a += acc[l];
+        t += sc[k0 / j->g] * a;
+    }
+    return t;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define AVX2_PATH 1
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static float dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float t = hsum(acc);
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+AVX2 static void scales_f32_avx2(const uint8_t *p, int64_t code, int64_t n, float *out) {
+    int64_t i = 0;
+    if (code == F16)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+    for (; i < n; i++) out[i] = load_scale(p + i * (code == F32 ? 4 : 2), code);
+}
+
+/* 4 bits, 32 values (16 bytes) a step: byte i holds values 2i (low nibble) and 2i+1
+ * (high); xp holds, per 16 values, the 8 even-indexed x then the 8 odd-indexed */
+AVX2 static float row4_avx2(const job_t *j, const uint8_t *w, const float *sc) {
+    const __m256i m15 = _mm256_set1_epi32(15);
+    __m256 tot = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
+        const uint8_t *p = w + k0 / 2;
+        const float *x = j->xp + k0;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < j->g; i += 32, p += 16, x += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)p);
+            const __m256i v0 = _mm256_cvtepu8_epi32(b), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m15)), _mm256_loadu_ps(x), a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(x + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m15)), _mm256_loadu_ps(x + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(x + 24), a3);
+        }
+        const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        tot = _mm256_fmadd_ps(_mm256_set1_ps(sc[k0 / j->g]), a, tot);
+    }
+    return hsum(tot);
+}
+
+/* 8 bits, 32 values a step, x in its own order */
+AVX2 static float row8_avx2(const job_t *j, const uint8_t *w, const float *sc) {
+    __m256 tot = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
+        const uint8_t *p = w + k0;
+        const float *x = j->x + k0;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < j->g; i += 32, p += 32, x += 32) {
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)p), b1 = _mm_loadu_si128((const __m128i *)(p + 16));
+#define Q8(b) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
+            a0 = _mm256_fmadd_ps(Q8(b0), _mm256_loadu_ps(x), a0);
+            a1 = _mm256_fmadd_ps(Q8(_mm_srli_si128(b0, 8)), _mm256_loadu_ps(x + 8), a1);
+            a2 = _mm256_fmadd_ps(Q8(b1), _mm256_loadu_ps(x + 16), a2);
+            a3 = _mm256_fmadd_ps(Q8(_mm_srli_si128(b1, 8)), _mm256_loadu_ps(x + 24), a3);
+#undef Q8
+        }
+        const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        tot = _mm256_fmadd_ps(_mm256_set1_ps(sc[k0 / j->g]), a, tot);
+    }
+    return hsum(tot);
+}
+#endif
+
+static int cpu_simd(void) {
+#ifdef AVX2_PATH
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+static int use_simd;
+
+/* one row's values, scale * q + bias as MLX's dequantize computes them (a float32
+ * multiply, then an add: never contracted, see setup.py) */
+static void dequantize_row(const job_t *j, const uint8_t *w, const float *sc, const float *bi, float *out) {
+    uint8_t buf[128];
+    for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
+        const uint8_t *q = buf;
+        if (j->bits == 8)
+            q = w + k0;
+        else
+            unpack_bits(w + k0 * j->bits / 8, j->bits, j->g, buf);
+        const float s = sc[k0 / j->g], b = bi[k0 / j->g];
+        for (int64_t i = 0; i < j->g; i++) {
+            const float t = s * (float)q[i];
+            out[k0 + i] = t + b;
+        }
+    }
+}
+
+/* rows [r0, r1) of the job; sc, bi: scratch for one row's K / g scales and biases */
+static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi) {
+    const int64_t ng = j->k / j->g, ssz = j->scode == F32 ? 4 : 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *w = j->w + r * j->row_bytes, *sp = j->s + r * ng * ssz, *bp = j->b + r * ng * ssz;
+        if (j->dequantize) {
+            scales_f32(sp, j->scode, ng, sc);
+            scales_f32(bp, j->scode, ng, bi);
+            dequantize_row(j, w, sc, bi, j->y + r * j->k);
+            continue;
+        }
+#ifdef AVX2_PATH
+        if (j->simd && (j->bits == 4 || j->bits == 8)) {
+            scales_f32_avx2(sp, j->scode, ng, sc);
+            scales_f32_avx2(bp, j->scode, ng, bi);
+            const float t = j->bits == 4 ? row4_avx2(j, w, sc) : row8_avx2(j, w, sc);
+            j->y[r] = t + dot_avx2(bi, j->xsum, ng);
+            continue;
+        }
+#endif
+        scales_f32(sp, j->scode, ng, sc);
+        scales_f32(bp, j->scode, ng, bi);
+        j->y[r] = row_portable(j, w, sc) + dot_portable(bi, j->xsum, ng);
+    }
+}
+
+/* ---- the pool: workers 1 .. n-1 wait for a new generation, run their share, report */
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    pthread_t th[MAX_THREADS];
+    int n;        /* threads in all, the caller's included; 1: no workers */
+    int want;     /* threads asked for (set_threads) */
+    pid_t pid;    /* the process that started the workers */
+    uint64_t gen;
+    int pending;
+    const job_t *job;
+    float *scratch;  /* scratch_per = 2 * (K / g) floats for each of scratch_n threads */
+    int64_t scratch_per;
+    int scratch_n;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void share(const job_t *j, int i, int n) {
+    const int64_t r0 = j->n * i / n, r1 = j->n * (i + 1) / n;
+    float *sc = pool.scratch + i * pool.scratch_per;
+    run_rows(j, r0, r1, sc, sc + pool.scratch_per / 2);
+}
+
+static void *worker(void *arg) {
+    const int i = (int)(intptr_t)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.gen == seen) pthread_cond_wait(&pool.go, &pool.mu);
+        seen = pool.gen;
+        if (!pool.job) break; /* stop */
+        const job_t *j = pool.job;
+        const int n = pool.n;
+        pthread_mutex_unlock(&pool.mu);
+        share(j, i, n);
+        pthread_mutex_lock(&pool.mu);
+        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+    }
+    pthread_mutex_unlock(&pool.mu);
+    return NULL;
+}
+
+/* the caller holds no lock; -> 0, or -1 (no memory: run on one thread) */
+static int pool_start(int64_t scratch_per) {
+    if (pool.pid != getpid()) { /* first use, or a forked child: no workers of ours exist */
+        pthread_mutex_init(&pool.mu, NULL);
+        pthread_cond_init(&pool.go, NULL);
+        pthread_cond_init(&pool.done, NULL);
+        pool.n = 1, pool.gen = 0, pool.scratch = NULL, pool.scratch_per = 0, pool.scratch_n = 0;
+        pool.pid = getpid();
+    }
+    const int want = pool.want > 0 ? pool.want : 1;
+    if (pool.n != want) { /* stop the old workers, start the new */
+        if (pool.n > 1) {
+            pthread_mutex_lock(&pool.mu);
+            pool.job = NULL;
+            pool.gen++;
+            pthread_cond_broadcast(&pool.go);
+            pthread_mutex_unlock(&pool.mu);
+            for (int i = 1; i < pool.n; i++) pthread_join(pool.th[i], NULL);
+        }
+        pool.n = 1;
+        for (int i = 1; i < want; i++) {
+            if (pthread_create(&pool.th[i], NULL, worker, (void *)(intptr_t)i)) break;
+            pool.n = i + 1;
+        }
+    }
+    if (scratch_per > pool.scratch_per || pool.n > pool.scratch_n) {
+        if (scratch_per < pool.scratch_per) scratch_per = pool.scratch_per;
+        float *s = malloc(sizeof(float) * (size_t)(scratch_per * pool.n));
+        if (!s) return -1;
+        free(pool.scratch);
+        pool.scratch = s, pool.scratch_per = scratch_per, pool.scratch_n = pool.n;
+    }
+    return 0;
+}
+
+static void run_job(const job_t *j) {
+    const int par = pool.n > 1 && j->n >= 4 * pool.n;
+    if (par) {
+        pthread_mutex_lock(&pool.mu);
+        pool.job = j;
+        pool.pending = pool.n - 1;
+        pool.gen++;
+        pthread_cond_broadcast(&pool.go);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    share(j, 0, par ? pool.n : 1); /* the caller's share: the first, or every row */
+    if (par) {
+        pthread_mutex_lock(&pool.mu);
+        while (pool.pending) pthread_cond_wait(&pool.done, &pool.mu);
+        pthread_mutex_unlock(&pool.mu);
+    }
+}
+
+/* ---- Python */
+
+static pthread_mutex_t calls = PTHREAD_MUTEX_INITIALIZER;
+
+/* qmv(x, w, scales, biases, y, n, k, bits, group, scale_code): y[:n] = x @ W.T, x float32 [k];
+ * dequantize(None, w, scales, biases, y, ...): y[n, k] = W's values in float32 */
+static PyObject *run(PyObject *args, int dequantize) {
+    Py_buffer x = {0}, w, s, b, y;
+    PyObject *xo;
+    long long n, k, bits, group, sc;
+    if (!PyArg_ParseTuple(args, "Oy*y*y*w*LLLLL", &xo, &w, &s, &b, &y, &n, &k, &bits, &group, &sc))
+        return NULL;
+    PyObject *result = NULL;
+    float *xsum = NULL;
+    if (!dequantize && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
+    const int64_t ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0, row_bytes = k * bits / 8;
+    const int ok = (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
+                   (group == 32 || group == 64 || group == 128) && sc >= F32 && sc <= BF16 && n >= 0 &&
+                   k > 0 && k % group == 0 && w.len == n * row_bytes && s.len == n * ng * ssz &&
+                   b.len == n * ng * ssz && y.len == n * 4 * (dequantize ? k : 1) &&
+                   ((uintptr_t)y.buf % 4) == 0 &&
+                   (dequantize || (x.len == k * 4 && ((uintptr_t)x.buf % 4) == 0));
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind",
+                     dequantize ? "dequantize" : "qmv");
+        goto out;
+    }
+    const float *xf = (const float *)x.buf;
+    float *xp = NULL;
+    if (!dequantize) {
+        if (!(xsum = malloc(sizeof(float) * (size_t)(ng + k)))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        xp = xsum + ng;
+        for (int64_t g0 = 0; g0 < k; g0 += group) {
+            float acc[8] = {0}, t = 0;
+            for (int64_t i = 0; i < group; i += 8)
+                for (int l = 0; l < 8; l++) acc[l] += xf[g0 + i + l];
+            for (int l = 0; l < 8; l++) t += acc[l];
+            xsum[g0 / group] = t;
+        }
+        for (int64_t i = 0; i < k; i += 16) /* the 4-bit SIMD order: 8 even, then 8 odd */
+            for (int l = 0; l < 8; l++) xp[i + l] = xf[i + 2 * l], xp[i + 8 + l] = xf[i + 2 * l + 1];
+    }
+    job_t j = {w.buf, s.buf, b.buf, xf, xp, xsum, y.buf, n, k, group, bits, sc, row_bytes, use_simd, dequantize};
+    int started;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls); /* one job at a time: callers on two Python threads take turns */
+    started = pool_start(2 * ng) == 0;
+    if (started) run_job(&j);
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    if (!started) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    free(xsum);
+    if (x.obj) PyBuffer_Release(&x);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&y);
+    return result;
+}
+
+static PyObject *py_qmv(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return run(args, 0);
+}
+
+static PyObject *py_dequantize(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return run(args, 1);
+}
+
+/* set_threads(n): the pool's size for the next call (1: the caller's thread alone) */
+static PyObject *py_set_threads(PyObject *mod, PyObject *args) {
+    int n;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    if (n < 1 || n > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads must be 1 .. %d", MAX_THREADS);
+        return NULL;
+    }
+    pool.want = n;
+    Py_RETURN_NONE;
+}
+
+/* simd(flag) -> bool: the AVX2 loops on/off (on only where the CPU has them); flag < 0 asks */
+static PyObject *py_simd(PyObject *mod, PyObject *args) {
+    int flag;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "i", &flag)) return NULL;
+    if (flag >= 0) use_simd = flag && cpu_simd();
+    return PyBool_FromLong(use_simd);
+}
+
+static PyMethodDef methods[] = {
+    {"qmv", py_qmv, METH_VARARGS, "qmv(x, w, scales, biases, y, n, k, bits, group, scale_code)"},
+    {"dequantize", py_dequantize, METH_VARARGS,
+     "dequantize(None, w, scales, biases, y, n, k, bits, group, scale_code)"},
+    {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
+    {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool (flag < 0: ask)"},
+    {NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmv", "quantized matvec on the CPU", -1, methods};
+
+PyMODINIT_FUNC PyInit__qmv(void) {
+    use_simd = cpu_simd();
+    return PyModule_Create(&module);
+}

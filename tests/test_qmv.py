@@ -1,0 +1,155 @@
+"""The native quantized matvec (kernels/_qmv.c) and the modules that use it (models/quantized.py)."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+import mlx_flash
+from mlx_flash.kernels import QuantMatrix, default_threads, qmv_module
+from mlx_flash.models.quantized import NativeQuantizedEmbedding, NativeQuantizedLinear, native_modules
+from mlx_flash.runtime import FlashConfig, keep_quantized
+
+kernels, why = qmv_module()
+pytestmark = pytest.mark.skipif(kernels is None, reason=f"native kernels: {why}")
+
+
+@pytest.fixture
+def simd_and_threads():
+    """Every case runs with the SIMD loops on and off, on one and two threads."""
+    yield [(s, t) for s in (1, 0) for t in (1, 2)]
+    kernels.simd(1)
+    kernels.set_threads(default_threads())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_qmv_matches_mlx_quantized_matmul(bits, group, simd_and_threads):
+    for i, dtype in enumerate((mx.float16, mx.bfloat16, mx.float32)):
+        key = mx.random.key(bits * 1000 + group * 10 + i)
+        w = (mx.random.normal((67, 384), key=key) * 0.05).astype(dtype)  # 67 rows: uneven shares
+        wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+        x = mx.random.normal((384,), key=mx.random.key(7))
+        # the reference in float32 throughout (MLX computes in the scales' dtype)
+        s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+        want = np.array(mx.quantized_matmul(x[None], wq, s32, b32, transpose=True, group_size=group,
+                                            bits=bits))[0]
+        q = QuantMatrix(kernels, wq, s, b, bits, group)
+        for simd, threads in simd_and_threads:
+            kernels.simd(simd)
+            kernels.set_threads(threads)
+            got = q.matvec(np.array(x))
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (dtype, simd, threads)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_dequantize_rows_equal_mlx_dequantize(bits, simd_and_threads):
+    w = mx.random.normal((40, 256), key=mx.random.key(bits)).astype(mx.float16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+    want = np.array(mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=bits))
+    q = QuantMatrix(kernels, wq, s, b, bits, 64)
+    for _, threads in simd_and_threads:
+        kernels.set_threads(threads)
+        out = np.full((30, 256), np.nan, np.float32)
+        q.dequantize(5, 35, out)
+        assert np.array_equal(out, want[5:35])  # bit-exact: the same multiply, then add
+
+
+def test_bad_arguments_are_a_clear_error():
+    wq, s, b = mx.quantize(mx.zeros((8, 64)), group_size=64, bits=4)
+    q = QuantMatrix(kernels, wq, s, b, 4, 64)
+    with pytest.raises(ValueError, match="qmv: arguments"):
+        q.matvec(np.zeros(63, np.float32))
+    with pytest.raises(ValueError, match="dequantize: arguments"):
+        q.dequantize(0, 8, np.zeros(10, np.float32))
+    with pytest.raises(ValueError, match="threads"):
+        kernels.set_threads(0)
+    with pytest.raises(ValueError, match="scales"):
+        QuantMatrix(kernels, wq, s.astype(mx.float16), b, 4, 64)
+
+
+def _quantized_linear(d_in, d_out, bias, key):
+    lin = nn.Linear(d_in, d_out, bias=bias)  # a float16 model's: float16 scales
+    lin.update({"weight": (mx.random.normal((d_out, d_in), key=key) * 0.05).astype(mx.float16)})
+    q = nn.QuantizedLinear.from_linear(lin, group_size=32, bits=4)
+    q.update({"scales": q.scales.astype(mx.float32), "biases": q.biases.astype(mx.float32)})  # as the loader holds them
+    return q
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_matches_mlx_for_a_token_and_a_prompt(bias):
+    from mlx_flash.models.half import Arena
+
+    q = _quantized_linear(256, 300, bias, mx.random.key(1))
+    values = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=4)
+    arena = Arena(256 * 64)  # several chunks for the prompt path
+    native = NativeQuantizedLinear(q, kernels, arena)
+    assert native.scales.dtype == mx.float16  # held exactly at half the DRAM
+    for shape in [(1, 1, 256), (2, 5, 256)]:
+        x = mx.random.normal(shape, key=mx.random.key(2))
+        want = x @ values.T + (q.bias if bias else 0)
+        got = native(x)
+        assert got.shape == want.shape
+        assert mx.abs(got - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+
+
+def test_native_embedding_lookups_are_exact_and_as_linear_matches():
+    from mlx_flash.models.half import Arena
+
+    emb = nn.Embedding(500, 128)
+    emb.update({"weight": mx.random.normal((500, 128), key=mx.random.key(3)).astype(mx.float16)})
+    q = nn.QuantizedEmbedding.from_embedding(emb, group_size=64, bits=8)
+    q.update({"scales": q.scales.astype(mx.float32), "biases": q.biases.astype(mx.float32)})
+    values = mx.dequantize(q.weight, q.scales, q.biases, group_size=64, bits=8)
+    native = NativeQuantizedEmbedding(q, kernels, Arena(128 * 100), mx.float32)
+    ids = mx.array([[0, 7, 499]])
+    assert mx.array_equal(native(ids), values[ids])
+    for x in (mx.random.normal((1, 1, 128)), mx.random.normal((1, 3, 128))):
+        want = x @ values.T
+        assert mx.abs(native.as_linear(x) - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+
+
+def test_a_quantized_model_decodes_through_the_kernels_as_dequantized(smollm2):
+    """The default model (Q4_1 kept at 4 bits): held quantized by default on the CPU, through the
+    native modules; prompt logits equal the dequantized model's, greedy tokens identical."""
+    held, tok = mlx_flash.load(smollm2)
+    assert held.runtime.resident.quantized and native_modules(held)
+    flat, _ = mlx_flash.load(smollm2, resident_dtype="float32")
+    assert not native_modules(flat)
+    assert held.runtime.resident.held_bytes < flat.runtime.resident.held_bytes / 3
+    x = mx.array([tok.encode("The capital of France is")])
+    assert mx.abs(held(x) - flat(x)).max().item() < 1e-4
+    from mlx_lm.generate import generate
+
+    a = generate(held, tok, "Tell me about the sea.", max_tokens=12, verbose=False)
+    b = generate(flat, tok, "Tell me about the sea.", max_tokens=12, verbose=False)
+    assert a == b
+
+
+def test_without_the_kernels_the_cpu_default_dequantizes(monkeypatch):
+    assert keep_quantized(FlashConfig(), on_cpu=True)
+    monkeypatch.setenv("MLX_FLASH_NO_NATIVE", "1")
+    assert not keep_quantized(FlashConfig(), on_cpu=True)
+    assert keep_quantized(FlashConfig(memory_budget="50%"), on_cpu=True)
+    assert keep_quantized(FlashConfig(), on_cpu=False)
+
+
+def test_a_forked_child_gets_its_own_threads():
+    """Threads do not survive fork(): the child must start its own pool, not wait on the parent's."""
+    code = (
+        "import os, numpy as np, mlx.core as mx\n"
+        "from mlx_flash.kernels import QuantMatrix, qmv_module\n"
+        "k, _ = qmv_module(); k.set_threads(2)\n"
+        "wq, s, b = mx.quantize(mx.ones((64, 64)), group_size=64, bits=4)\n"
+        "q = QuantMatrix(k, wq, s, b, 4, 64); x = np.ones(64, np.float32)\n"
+        "a = q.matvec(x)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if np.allclose(q.matvec(x), a) else 3)\n"
+        "_, st = os.waitpid(pid, 0); raise SystemExit(os.waitstatus_to_exitcode(st))\n")
+    r = subprocess.run([sys.executable, "-c", code], timeout=60, env=os.environ | {"PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0

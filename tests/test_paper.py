@@ -125,3 +125,21 @@ def test_paper_rows_end_to_end(tiny, tmp_path):
     assert "## Table 3" in md and "| all |" in md
     assert json.loads((tmp_path / "paper.json").read_text())["rows"][0]["config"] == "naive"
     assert all(p.exists() for p in written)
+
+
+def test_paper_compares_dtypes_in_one_run(tiny, tmp_path):
+    """--dtype float16,q4: every row for each, alternating, named by their weights. (The bytes
+    ratio is the 7B shapes' figure: tiny-opt's bundles are mostly alignment.)"""
+    _, home = tiny
+    res = paper.run("tiny-opt", ["float16", "q4"], memory_budget="90%", configs=("naive", "all"),
+                    tokens=3, warmup=2, rounds=1, windows=(), long_tokens=0, predictor_rank=8,
+                    home=home, progress=False, log=lambda *a: None)
+    rows = {r["config"]: r for r in res["rows"]}
+    assert list(rows) == ["naive [float16]", "naive [q4]", "all [float16]", "all [q4]"]
+    assert [s["dtype"] for s in res["subjects"]] == ["float16", "q4"]
+    assert res["subjects"][1]["resident_bytes"] < res["subjects"][0]["resident_bytes"] / 1.5  # + the arena, norms
+    for name, r in rows.items():  # each row ran its own checkpoint's reader and plan
+        assert r["dtype"] == name.split("[")[1][:-1] and r["tokens"] == (3 if "all" in name else 1)
+    md, written = paper.write_outputs(res, tmp_path)
+    assert "## Against float16" in md and "| all [q4] |" in md
+    assert written[0].name == "paper-tiny-opt-float16+q4.md"

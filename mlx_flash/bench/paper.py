@@ -33,6 +33,7 @@ import gc
 import json
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -243,41 +244,65 @@ def drive_store(store, d_model, tokens, warmup=5):
     return store.stats.rows[warmup:]
 
 
+@dataclass
+class Subject:
+    """One checkpoint of the run (a dtype on flash) and its model, loaded once."""
+
+    dtype: str
+    folder: Path
+    manifest: object
+    model: object
+    resident_bytes: int
+
+
+def load_subject(shape, dtype, home, progress, verify, resident_dtype, log):
+    from ..layout.format import read_manifest
+    from ..loader import load
+
+    folder = build_checkpoint(shape, dtype, home=home, progress=progress)
+    manifest = read_manifest(folder)
+    log(f"checkpoint {folder} ({shape}, {dtype} on flash; reads {'checked' if verify else 'unchecked'})")
+    # resident weights once; stores swap below. A quantized checkpoint's are held at their
+    # bits unless told (on the CPU: the native quantized matvec, models/quantized.py)
+    resident = resident_dtype if manifest.layout.quant is not None else None
+    model, _ = load(folder, mode="naive", verify=False, prefetch=False, resident_dtype=resident)
+    subject = Subject(dtype, folder, manifest, model, model.runtime.resident.held_bytes)
+    release(model)
+    return subject
+
+
+def row_name(config, dtype, dtypes):
+    return config if len(dtypes) == 1 else f"{config} [{dtype}]"
+
+
 def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup=6, rounds=2,
         prompt_tokens=8, configs=tuple(CONFIGS), windows=(0, 1, 2, 3, 4, 5, 6, 8),
         window_tokens=12, long_tokens=1000, threads=READ_THREADS, predictor_rank=128, active=0.03,
         new=0.024, k=5, home=None, progress=True, log=print, verify=True, resident_dtype=None):
     """Everything of `mlx_flash.benchmark paper`; returns a dict (rows, figures, machine).
     dtype: the weights on flash, float32 / float16 / bfloat16, or q4 / q8 (group-wise 4- or
-    8-bit, group 64, float16 scales; dequantized as the reader copies them)."""
+    8-bit, group 64, float16 scales; dequantized as the reader copies them); a list of them
+    runs every row for each, alternating, in one run (Figures 7 and 8: the first only)."""
     from ..blas import blas_info
-    from ..layout.format import read_manifest
-    from ..loader import load
 
-    folder = build_checkpoint(shape, dtype, home=home, progress=progress)
-    manifest = read_manifest(folder)
-    lay = manifest.layout
-    n_layers = len(manifest.ffn_files)
-    log(f"checkpoint {folder} ({shape}, {dtype} on flash; reads {'checked' if verify else 'unchecked'})")
-    # resident weights once; stores swap below. A quantized checkpoint's are held at their bits,
-    # as a user's are under a memory budget (MLX's quantized matmul computes with them)
-    resident = resident_dtype or ("quantized" if manifest.layout.quant is not None else None)
-    model, _ = load(folder, mode="naive", verify=False, prefetch=False, resident_dtype=resident)
-    resident_bytes = model.runtime.resident.held_bytes
-    release(model)
+    dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
+    subjects = [load_subject(shape, d, home, progress, verify, resident_dtype, log) for d in dtypes]
+    first = subjects[0]
+    model, lay = first.model, first.manifest.layout
+    n_layers = len(first.manifest.ffn_files)
     neuron_bytes = len(lay.kinds) * lay.d_model * 4
     # every dtype's rows get the same budget in bytes: a share of this shape's float32 model
     from ..runtime.budget import parse_budget
     from .peers.files import model_float32_bytes
 
-    model_bytes = model_float32_bytes(folder)
+    model_bytes = model_float32_bytes(first.folder)
     budget_text, memory_budget = memory_budget, str(parse_budget(memory_budget, model_bytes))
 
     log("measuring the disk (uncached random reads of the checkpoint) and memory bandwidth")
-    files = [folder / e["file"] for e in manifest.ffn_files]
-    bundle = lay.bundle_bytes
-    chunks = sorted({4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB,
-                     bundle, lay.kind_bytes(lay.kinds[0])})
+    files = [first.folder / e["file"] for e in first.manifest.ffn_files]
+    chunks = sorted({4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB}
+                    | {b for s in subjects for b in (s.manifest.layout.bundle_bytes,
+                                                    s.manifest.layout.kind_bytes(lay.kinds[0]))})
     curve = disk_curve(files, chunks)
     mv_bw = matvec_bandwidth(lay.n_neurons, lay.d_model)
     mem_bw = max(memory_bandwidth(), mv_bw)  # the fastest the weights were seen to stream
@@ -293,36 +318,39 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
 
     for config in configs:
         row_config(config)
-    per = {c: [] for c in configs}
+    names = [(c, s) for c in configs for s in subjects]
+    per = {row_name(c, s.dtype, dtypes): [] for c, s in names}
     curves, best_bw = [curve], mem_bw
     for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
         if rnd:  # the disk again: the floor takes the best the device showed in the run
             curves.append(disk_curve(files, chunks))
             curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
-        for config in configs:
-            store = attach(model, config, trace, memory_budget, threads, predictor_rank, verify=verify)
+        for config, sub in names:
+            name = row_name(config, sub.dtype, dtypes)
+            store = attach(sub.model, config, trace, memory_budget, threads, predictor_rank, verify=verify)
             plan = store.plan
             sparse = CONFIGS[row_config(config)[0]][0] == "flash"
             n_tok = tokens if sparse else max(1, tokens // 4)
             n_warm = warmup if sparse else 1
             bw = max(mem_bw, matvec_bandwidth(lay.n_neurons, lay.d_model))  # now, for this row
-            log(f"[round {rnd + 1}/{rounds}] {config}: {n_warm} warm-up + {n_tok} decode tokens")
-            r, walls = decode(model, store, prompt, n_warm, n_tok)
-            src_stats = model.runtime.source.stats if model.runtime.source is not None else None
-            row = summarize(config, r, walls, store, plan, neuron_bytes, resident_bytes, curve,
+            log(f"[round {rnd + 1}/{rounds}] {name}: {n_warm} warm-up + {n_tok} decode tokens")
+            r, walls = decode(sub.model, store, prompt, n_warm, n_tok)
+            src_stats = sub.model.runtime.source.stats if sub.model.runtime.source is not None else None
+            row = summarize(name, r, walls, store, plan, neuron_bytes, sub.resident_bytes, curve,
                             bw, src_stats)
-            per[config].append(row)
+            row["dtype"] = sub.dtype
+            per[name].append(row)
             best_bw = max(best_bw, bw)
             log(f"  {row['total_ms']:.0f} ms/token: I/O {row['io_ms']:.0f}, mem {row['mem_ms']:.0f}, "
                 f"predictor {row['predict_ms']:.0f}, compute {row['compute_ms']:.0f}; "
                 f"{row['flash_to_dram_gb']:.3f} GB read at {row['throughput_gbs']:.2f} GB/s; "
                 f"floor {row['floor_ms']:.0f} ms (memory {bw:.1f} GB/s)")
-            release(model)
+            release(sub.model)
     for rs in per.values():
         for r in rs:
             refloor(r, curve, best_bw)
-    rows = [median_row(per[c]) for c in configs]
+    rows = [median_row(per[name]) for name in per]
 
     fig7 = []
     for w in windows or ():
@@ -348,11 +376,13 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         release(model)
 
     return {
-        "shape": shape, "flash_dtype": dtype, "compute_dtype": "float32", "verify": verify,
+        "shape": shape, "flash_dtype": ",".join(dtypes), "compute_dtype": "float32", "verify": verify,
         "resident_dtype": model.runtime.resident_dtype,
+        "subjects": [{"dtype": s.dtype, "checkpoint": str(s.folder), "resident_bytes": s.resident_bytes,
+                      "resident_dtype": s.model.runtime.resident_dtype} for s in subjects],
         "memory_budget": f"{budget_text} ({int(memory_budget) / 1e9:.2f} GB)", "model_bytes_float32": model_bytes,
-        "resident_bytes": resident_bytes, "neuron_bytes": neuron_bytes,
-        "checkpoint": str(folder), "trace": trace_stats | {"concentration": trace.concentration},
+        "resident_bytes": first.resident_bytes, "neuron_bytes": neuron_bytes,
+        "checkpoint": str(first.folder), "trace": trace_stats | {"concentration": trace.concentration},
         "predictor_rank": predictor_rank, "disk_curve_gbs": {str(c): v for c, v in curve.items()},
         "memory_gbs": best_bw, "matvec_gbs": mv_bw, "disk_curves_gbs": [
             {str(c): v for c, v in cv.items()} for cv in curves], "rows": rows, "fig7": fig7, "fig8": fig8,
@@ -385,17 +415,27 @@ def _table(rows, cols):
 
 def report(res):
     rows = res["rows"]
-    base = next((r for r in rows if r["config"] == "naive"), None)
-    for r in rows:
+    subjects = res.get("subjects") or [{"dtype": res["flash_dtype"], "resident_bytes": res["resident_bytes"],
+                                        "resident_dtype": res.get("resident_dtype", "float32")}]
+    first = subjects[0]["dtype"]
+    for r in rows:  # against naive of the same weights, and the same configuration of the first dtype's
+        dt = r.get("dtype", first)
+        base = next((b for b in rows if b["config"].split(" [")[0] == "naive" and b.get("dtype", first) == dt), None)
+        ref = next((b for b in rows if b["config"].split(" [")[0] == r["config"].split(" [")[0]
+                    and b.get("dtype", first) == first), None)
         r["speedup"] = base["total_ms"] / r["total_ms"] if base else None
         r["io_vs_naive"] = r["flash_to_dram_gb"] / base["flash_to_dram_gb"] if base else None
+        r["speedup_vs_first"] = ref["total_ms"] / r["total_ms"] if ref else None
+        r["bytes_vs_first"] = (r["flash_to_dram_gb"] / ref["flash_to_dram_gb"]
+                               if ref and ref["flash_to_dram_gb"] else None)
     m = res["machine"]
     t = res["trace"]
+    held = "; ".join(f"{s['dtype']}: {s['resident_bytes'] / 1e9:.2f} GB held at {s['resident_dtype'] or 'float32'}"
+                     for s in subjects)
     head = (f"{res['shape']} shape, random weights; {res['flash_dtype']} on flash, float32 compute; "
             f"reads {'checked (CRC32C)' if res.get('verify', True) else 'unchecked (--no-verify)'}; "
             f"memory budget {res['memory_budget']} of the float32 model "
-            f"({res['model_bytes_float32'] / 1e9:.1f} GB; resident attention + embeddings "
-            f"{res['resident_bytes'] / 1e9:.1f} GB, held at {res.get('resident_dtype', 'float32')}); "
+            f"({res['model_bytes_float32'] / 1e9:.1f} GB; resident attention + embeddings: {held}); "
             f"{m['platform']}, {m['blas']}; "
             f"trace {t['active']:.1%} active, {t['new']:.1%} new at k={t['k']}; predictor rank "
             f"{res['predictor_rank']}; {res['tokens']} decode tokens per sparse row after the warm-up "
@@ -406,6 +446,13 @@ def report(res):
             f"matvec {res['matvec_gbs']:.1f} GB/s. The floors use these best figures.")
     md = [f"# Paper benchmark: {res['shape']}", "", head, "", "## Table 2 (loading)", "",
           _table(rows, TABLE2), "", "## Table 3 (latency per token)", "", _table(rows, TABLE3)]
+    if len(subjects) > 1:
+        md += ["", f"## Against {first} (same configuration, same run)", "",
+               _table(rows, [("config", "config", "{}"), ("flash→DRAM (GB/token)", "flash_to_dram_gb", "{:.3f}"),
+                             (f"bytes vs {first}", "bytes_vs_first", "{:.2f}x"),
+                             ("total (ms)", "total_ms", "{:.0f}"),
+                             (f"speed vs {first}", "speedup_vs_first", "{:.2f}x"),
+                             ("measured / floor", "measured_over_floor", "{:.2f}")])]
     if res["fig7"]:
         md += ["", "## Figure 7 (window size vs DRAM vs loading latency)", "",
                _table(res["fig7"], [("window", "window", "{}"), ("window kept", "window_kept", "{:.1f}"),
@@ -425,7 +472,8 @@ def report(res):
 def write_outputs(res, out="results", json_path=None):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"paper-{res['shape']}-{res['flash_dtype']}" + ("" if res.get("verify", True) else "-unchecked")
+    stem = (f"paper-{res['shape']}-{res['flash_dtype'].replace(',', '+')}"
+            + ("" if res.get("verify", True) else "-unchecked"))
     if res["flash_dtype"] in ("q4", "q8") and res.get("resident_dtype") != "quantized":
         stem += "-resident-" + str(res.get("resident_dtype"))
     md_path, csv_path = out / (stem + ".md"), out / (stem + ".csv")

@@ -25,6 +25,20 @@ def _list(conv):
     return lambda text: [conv(x) for x in text.split(",") if x.strip()]
 
 
+PAPER_DTYPES = ["float32", "float16", "bfloat16", "q4", "q8"]
+
+
+def _choices(allowed):
+    """A comma-separated list whose every item is one of `allowed` (argparse's error otherwise)."""
+    def parse(text):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)} (comma-separated)")
+        return items
+    return parse
+
+
 def build_parser():
     from ..bench.storage import DEFAULT_CHUNKS, DEFAULT_THREADS, parse_size
 
@@ -75,9 +89,10 @@ def add_paper_parser(sub):
                                    "sparsity from a trace fitted to the paper (3%% active, 2.4%% new "
                                    "per token at k = 5).")
     s.add_argument("--shape", default="opt-6.7b", choices=sorted(SHAPES))
-    s.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "q4", "q8"],
-                   help="weights on flash (compute is float32 on the CPU); q4 / q8: group-wise 4- / "
-                        "8-bit, group 64, dequantized as they are read")
+    s.add_argument("--dtype", default=["float32"], type=_choices(PAPER_DTYPES),
+                   help="weights on flash (compute is float32 on the CPU): " + ", ".join(PAPER_DTYPES)
+                        + "; q4 / q8: group-wise 4- / 8-bit, group 64, dequantized as they are read; "
+                        "several (float16,q4): every row for each, alternating, in one run")
     s.add_argument("--resident-dtype", default=None, choices=["quantized", "float32"],
                    help="q4 / q8: hold attention and embeddings at their bits (default, as under a "
                         "user's budget) or dequantized at float32")

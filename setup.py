@@ -1,7 +1,8 @@
 """Builds the optional native parts; everything else is in pyproject.toml.
 
 - mlx_flash/io/_native.c: the reader's pool, conversions and checksums;
-- mlx_flash/kernels/_qmv.c: the quantized matvec of resident weights on the CPU.
+- mlx_flash/kernels/_matvec.c: matrix-vector products on the CPU (weights held at their bits; a
+  token's active rows of a neuron cache).
 
 Both are optional: if one fails to compile, the install still succeeds, and
 FlashReader falls back to its pure-Python pool, quantized weights to MLX's own
@@ -29,8 +30,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "mlx_flash.kernels._qmv",
-            sources=["mlx_flash/kernels/_qmv.c"],
+            "mlx_flash.kernels._matvec",
+            sources=["mlx_flash/kernels/_matvec.c"],
             depends=["mlx_flash/kernels/quant.h"],
             extra_compile_args=args,
             extra_link_args=[] if sys.platform == "darwin" else ["-pthread"],

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from .errors import FlashError
 from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
-from .kernels import qmv_module
+from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
@@ -118,7 +118,7 @@ def _build_model(folder, manifest, config: FlashConfig):
         weights = dict(tree_flatten(model.parameters()))
         quantized = False
     elif quantized and on_cpu:
-        kernels, why = qmv_module()
+        kernels, why = kernels_module()
         if kernels is None:
             log_once("qmv", "mlx_flash: quantized weights held at their bits go through MLX's quantized "
                      "matmul on the CPU, 2x (decode) to 50x (prompt) slower than float32: %s", why)

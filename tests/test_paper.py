@@ -128,14 +128,15 @@ def test_paper_rows_end_to_end(tiny, tmp_path):
 
 
 def test_paper_compares_dtypes_in_one_run(tiny, tmp_path):
-    """--dtype float16,q4: every row for each, alternating, named by their weights. (The bytes
+    """--dtype float16,q4: every row for each (a dtype's rows together, the dtypes alternating
+    round after round), named by their weights. (The bytes
     ratio is the 7B shapes' figure: tiny-opt's bundles are mostly alignment.)"""
     _, home = tiny
     res = paper.run("tiny-opt", ["float16", "q4"], memory_budget="90%", configs=("naive", "all"),
                     tokens=3, warmup=2, rounds=1, windows=(), long_tokens=0, predictor_rank=8,
                     home=home, progress=False, log=lambda *a: None)
     rows = {r["config"]: r for r in res["rows"]}
-    assert list(rows) == ["naive [float16]", "naive [q4]", "all [float16]", "all [q4]"]
+    assert list(rows) == ["naive [float16]", "all [float16]", "naive [q4]", "all [q4]"]
     assert [s["dtype"] for s in res["subjects"]] == ["float16", "q4"]
     assert res["subjects"][1]["resident_bytes"] < res["subjects"][0]["resident_bytes"] / 1.5  # + the arena, norms
     for name, r in rows.items():  # each row ran its own checkpoint's reader and plan

@@ -246,29 +246,48 @@ def drive_store(store, d_model, tokens, warmup=5):
 
 @dataclass
 class Subject:
-    """One checkpoint of the run (a dtype on flash) and its model, loaded once."""
+    """One checkpoint of the run (a dtype on flash); its model while its rows run."""
 
     dtype: str
     folder: Path
     manifest: object
-    model: object
-    resident_bytes: int
+    resident_dtype: str | None
+    model: object = None
+    resident_bytes: int = 0
+    held: str | None = None  # the runtime's resident dtype, as reported
+
+
+def open_subject(sub):
+    """Load the subject's model (resident weights) unless it is loaded; -> the model."""
+    from ..loader import load
+
+    if sub.model is None:
+        sub.model, _ = load(sub.folder, mode="naive", verify=False, prefetch=False,
+                            resident_dtype=sub.resident_dtype)
+        sub.resident_bytes = sub.model.runtime.resident.held_bytes
+        sub.held = sub.model.runtime.resident_dtype
+        release(sub.model)
+    return sub.model
+
+
+def close_subject(sub):
+    """Drop the subject's model: several dtypes' resident weights and caches would not fit
+    together at 7B (float16's float32 attention is 9 GB)."""
+    if sub.model is not None:
+        sub.model = None
+        gc.collect()
+        mx.clear_cache()
 
 
 def load_subject(shape, dtype, home, progress, verify, resident_dtype, log):
     from ..layout.format import read_manifest
-    from ..loader import load
 
     folder = build_checkpoint(shape, dtype, home=home, progress=progress)
     manifest = read_manifest(folder)
     log(f"checkpoint {folder} ({shape}, {dtype} on flash; reads {'checked' if verify else 'unchecked'})")
-    # resident weights once; stores swap below. A quantized checkpoint's are held at their
-    # bits unless told (on the CPU: the native quantized matvec, models/quantized.py)
-    resident = resident_dtype if manifest.layout.quant is not None else None
-    model, _ = load(folder, mode="naive", verify=False, prefetch=False, resident_dtype=resident)
-    subject = Subject(dtype, folder, manifest, model, model.runtime.resident.held_bytes)
-    release(model)
-    return subject
+    # A quantized checkpoint's resident weights are held at their bits unless told (on the
+    # CPU: the native quantized matvec, models/quantized.py)
+    return Subject(dtype, folder, manifest, resident_dtype if manifest.layout.quant is not None else None)
 
 
 def row_name(config, dtype, dtypes):
@@ -288,7 +307,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     subjects = [load_subject(shape, d, home, progress, verify, resident_dtype, log) for d in dtypes]
     first = subjects[0]
-    model, lay = first.model, first.manifest.layout
+    lay = first.manifest.layout
     n_layers = len(first.manifest.ffn_files)
     neuron_bytes = len(lay.kinds) * lay.d_model * 4
     # every dtype's rows get the same budget in bytes: a share of this shape's float32 model
@@ -318,7 +337,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
 
     for config in configs:
         row_config(config)
-    names = [(c, s) for c in configs for s in subjects]
+    names = [(c, s) for s in subjects for c in configs]  # a subject's rows together: one model at a time
     per = {row_name(c, s.dtype, dtypes): [] for c, s in names}
     curves, best_bw = [curve], mem_bw
     for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
@@ -328,6 +347,10 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
         for config, sub in names:
             name = row_name(config, sub.dtype, dtypes)
+            for other in subjects:
+                if other is not sub and len(subjects) > 1:
+                    close_subject(other)
+            model = open_subject(sub)
             store = attach(sub.model, config, trace, memory_budget, threads, predictor_rank, verify=verify)
             plan = store.plan
             sparse = CONFIGS[row_config(config)[0]][0] == "flash"
@@ -352,6 +375,9 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             refloor(r, curve, best_bw)
     rows = [median_row(per[name]) for name in per]
 
+    for sub in subjects[1:]:
+        close_subject(sub)
+    model = open_subject(first)
     fig7 = []
     for w in windows or ():
         store = attach(model, "all", trace, memory_budget, threads, predictor_rank, window=w, verify=verify)
@@ -379,7 +405,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         "shape": shape, "flash_dtype": ",".join(dtypes), "compute_dtype": "float32", "verify": verify,
         "resident_dtype": model.runtime.resident_dtype,
         "subjects": [{"dtype": s.dtype, "checkpoint": str(s.folder), "resident_bytes": s.resident_bytes,
-                      "resident_dtype": s.model.runtime.resident_dtype} for s in subjects],
+                      "resident_dtype": s.held} for s in subjects],
         "memory_budget": f"{budget_text} ({int(memory_budget) / 1e9:.2f} GB)", "model_bytes_float32": model_bytes,
         "resident_bytes": first.resident_bytes, "neuron_bytes": neuron_bytes,
         "checkpoint": str(first.folder), "trace": trace_stats | {"concentration": trace.concentration},

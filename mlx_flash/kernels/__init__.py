@@ -1,7 +1,8 @@
-"""Native compute kernels for the CPU (optional, built by setup.py from _qmv.c): the
-quantized matvec and row dequantization of weights held at their bits.
+"""Native compute kernels for the CPU (optional, built by setup.py from _matvec.c): the
+quantized matvec and row dequantization of weights held at their bits, and products over
+a token's rows of a float32 matrix (gather_mv / gather_axpy).
 
-They know arrays, not models: models/quantized.py decides where they are used.
+They know arrays, not models: models/quantized.py and models/ffn.py decide where they are used.
 """
 
 import os
@@ -10,18 +11,18 @@ import numpy as np
 
 import mlx.core as mx
 
-SCALE_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # _qmv.c's dtype codes
+SCALE_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # _matvec.c's dtype codes
 
 
-def qmv_module():
-    """-> (the _qmv module, "") or (None, why not)."""
+def kernels_module():
+    """-> (the _matvec module, "") or (None, why not)."""
     if os.environ.get("MLX_FLASH_NO_NATIVE"):
         return None, "MLX_FLASH_NO_NATIVE is set"
     try:
-        from . import _qmv
+        from . import _matvec
     except ImportError as e:
         return None, f"the native kernels are not built ({e})"
-    return _qmv, ""
+    return _matvec, ""
 
 
 def default_threads():
@@ -67,3 +68,17 @@ class QuantMatrix:
         """Rows start .. stop-1 as float32 into `out` (a writable buffer of (stop - start) * K floats)."""
         self.kernels.dequantize(None, self.w[start:stop], self.s[start:stop], self.b[start:stop], out,
                                 stop - start, self.k, self.bits, self.group_size, self.code)
+
+
+def gather_mv(kernels, x, w, sel):
+    """[W[i] . x for i in sel]: x float32 [K], W float32 NumPy [rows, K], sel int64 -> float32 [len(sel)]."""
+    y = np.empty(len(sel), np.float32)
+    kernels.gather_mv(x, w, sel, y, w.shape[1])
+    return y
+
+
+def gather_axpy(kernels, h, w, sel):
+    """sum_i h[i] * W[sel[i]]: h float32 [len(sel)], W float32 NumPy [rows, K] -> float32 [K]."""
+    y = np.empty(w.shape[1], np.float32)
+    kernels.gather_axpy(h, w, sel, y, w.shape[1])
+    return y

@@ -1,5 +1,5 @@
 /* Numeric helpers shared by the reader (io/_native.c: dequantize on copy) and the
- * quantized matvec (kernels/_qmv.c): dtype codes, IEEE half -> float, one scale
+ * quantized matvec (kernels/_matvec.c): dtype codes, IEEE half -> float, one scale
  * or bias at its dtype, and unpacking MLX's group-wise packed values. */
 #ifndef MLX_FLASH_QUANT_H
 #define MLX_FLASH_QUANT_H

@@ -10,6 +10,8 @@ may hand out any subset in any order; the dense store hands out all of them.
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -24,6 +26,9 @@ class FFNRows:
     ids: Optional[mx.array] = None  # neuron ids of the rows; None = all, in order
     h: Optional[mx.array] = None  # activations of these neurons, when the store computed them (DIP)
     mask: Optional[mx.array] = None  # [..., n] 0/1: which rows each token uses (cached extras are not)
+    # one token on the CPU: (NumPy views {kind: [capacity, d_model]} of a float32 cache, the
+    # rows this token uses, the native kernels); up / down / gate are then None
+    select: Optional[tuple] = None
 
 
 def fatrelu(threshold):
@@ -107,6 +112,10 @@ class FlashFFN(nn.Module):
             if rows.h is not None:
                 y = rows.h @ rows.down if y is None else y + rows.h @ rows.down
                 continue
+            if rows.select is not None:
+                part = self._selected(x, rows)
+                y = part if y is None else y + part
+                continue
             h = x @ rows.up.T
             if "up_bias" in self:
                 h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
@@ -120,6 +129,27 @@ class FlashFFN(nn.Module):
         if "down_bias" in self:
             y = y + self.down_bias
         return y
+
+    def _selected(self, x, rows):
+        """One token's FFN over the chosen rows of a cache, read in place by the native kernels
+        (the same sums as the masked product, over the active rows only)."""
+        from ..kernels import gather_axpy, gather_mv
+
+        views, sel, kernels = rows.select
+        if sel.size == 0:
+            return mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype)
+        mx.eval(x)
+        xs = np.ascontiguousarray(np.array(x.astype(mx.float32), copy=False).reshape(-1))
+        h = mx.array(gather_mv(kernels, xs, views["up"], sel))
+        if "up_bias" in self:
+            h = h + self.up_bias[rows.ids]
+        if self.gated:
+            h = self._act(mx.array(gather_mv(kernels, xs, views["gate"], sel))) * h
+        else:
+            h = self._act(h)
+        mx.eval(h)
+        y = gather_axpy(kernels, np.array(h.astype(mx.float32), copy=False), views["down"], sel)
+        return mx.array(y).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
 
     def _in_halves(self, x):
         """A prompt chunk whose neurons do not fit the store: run it in two halves.

@@ -7,7 +7,7 @@ OpenBLAS, 2 cores, 4096 x 4096, 4-bit group 64) one token takes ~15 ms against
 ~7 ms in float32, and a 64-token prompt chunk 970 ms against 19 ms. So on the
 CPU the held modules are swapped for NativeQuantizedLinear / -Embedding
 (use_native_kernels): one position (a decode token) goes through the native
-matvec (kernels/_qmv.c: the packed words streamed once, ~1 ms for that matrix),
+matvec (kernels/_matvec.c: the packed words streamed once, ~1 ms for that matrix),
 several positions (a prompt) are dequantized in row chunks into a float32 arena
 and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 """

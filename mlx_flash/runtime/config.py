@@ -113,15 +113,15 @@ class FlashConfig:
 
 def keep_quantized(config, on_cpu):
     """Hold a quantized model's resident weights at their bits (else dequantize them)? Yes,
-    unless told otherwise, or on a CPU without the native kernels (kernels/_qmv.c), where
+    unless told otherwise, or on a CPU without the native kernels (kernels/_matvec.c), where
     MLX's own quantized matmul is 2x (decode) to 50x (prompt) slower than float32 BLAS
     (models/quantized.py): there only when a memory budget asks for the DRAM."""
     if config.resident_dtype is None:
         if not on_cpu or config.memory_budget is not None:
             return True
-        from ..kernels import qmv_module
+        from ..kernels import kernels_module
 
-        return qmv_module()[0] is not None
+        return kernels_module()[0] is not None
     return config.resident_dtype == "quantized"
 
 

@@ -1,6 +1,6 @@
-/* Quantized matrix-vector products on the CPU, for single-token decode:
+/* Matrix-vector products on the CPU, for single-token decode.
  *
- *     y[n] = sum_k x[k] * (scale[n, k / g] * q[n, k] + bias[n, k / g])
+ * 1. Quantized (qmv):   y[n] = sum_k x[k] * (scale[n, k / g] * q[n, k] + bias[n, k / g])
  *
  * for a weight W [N, K] held as MLX holds it (mx.quantize: q packed along each
  * row as one little-endian bit stream in uint32 words; scales and biases
@@ -15,12 +15,17 @@
  *     y[n] = sum_g scale_g * acc_g + sum_g bias_g * xsum_g
  * where xsum_g (x summed over group g) is computed once per call. The sums run
  * in another order than dequantize-then-dot: not bit-identical to MLX's result,
- * equal to ~1e-6 relative (tests/test_qmv.py holds it to 1e-5).
+ * equal to ~1e-6 relative (tests/test_kernels.py holds it to 1e-5).
  *
  * x86-64 with AVX2 + FMA + F16C: 4- and 8-bit rows are unpacked and multiplied
  * in registers (4 bits: x is reordered once per call so that a byte's low and
  * high nibbles meet their own x without a shuffle). Every other case (2, 3, 5,
  * 6 bits, other CPUs): a portable loop, tested on x86 by switching SIMD off.
+ * dequantize: rows of W as float32 (a prompt's chunks, multiplied by BLAS).
+ *
+ * 2. Over chosen rows of a float32 matrix (a neuron cache holds the window's
+ * neurons; a token uses the few active ones): gather_mv y[i] = W[sel[i]] . x and
+ * gather_axpy y = sum_i h[i] * W[sel[i]], reading those rows only, in place.
  *
  * Rows are split over a small persistent pthread pool (the caller's thread
  * takes the first share); the GIL is released while it runs, and no worker
@@ -43,10 +48,17 @@ typedef struct {
     const uint8_t *w;  /* packed rows, row_bytes apart */
     const uint8_t *s, *b;  /* scales, biases: [N, K / g] at scode */
     const float *x, *xp, *xsum;  /* x [K]; x reordered for the 4-bit SIMD loop; [K / g] group sums */
-    float *y;    /* qmv: [n]; dequantize: [n, k] */
+    float *y;    /* QMV, GATHER_MV: [n]; DEQUANTIZE: [n, k]; GATHER_AXPY: [k] */
     int64_t n, k, g, bits, scode, row_bytes;
-    int simd, dequantize;
+    int simd, kind;
+    /* GATHER_*: float32 rows W [*, k] (w, row_bytes apart), the m rows `sel` of it,
+     * and h [m] (GATHER_AXPY: y = sum_i h[i] * W[sel[i]], n = k columns to share out) */
+    const int64_t *sel;
+    const float *h;
+    int64_t m;
 } job_t;
+
+enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3 };
 
 /* ---- one row */
 
@@ -99,6 +111,21 @@ AVX2 static float dot_avx2(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     float t = hsum(acc);
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+/* four independent sums: a float32 row streams at the memory's speed, not the FMA's latency */
+AVX2 static float dot4_avx2(const float *a, const float *b, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), a3);
+    }
+    float t = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; i < n; i++) t += a[i] * b[i];
     return t;
 }
@@ -186,12 +213,48 @@ static void dequantize_row(const job_t *j, const uint8_t *w, const float *sc, co
     }
 }
 
+/* GATHER_MV, rows [r0, r1) of sel: y[i] = W[sel[i]] . x */
+static void gather_mv(const job_t *j, int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; i++) {
+        const float *w = (const float *)(j->w + j->sel[i] * j->row_bytes);
+#ifdef AVX2_PATH
+        if (j->simd) {
+            j->y[i] = dot4_avx2(w, j->x, j->k);
+            continue;
+        }
+#endif
+        j->y[i] = dot_portable(w, j->x, j->k);
+    }
+}
+
+/* GATHER_AXPY, columns [c0, c1): y[c] = sum_i h[i] * W[sel[i], c], rows in order */
+static void gather_axpy(const job_t *j, int64_t c0, int64_t c1) {
+    float *y = j->y;
+    for (int64_t c = c0; c < c1; c++) y[c] = 0;
+    for (int64_t i = 0; i < j->m; i++) {
+        const float *w = (const float *)(j->w + j->sel[i] * j->row_bytes);
+        const float hi = j->h[i];
+        for (int64_t c = c0; c < c1; c++) {
+            const float t = hi * w[c];
+            y[c] += t;
+        }
+    }
+}
+
 /* rows [r0, r1) of the job; sc, bi: scratch for one row's K / g scales and biases */
 static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi) {
+    if (j->kind == GATHER_MV) {
+        gather_mv(j, r0, r1);
+        return;
+    }
+    if (j->kind == GATHER_AXPY) {
+        gather_axpy(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15); /* shares of whole 64-byte lines */
+        return;
+    }
     const int64_t ng = j->k / j->g, ssz = j->scode == F32 ? 4 : 2;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *w = j->w + r * j->row_bytes, *sp = j->s + r * ng * ssz, *bp = j->b + r * ng * ssz;
-        if (j->dequantize) {
+        if (j->kind == DEQUANTIZE) {
             scales_f32(sp, j->scode, ng, sc);
             scales_f32(bp, j->scode, ng, bi);
             dequantize_row(j, w, sc, bi, j->y + r * j->k);
@@ -352,7 +415,8 @@ static PyObject *run(PyObject *args, int dequantize) {
         for (int64_t i = 0; i < k; i += 16) /* the 4-bit SIMD order: 8 even, then 8 odd */
             for (int l = 0; l < 8; l++) xp[i + l] = xf[i + 2 * l], xp[i + 8 + l] = xf[i + 2 * l + 1];
     }
-    job_t j = {w.buf, s.buf, b.buf, xf, xp, xsum, y.buf, n, k, group, bits, sc, row_bytes, use_simd, dequantize};
+    job_t j = {w.buf, s.buf, b.buf, xf, xp, xsum, y.buf, n, k, group, bits, sc, row_bytes, use_simd,
+               dequantize ? DEQUANTIZE : QMV, NULL, NULL, 0};
     int started;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&calls); /* one job at a time: callers on two Python threads take turns */
@@ -386,6 +450,62 @@ static PyObject *py_dequantize(PyObject *mod, PyObject *args) {
     return run(args, 1);
 }
 
+/* gather_mv(x, W, sel, y): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y): y = sum_i h[i] W[sel[i]].
+ * W float32 [rows, k] (C order), sel int64 (each in 0 .. rows-1), x / y float32. */
+static PyObject *gather(PyObject *args, int kind) {
+    Py_buffer v, w, sel, y;
+    long long k;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*L", &v, &w, &sel, &y, &k)) return NULL;
+    PyObject *result = NULL;
+    const int64_t m = sel.len / 8, rows = k > 0 ? w.len / (4 * k) : 0;
+    int ok = k > 0 && w.len == rows * 4 * k && sel.len % 8 == 0 && ((uintptr_t)w.buf % 4) == 0 &&
+             ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)v.buf % 4) == 0 && ((uintptr_t)y.buf % 4) == 0 &&
+             (kind == GATHER_MV ? v.len == 4 * k && y.len == 4 * m : v.len == 4 * m && y.len == 4 * k);
+    const int64_t *ids = (const int64_t *)sel.buf;
+    for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind (or a row out of range)",
+                     kind == GATHER_MV ? "gather_mv" : "gather_axpy");
+        goto out;
+    }
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.w = w.buf, j.row_bytes = 4 * k, j.k = k, j.sel = ids, j.m = m, j.y = y.buf, j.simd = use_simd, j.kind = kind;
+    if (kind == GATHER_MV)
+        j.x = v.buf, j.n = m;
+    else
+        j.h = v.buf, j.n = k;
+    int started;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls);
+    started = pool_start(0) == 0;
+    if (started) run_job(&j);
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    if (!started) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&sel);
+    PyBuffer_Release(&y);
+    return result;
+}
+
+static PyObject *py_gather_mv(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return gather(args, GATHER_MV);
+}
+
+static PyObject *py_gather_axpy(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return gather(args, GATHER_AXPY);
+}
+
 /* set_threads(n): the pool's size for the next call (1: the caller's thread alone) */
 static PyObject *py_set_threads(PyObject *mod, PyObject *args) {
     int n;
@@ -412,13 +532,15 @@ static PyMethodDef methods[] = {
     {"qmv", py_qmv, METH_VARARGS, "qmv(x, w, scales, biases, y, n, k, bits, group, scale_code)"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(None, w, scales, biases, y, n, k, bits, group, scale_code)"},
+    {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
+    {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
     {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool (flag < 0: ask)"},
     {NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmv", "quantized matvec on the CPU", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_matvec", "matrix-vector products on the CPU: quantized, and over chosen rows", -1, methods};
 
-PyMODINIT_FUNC PyInit__qmv(void) {
+PyMODINIT_FUNC PyInit__matvec(void) {
     use_simd = cpu_simd();
     return PyModule_Create(&module);
 }

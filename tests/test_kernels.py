@@ -1,4 +1,4 @@
-"""The native quantized matvec (kernels/_qmv.c) and the modules that use it (models/quantized.py)."""
+"""The native quantized matvec (kernels/_matvec.c) and the modules that use it (models/quantized.py)."""
 
 import os
 import subprocess
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import mlx_flash
-from mlx_flash.kernels import QuantMatrix, default_threads, qmv_module
+from mlx_flash.kernels import QuantMatrix, default_threads, kernels_module
 from mlx_flash.models.quantized import NativeQuantizedEmbedding, NativeQuantizedLinear, native_modules
 from mlx_flash.runtime import FlashConfig, keep_quantized
 
-kernels, why = qmv_module()
+kernels, why = kernels_module()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"native kernels: {why}")
 
 
@@ -142,8 +142,8 @@ def test_a_forked_child_gets_its_own_threads():
     """Threads do not survive fork(): the child must start its own pool, not wait on the parent's."""
     code = (
         "import os, numpy as np, mlx.core as mx\n"
-        "from mlx_flash.kernels import QuantMatrix, qmv_module\n"
-        "k, _ = qmv_module(); k.set_threads(2)\n"
+        "from mlx_flash.kernels import QuantMatrix, kernels_module\n"
+        "k, _ = kernels_module(); k.set_threads(2)\n"
         "wq, s, b = mx.quantize(mx.ones((64, 64)), group_size=64, bits=4)\n"
         "q = QuantMatrix(k, wq, s, b, 4, 64); x = np.ones(64, np.float32)\n"
         "a = q.matvec(x)\n"
@@ -153,3 +153,51 @@ def test_a_forked_child_gets_its_own_threads():
         "_, st = os.waitpid(pid, 0); raise SystemExit(os.waitstatus_to_exitcode(st))\n")
     r = subprocess.run([sys.executable, "-c", code], timeout=60, env=os.environ | {"PYTHONWARNINGS": "ignore"})
     assert r.returncode == 0
+
+
+def test_gather_products_equal_numpy(simd_and_threads):
+    from mlx_flash.kernels import gather_axpy, gather_mv
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((50, 200)).astype(np.float32)
+    sel = np.array([3, 49, 0, 17, 17, 8], np.int64)
+    x = rng.standard_normal(200).astype(np.float32)
+    h = rng.standard_normal(sel.size).astype(np.float32)
+    for simd, threads in simd_and_threads:
+        kernels.simd(simd)
+        kernels.set_threads(threads)
+        np.testing.assert_allclose(gather_mv(kernels, x, w, sel), w[sel] @ x, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(gather_axpy(kernels, h, w, sel), h @ w[sel], rtol=1e-5, atol=1e-5)
+        assert gather_mv(kernels, x, w, sel[:0]).shape == (0,)
+        assert not gather_axpy(kernels, h[:0], w, sel[:0]).any()
+    with pytest.raises(ValueError, match="out of range"):
+        gather_mv(kernels, x, w, np.array([50], np.int64))
+    with pytest.raises(ValueError, match="gather_axpy"):
+        gather_axpy(kernels, h, w, sel[:2])
+
+
+@pytest.mark.parametrize("options", [dict(sparsity="oracle", density=0.5),
+                                     dict(sparsity="oracle", density=0.5, overlap=True)])
+def test_flash_decode_on_the_active_rows_equals_the_masked_window(smollm2, options):
+    """One token in flash mode computes on its active rows only (FFNRows.select): the same
+    logits as the masked product over the whole window, token after token."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok = mlx_flash.load(smollm2, mode="flash", **options)
+    store = model.runtime.store
+    assert store.kernels is not None
+    prompt = mx.array([tok.encode("Write a short poem about rivers")])
+    outs = []
+    for kernels_on in (True, False):
+        store.kernels = kernels if kernels_on else None
+        cache = make_prompt_cache(model)
+        y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
+        logits = []
+        for _ in range(6):
+            out = model(y[:, None], cache=cache)[:, -1]
+            logits.append(out)
+            y = mx.argmax(out, axis=-1)
+        outs.append(mx.concatenate(logits))
+        for c in store.caches:  # the second pass starts from empty caches too
+            c.delete(c.cached_ids())
+    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4

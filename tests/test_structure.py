@@ -93,6 +93,18 @@ def test_stores_are_imported_only_inside_the_runtime():
         assert not bad, f"{p} imports {bad}"
 
 
+def test_low_layers_know_no_models():
+    """io and kernels know bytes and arrays: nothing of mlx_flash above them (io's only
+    neighbour is the kernels' numeric header, a C include)."""
+    known = modules()
+    for m, p in known.items():
+        if p is None or not m.startswith(("mlx_flash.io", "mlx_flash.kernels")):
+            continue
+        pkg = ".".join(m.split(".")[:2])
+        bad = [t for t in imports_of(m, p, known) if not t.startswith(pkg) and t != "mlx_flash.errors"]
+        assert not bad, f"{p} imports {bad}"
+
+
 def test_only_the_layout_writes_the_manifest():
     """layout/format.py's write_manifest / add_manifest_section are the only writers."""
     for p in PKG.rglob("*.py"):

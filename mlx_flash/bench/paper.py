@@ -176,10 +176,14 @@ def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, cu
               source_stats=None):
     mean = {k: float(np.mean([r[k] for r in rows])) for k in
             ("io_ms", "mem_ms", "predict_ms", "compute_ms", "total_ms", "bytes_read", "reads",
-             "hit_rate")}
+             "hit_rate", "active")}
     wall = float(np.median(walls))
     read_size = mean["bytes_read"] / mean["reads"] if mean["reads"] else 0
-    computed = resident_bytes + plan.source_bytes + store.held_rows * neuron_bytes
+    # the FFN rows a token computes on: flash mode on the CPU, its active ones (FFNRows.select);
+    # else every row held (the window's, masked; naive / hybrid: all of them)
+    selected = getattr(store, "source", None) is not None and getattr(store, "kernels", None) is not None
+    ffn_rows = mean["active"] if selected else store.held_rows
+    computed = resident_bytes + plan.source_bytes + ffn_rows * neuron_bytes
     row = {
         "config": config,
         "flash_to_dram_gb": mean["bytes_read"] / 1e9,
@@ -196,6 +200,7 @@ def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, cu
         "weights_dram_gb": plan.weights_bytes / 1e9,
         "hit_rate": mean["hit_rate"],
         "computed_gb": computed / 1e9,
+        "computed_rows": ffn_rows,
         "tokens": len(rows),
     }
     refloor(row, curve, mem_bw)  # floor_io_ms, floor_mem_ms, floor_ms, measured_over_floor, ...

@@ -183,9 +183,9 @@ def test_flash_decode_on_the_active_rows_equals_the_masked_window(smollm2, optio
     logits as the masked product over the whole window, token after token."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, tok = mlx_flash.load(smollm2, mode="flash", **options)
+    model, tok = mlx_flash.load(smollm2, mode="flash", ffn_rows="float32", **options)
     store = model.runtime.store
-    assert store.kernels is not None
+    assert store.kernels is not None and store.packed is None
     prompt = mx.array([tok.encode("Write a short poem about rivers")])
     outs = []
     for kernels_on in (True, False):
@@ -201,3 +201,69 @@ def test_flash_decode_on_the_active_rows_equals_the_masked_window(smollm2, optio
         for c in store.caches:  # the second pass starts from empty caches too
             c.delete(c.cached_ids())
     assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
+
+
+def _decode_logits(model, tok, n=4):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = model(mx.array([tok.encode("The quick brown fox jumps over")]), cache=cache)[:, -1]
+    outs = [out]
+    for _ in range(n):
+        out = model(mx.argmax(out, axis=-1)[:, None], cache=cache)[:, -1]
+        outs.append(out)
+    return mx.concatenate(outs)
+
+
+@pytest.mark.parametrize("options", [dict(mode="naive"), dict(mode="hybrid", prefetch=False),
+                                     dict(mode="flash", sparsity="oracle", density=0.5),
+                                     dict(mode="flash", sparsity="oracle", density=0.5, overlap=True)])
+def test_packed_rows_equal_dequantized_rows(smollm2, options):
+    """A quantized model's FFN rows held at their bits (the default on the CPU: packed caches,
+    computed by qmv_rows / qaxpy_cols) give the logits of the rows dequantized on read, prompt
+    and decode, at 1/7 of the DRAM."""
+    packed, tok = mlx_flash.load(smollm2, **options)
+    flat, _ = mlx_flash.load(smollm2, ffn_rows="float32", **options)
+    assert packed.runtime.store.packed is not None and flat.runtime.store.packed is None
+    assert packed.runtime.plan.ffn_dram_bytes < flat.runtime.plan.ffn_dram_bytes / 5
+    assert mx.abs(_decode_logits(packed, tok) - _decode_logits(flat, tok)).max().item() < 1e-4
+
+
+def test_ffn_rows_quantized_is_refused_where_it_cannot_run(smollm2, tmp_path):
+    from mlx_flash.errors import FlashError
+
+    with pytest.raises(FlashError, match="--ffn-rows quantized needs"):
+        mlx_flash.load(smollm2, mode="naive", ffn_rows="quantized", dtype="float16")
+
+
+def test_qmv_rows_and_qaxpy_cols_check_their_indices():
+    from mlx_flash.kernels import qaxpy_cols, qmv_rows
+    from mlx_flash.layout.quant import QuantSpec
+
+    spec = QuantSpec(4, 32, "float16")
+    buf = np.zeros((4, 64 * 4 // 8 + 2 * 2 * 2), np.uint8)  # 4 rows of 64 values + 2 scales + 2 biases
+    x = np.ones(64, np.float32)
+    assert qmv_rows(kernels, x, buf, np.array([0, 3]), spec, 32, 36).shape == (2,)
+    with pytest.raises(ValueError, match="out of range"):
+        qmv_rows(kernels, x, buf, np.array([4]), spec, 32, 36)
+    tables = (np.ones((2, 64), np.float16), np.zeros((2, 64), np.float16))
+    h = np.ones(2, np.float32)
+    assert qaxpy_cols(kernels, h, buf, np.array([0, 1]), np.array([0, 1]), tables, spec).shape == (64,)
+    with pytest.raises(ValueError, match="ordered"):
+        qaxpy_cols(kernels, h, buf, np.array([0, 1]), np.array([1, 0]), tables, spec)
+
+
+def test_the_pool_survives_resizing():
+    """Workers started after a resize wait for the next job (they once took the stop signal of
+    the workers before them and exited, and the next call waited forever)."""
+    wq, s, b = mx.quantize(mx.random.normal((512, 256)), group_size=64, bits=4)
+    q = QuantMatrix(kernels, wq, s, b, 4, 64)
+    x = np.ones(256, np.float32)
+    want = q.matvec(x)
+    try:
+        for n in (2, 1, 3, 2, 2, 4):
+            kernels.set_threads(n)
+            for _ in range(3):
+                np.testing.assert_allclose(q.matvec(x), want, rtol=1e-5)
+    finally:
+        kernels.set_threads(default_threads())

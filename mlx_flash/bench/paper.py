@@ -183,6 +183,7 @@ def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, cu
     # else every row held (the window's, masked; naive / hybrid: all of them)
     selected = getattr(store, "source", None) is not None and getattr(store, "kernels", None) is not None
     ffn_rows = mean["active"] if selected else store.held_rows
+    neuron_bytes = plan.neuron_bytes  # as the store holds a row: float32, or a bundle's packed bytes
     computed = resident_bytes + plan.source_bytes + ffn_rows * neuron_bytes
     row = {
         "config": config,

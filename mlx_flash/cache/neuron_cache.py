@@ -25,17 +25,23 @@ from ..io.reader import move_rows
 
 class NeuronCache:
     """arena: hold the rows at float16 and hand them out converted to float32 through
-    this Arena (models/half.py), which must hold capacity * len(kinds) * d_model values."""
+    this Arena (models/half.py), which must hold capacity * len(kinds) * d_model values.
+    packed: {kind: bytes}: hold each kind's part of a quantized bundle as it is on flash
+    (packed values, inline scales), that many bytes a row (a multiple of 4; the matrices
+    are float32 containers of raw bytes, never computed on by MLX: the native kernels
+    read them, models/ffn.py)."""
 
-    def __init__(self, capacity, n_neurons, d_model, kinds, dtype=mx.float32, arena=None):
+    def __init__(self, capacity, n_neurons, d_model, kinds, dtype=mx.float32, arena=None, packed=None):
         self.capacity = capacity
         self.n_neurons = n_neurons
         self.kinds = tuple(kinds)
         self.arena = arena
+        self.packed = packed
         if arena is not None:
             assert arena.values >= capacity * len(self.kinds) * d_model, "arena too small for the cache"
             dtype = mx.float16
-        self.matrices = {k: mx.zeros((capacity, d_model), dtype=dtype) for k in kinds}
+        widths = {k: packed[k] // 4 for k in kinds} if packed else dict.fromkeys(kinds, d_model)
+        self.matrices = {k: mx.zeros((capacity, widths[k]), dtype=mx.float32 if packed else dtype) for k in kinds}
         mx.eval(list(self.matrices.values()))
         # Writable views of the MLX buffers: the reader and delete() write here.
         self.views = {k: np.array(m, copy=False) for k, m in self.matrices.items()}

@@ -82,3 +82,31 @@ def gather_axpy(kernels, h, w, sel):
     y = np.empty(w.shape[1], np.float32)
     kernels.gather_axpy(h, w, sel, y, w.shape[1])
     return y
+
+
+def _int64(a):
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def qmv_rows(kernels, x, buf, sel, spec, scales_off, biases_off):
+    """x @ row.T for the rows `sel` of `buf` (uint8 / any NumPy [rows, row_stride] bytes),
+    each row's packed values (spec: QuantSpec) at byte 0, its scales and biases at their
+    offsets -> float32 [len(sel)]."""
+    y = np.empty(len(sel), np.float32)
+    kernels.qmv_rows(x, buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, x.size, spec.bits,
+                     spec.group_size, SCALE_CODES[_MX[spec.scale_dtype]])
+    return y
+
+
+def qaxpy_cols(kernels, h, buf, sel, trow, tables, spec):
+    """sum_i h[i] * column sel[i] of `buf`, each packed values whose value c is
+    scales[trow[i], c] * q + biases[trow[i], c] (tables: the layer's (scales, biases) as
+    stored; sel ordered by trow) -> float32 [d]."""
+    scales, biases = tables
+    y = np.empty(scales.shape[1], np.float32)
+    kernels.qaxpy_cols(h, buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
+                       spec.bits, SCALE_CODES[_MX[spec.scale_dtype]])
+    return y
+
+
+_MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

@@ -52,13 +52,21 @@ typedef struct {
     int64_t n, k, g, bits, scode, row_bytes;
     int simd, kind;
     /* GATHER_*: float32 rows W [*, k] (w, row_bytes apart), the m rows `sel` of it,
-     * and h [m] (GATHER_AXPY: y = sum_i h[i] * W[sel[i]], n = k columns to share out) */
+     * and h [m] (GATHER_AXPY: y = sum_i h[i] * W[sel[i]], n = k columns to share out).
+     * QMV: sel (if not NULL) picks the rows; scales / biases of row r at s / b + r * stride
+     * (a cache row holding its packed values, scales and biases back to back) */
     const int64_t *sel;
     const float *h;
-    int64_t m;
+    int64_t m, s_stride, b_stride;
+    /* QAXPY_COLS: rows sel[0 .. m-1] of w, each a column of packed values whose value c
+     * is ts[trow[i]][c] * q + tb[trow[i]][c] (tables t_stride bytes a row, scode), rows
+     * ordered by trow; y[c] = sum_i h[i] * value */
+    const int64_t *trow;
+    const uint8_t *ts, *tb;
+    int64_t t_stride;
 } job_t;
 
-enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3 };
+enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4 };
 
 /* ---- one row */
 
@@ -241,6 +249,46 @@ static void gather_axpy(const job_t *j, int64_t c0, int64_t c1) {
     }
 }
 
+/* QAXPY_COLS, values [c0, c1) of every column: per run of rows sharing a table row t,
+ * acc = sum_i h_i * q_i and hs = sum_i h_i, then y += ts[t] * acc + tb[t] * hs.
+ * acc: scratch of c1 - c0 floats. */
+static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
+    const int64_t n = c1 - c0, bits = j->bits;
+    float *y = j->y;
+    uint8_t q[128];
+    for (int64_t c = c0; c < c1; c++) y[c] = 0;
+    int64_t i = 0;
+    while (i < j->m) {
+        const int64_t t = j->trow[i];
+        float hs = 0;
+        for (int64_t c = 0; c < n; c++) acc[c] = 0;
+        for (; i < j->m && j->trow[i] == t; i++) {
+            const uint8_t *p = j->w + j->sel[i] * j->row_bytes + c0 * bits / 8;
+            const float h = j->h[i];
+            hs += h;
+            for (int64_t b = 0; b < n; b += 128) {
+                const int64_t len = n - b < 128 ? n - b : 128;
+                const uint8_t *qb = q;
+                if (bits == 8)
+                    qb = p + b;
+                else
+                    unpack_bits(p + b * bits / 8, bits, len, q);
+                for (int64_t v = 0; v < len; v++) {
+                    const float u = h * (float)qb[v];
+                    acc[b + v] += u;
+                }
+            }
+        }
+        const uint8_t *sr = j->ts + t * j->t_stride, *br = j->tb + t * j->t_stride;
+        const int64_t ssz = j->scode == F32 ? 4 : 2;
+        for (int64_t c = 0; c < n; c++) {
+            const float a = load_scale(sr + (c0 + c) * ssz, j->scode) * acc[c];
+            const float bb = load_scale(br + (c0 + c) * ssz, j->scode) * hs;
+            y[c0 + c] += a + bb;
+        }
+    }
+}
+
 /* rows [r0, r1) of the job; sc, bi: scratch for one row's K / g scales and biases */
 static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi) {
     if (j->kind == GATHER_MV) {
@@ -251,9 +299,14 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
         gather_axpy(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15); /* shares of whole 64-byte lines */
         return;
     }
-    const int64_t ng = j->k / j->g, ssz = j->scode == F32 ? 4 : 2;
+    if (j->kind == QAXPY_COLS) { /* shares of whole 32-value blocks: whole bytes at any width */
+        qaxpy_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
+        return;
+    }
+    const int64_t ng = j->k / j->g;
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *w = j->w + r * j->row_bytes, *sp = j->s + r * ng * ssz, *bp = j->b + r * ng * ssz;
+        const int64_t rr = j->sel ? j->sel[r] : r;
+        const uint8_t *w = j->w + rr * j->row_bytes, *sp = j->s + rr * j->s_stride, *bp = j->b + rr * j->b_stride;
         if (j->kind == DEQUANTIZE) {
             scales_f32(sp, j->scode, ng, sc);
             scales_f32(bp, j->scode, ng, bi);
@@ -284,7 +337,7 @@ static struct {
     int n;        /* threads in all, the caller's included; 1: no workers */
     int want;     /* threads asked for (set_threads) */
     pid_t pid;    /* the process that started the workers */
-    uint64_t gen;
+    uint64_t gen, start_gen;
     int pending;
     const job_t *job;
     float *scratch;  /* scratch_per = 2 * (K / g) floats for each of scratch_n threads */
@@ -300,7 +353,7 @@ static void share(const job_t *j, int i, int n) {
 
 static void *worker(void *arg) {
     const int i = (int)(intptr_t)arg;
-    uint64_t seen = 0;
+    uint64_t seen = pool.start_gen; /* set before this thread started; no job runs meanwhile */
     pthread_mutex_lock(&pool.mu);
     for (;;) {
         while (pool.gen == seen) pthread_cond_wait(&pool.go, &pool.mu);
@@ -337,6 +390,7 @@ static int pool_start(int64_t scratch_per) {
             for (int i = 1; i < pool.n; i++) pthread_join(pool.th[i], NULL);
         }
         pool.n = 1;
+        pool.start_gen = pool.gen; /* new workers wait for the next generation, not a stopped one */
         for (int i = 1; i < want; i++) {
             if (pthread_create(&pool.th[i], NULL, worker, (void *)(intptr_t)i)) break;
             pool.n = i + 1;
@@ -374,6 +428,24 @@ static void run_job(const job_t *j) {
 
 static pthread_mutex_t calls = PTHREAD_MUTEX_INITIALIZER;
 
+/* x's group sums and its 4-bit SIMD order (per 16 values: 8 even-indexed, then 8 odd) */
+static void prepare_x(const float *xf, int64_t k, int64_t group, float *xsum, float *xp) {
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        float acc[8] = {0}, t = 0;
+        for (int64_t i = 0; i < group; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] += xf[g0 + i + l];
+        for (int l = 0; l < 8; l++) t += acc[l];
+        xsum[g0 / group] = t;
+    }
+    for (int64_t i = 0; i < k; i += 16)
+        for (int l = 0; l < 8; l++) xp[i + l] = xf[i + 2 * l], xp[i + 8 + l] = xf[i + 2 * l + 1];
+}
+
+static int valid_width(long long bits, long long group) {
+    return (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
+           (group == 32 || group == 64 || group == 128);
+}
+
 /* qmv(x, w, scales, biases, y, n, k, bits, group, scale_code): y[:n] = x @ W.T, x float32 [k];
  * dequantize(None, w, scales, biases, y, ...): y[n, k] = W's values in float32 */
 static PyObject *run(PyObject *args, int dequantize) {
@@ -405,18 +477,10 @@ static PyObject *run(PyObject *args, int dequantize) {
             goto out;
         }
         xp = xsum + ng;
-        for (int64_t g0 = 0; g0 < k; g0 += group) {
-            float acc[8] = {0}, t = 0;
-            for (int64_t i = 0; i < group; i += 8)
-                for (int l = 0; l < 8; l++) acc[l] += xf[g0 + i + l];
-            for (int l = 0; l < 8; l++) t += acc[l];
-            xsum[g0 / group] = t;
-        }
-        for (int64_t i = 0; i < k; i += 16) /* the 4-bit SIMD order: 8 even, then 8 odd */
-            for (int l = 0; l < 8; l++) xp[i + l] = xf[i + 2 * l], xp[i + 8 + l] = xf[i + 2 * l + 1];
+        prepare_x(xf, k, group, xsum, xp);
     }
     job_t j = {w.buf, s.buf, b.buf, xf, xp, xsum, y.buf, n, k, group, bits, sc, row_bytes, use_simd,
-               dequantize ? DEQUANTIZE : QMV, NULL, NULL, 0};
+               dequantize ? DEQUANTIZE : QMV, NULL, NULL, 0, ng * ssz, ng * ssz, NULL, NULL, NULL, 0};
     int started;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&calls); /* one job at a time: callers on two Python threads take turns */
@@ -448,6 +512,117 @@ static PyObject *py_qmv(PyObject *mod, PyObject *args) {
 static PyObject *py_dequantize(PyObject *mod, PyObject *args) {
     (void)mod;
     return run(args, 1);
+}
+
+/* the selected rows of a buffer, each [packed values | scales | biases] or a packed column:
+ *   qmv_rows(x, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code):
+ *     y[i] = x . row sel[i] (values, then its k / group scales and biases at their offsets)
+ *   qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code):
+ *     y = sum_i h[i] * column sel[i], whose value c is scales[trow[i], c] * q + biases[trow[i], c]
+ *     (tables [T, k] C-contiguous; rows ordered by trow)
+ * sel, trow int64; every index checked against the buffer and the tables. */
+static PyObject *py_qmv_rows(PyObject *mod, PyObject *args) {
+    Py_buffer x, w, sel, y;
+    long long stride, soff, boff, k, bits, group, sc;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "y*y*LLLy*w*LLLL", &x, &w, &stride, &soff, &boff, &sel, &y, &k, &bits,
+                          &group, &sc))
+        return NULL;
+    PyObject *result = NULL;
+    float *xsum = NULL;
+    const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0;
+    const int64_t rows = stride > 0 ? w.len / stride : 0;
+    int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && k > 0 && k % group == 0 &&
+             sel.len % 8 == 0 && x.len == 4 * k && y.len == 4 * m && stride >= k * bits / 8 &&
+             soff >= k * bits / 8 && soff + ng * ssz <= stride && boff >= 0 && boff + ng * ssz <= stride &&
+             ((uintptr_t)x.buf % 4) == 0 && ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0;
+    const int64_t *ids = (const int64_t *)sel.buf;
+    for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "qmv_rows: arguments of the wrong size or kind (or a row out of range)");
+        goto out;
+    }
+    if (!(xsum = malloc(sizeof(float) * (size_t)(ng + k)))) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    prepare_x(x.buf, k, group, xsum, xsum + ng);
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.w = w.buf, j.s = (const uint8_t *)w.buf + soff, j.b = (const uint8_t *)w.buf + boff;
+    j.x = x.buf, j.xp = xsum + ng, j.xsum = xsum, j.y = y.buf, j.n = m, j.k = k, j.g = group, j.bits = bits;
+    j.scode = sc, j.row_bytes = stride, j.s_stride = stride, j.b_stride = stride, j.simd = use_simd;
+    j.kind = QMV, j.sel = ids;
+    int started;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls);
+    started = pool_start(2 * ng) == 0;
+    if (started) run_job(&j);
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    if (!started) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    free(xsum);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&sel);
+    PyBuffer_Release(&y);
+    return result;
+}
+
+static PyObject *py_qaxpy_cols(PyObject *mod, PyObject *args) {
+    Py_buffer h, w, sel, trow, ts, tb, y;
+    long long stride, k, bits, sc;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "y*y*Ly*y*y*y*w*LLL", &h, &w, &stride, &sel, &trow, &ts, &tb, &y, &k, &bits, &sc))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, rows = stride > 0 ? w.len / stride : 0;
+    const int64_t trows = k > 0 ? ts.len / (k * ssz) : 0;
+    int ok = valid_width(bits, 32) && sc >= F32 && sc <= BF16 && k > 0 && k % 32 == 0 && sel.len % 8 == 0 &&
+             trow.len == sel.len && h.len == 4 * m && y.len == 4 * k && stride >= k * bits / 8 &&
+             ts.len == trows * k * ssz && tb.len == ts.len && ((uintptr_t)h.buf % 4) == 0 &&
+             ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)trow.buf % 8) == 0;
+    const int64_t *ids = (const int64_t *)sel.buf, *tr = (const int64_t *)trow.buf;
+    for (int64_t i = 0; ok && i < m; i++)
+        ok = ids[i] >= 0 && ids[i] < rows && tr[i] >= 0 && tr[i] < trows && (i == 0 || tr[i] >= tr[i - 1]);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "qaxpy_cols: arguments of the wrong size or kind (or an index out "
+                                          "of range, or rows not ordered by table row)");
+        goto out;
+    }
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.m = m, j.h = h.buf, j.y = y.buf;
+    j.ts = ts.buf, j.tb = tb.buf, j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.n = k;
+    j.kind = QAXPY_COLS, j.simd = use_simd;
+    int started;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls);
+    started = pool_start(2 * k) == 0;
+    if (started) run_job(&j);
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    if (!started) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&sel);
+    PyBuffer_Release(&trow);
+    PyBuffer_Release(&ts);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&y);
+    return result;
 }
 
 /* gather_mv(x, W, sel, y): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y): y = sum_i h[i] W[sel[i]].
@@ -532,6 +707,10 @@ static PyMethodDef methods[] = {
     {"qmv", py_qmv, METH_VARARGS, "qmv(x, w, scales, biases, y, n, k, bits, group, scale_code)"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(None, w, scales, biases, y, n, k, bits, group, scale_code)"},
+    {"qmv_rows", py_qmv_rows, METH_VARARGS,
+     "qmv_rows(x, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code)"},
+    {"qaxpy_cols", py_qaxpy_cols, METH_VARARGS,
+     "qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
     {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
     {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},

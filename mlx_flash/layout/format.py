@@ -155,6 +155,11 @@ class BundleLayout:
             out.append((self.kind_offset(k), self.d_model, src, views[k]))
         return out
 
+    def raw_segments(self, views, kinds=None):
+        """Segments copying each kind's part of a quantized bundle as it is (packed values and
+        inline scales) into views[kind], float32 containers of kind_bytes / 4 values a row."""
+        return [(self.kind_offset(k), self.kind_bytes(k) // 4, "float32", views[k]) for k in kinds or self.kinds]
+
     def split(self, raw, tables=None, first=0):
         """Bytes of consecutive bundles (the first one bundle `first`) -> {kind: float32 array
         [n, d_model]}; tables: {kind: (scales, biases)} of the layer, for column kinds."""

@@ -19,6 +19,19 @@ from ..errors import FlashError
 
 
 @dataclass
+class PackedRows:
+    """Rows of a cache that holds a quantized layout's bundle parts as they are on flash
+    (runtime/stores: packed caches): the native kernels compute on them in place."""
+
+    views: dict  # {kind: NumPy [capacity, kind_bytes / 4] float32 containers of raw bytes}
+    sel: np.ndarray  # the rows to use (int64)
+    ids: np.ndarray  # their neuron ids (the column kinds' table rows: id // group)
+    layout: object  # the BundleLayout (quant spec, kind bytes, which kinds are columns)
+    tables: Optional[dict]  # {kind: (scales, biases)} of the layer, for column kinds
+    kernels: object
+
+
+@dataclass
 class FFNRows:
     up: mx.array  # [n, d_model]
     down: mx.array  # [n, d_model]
@@ -29,6 +42,7 @@ class FFNRows:
     # one token on the CPU: (NumPy views {kind: [capacity, d_model]} of a float32 cache, the
     # rows this token uses, the native kernels); up / down / gate are then None
     select: Optional[tuple] = None
+    packed: Optional[PackedRows] = None  # rows at their bits (then up / down / gate are None)
 
 
 def fatrelu(threshold):
@@ -112,8 +126,8 @@ class FlashFFN(nn.Module):
             if rows.h is not None:
                 y = rows.h @ rows.down if y is None else y + rows.h @ rows.down
                 continue
-            if rows.select is not None:
-                part = self._selected(x, rows)
+            if rows.select is not None or rows.packed is not None:
+                part = self._selected(x, rows) if rows.packed is None else self._packed(x, rows)
                 y = part if y is None else y + part
                 continue
             h = x @ rows.up.T
@@ -150,6 +164,47 @@ class FlashFFN(nn.Module):
         mx.eval(h)
         y = gather_axpy(kernels, np.array(h.astype(mx.float32), copy=False), views["down"], sel)
         return mx.array(y).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
+
+    def _packed(self, x, rows):
+        """The FFN over rows held at their bits, a position at a time (native kernels: gate /
+        up rows with inline scales, down columns with the layer's scale table)."""
+        from ..kernels import qaxpy_cols, qmv_rows
+
+        p = rows.packed
+        lay, spec, d = p.layout, p.layout.quant, self.d_model
+        if p.sel.size == 0:
+            return mx.zeros(x.shape[:-1] + (d,), dtype=x.dtype)
+        mx.eval(x)
+        xs = np.array(x.astype(mx.float32), copy=False).reshape(-1, d)
+        mask = None if rows.mask is None else np.array(rows.mask.astype(mx.float32)).reshape(xs.shape[0], -1)
+        scales_off = spec.packed_bytes(d)
+        biases_off = scales_off + (d // spec.group_size) * np.dtype(
+            np.uint16 if spec.scale_dtype == "bfloat16" else spec.scale_dtype).itemsize
+        raw = {k: v.view(np.uint8) for k, v in p.views.items()}
+        order = np.argsort(p.ids // spec.group_size, kind="stable")  # the column kernel's row order
+        trow = (p.ids // spec.group_size)[order]
+
+        def product(kind, v):
+            return qmv_rows(p.kernels, v, raw[kind], p.sel, spec, scales_off, biases_off)
+
+        out = []
+        for t in range(xs.shape[0]):
+            v = np.ascontiguousarray(xs[t])
+            h = mx.array(product("up", v))
+            if "up_bias" in self:
+                h = h + self.up_bias[rows.ids]
+            h = self._act(mx.array(product("gate", v))) * h if self.gated else self._act(h)
+            if mask is not None:
+                h = h * mx.array(mask[t])
+            mx.eval(h)
+            hn = np.array(h.astype(mx.float32))
+            if "down" in lay.columns:
+                out.append(qaxpy_cols(p.kernels, np.ascontiguousarray(hn[order]), raw["down"], p.sel[order],
+                                      trow, p.tables["down"], spec))
+            else:
+                raise FlashError("packed rows: a quantized down kind stored as rows is not supported")
+        y = mx.array(np.stack(out))
+        return y.reshape(*x.shape[:-1], d).astype(x.dtype)
 
     def _in_halves(self, x):
         """A prompt chunk whose neurons do not fit the store: run it in two halves.

@@ -20,8 +20,8 @@ from ..layout.quant import value_shapes
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, _too_small, make_plan, parse_budget
-from .config import FlashConfig, keep_quantized
-from .stores.base import read_layer_file
+from .config import FlashConfig, keep_quantized, packed_ffn_rows
+from .stores.base import cpu_kernels, read_layer_file
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -291,6 +291,10 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
+    packed = packed_ffn_rows(config, lay.quant is not None, "float32" if dtype == mx.float32 else "other",
+                             held, cpu_kernels() is not None)
+    if packed:  # a neuron costs its bundle's bytes, not its float32 values
+        neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds)
     plan = make_plan(mode, budget, resident.held_bytes, source.resident_bytes if source else 0,
                      neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
                      window=10**9 if window is None else window, req=req,
@@ -298,10 +302,10 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
     reader = FlashReader(threads=config.threads, direct=True)
     if mode == "flash":
         store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
-                           overlap=config.overlaps, tables=tables, crcs=crcs)
+                           overlap=config.overlaps, tables=tables, crcs=crcs, packed=packed)
     else:
         store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables,
-                              crcs=crcs)
+                              crcs=crcs, packed=packed)
     return plan, store
 
 

@@ -50,6 +50,12 @@ class FlashConfig:
         "'quantized' holds them at their bits (1/7 of float32's DRAM; on the CPU the native quantized "
         "matvec, ~10x float32's decode), float32 dequantizes them at load; default: quantized (float32 "
         "on a CPU without the native kernels, unless --memory-budget is given)", "--resident-dtype", RESIDENT_DTYPES)
+    ffn_rows: str | None = _opt(
+        None, "a quantized model's FFN rows in DRAM (caches, streaming buffers): 'quantized' keeps "
+        "them at their bits as read (1/7 of float32's DRAM, computed on by the native kernels on the "
+        "CPU), float32 dequantizes them as they are read; default: quantized where the kernels run "
+        "(the CPU, float32 compute, no --resident-dtype float16), else float32",
+        "--ffn-rows", ("quantized", "float32"))
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
                           "next layer's rows; flash: the missing neurons while the cached ones compute)",
                           "--no-prefetch", negate=True)
@@ -123,6 +129,15 @@ def keep_quantized(config, on_cpu):
 
         return kernels_module()[0] is not None
     return config.resident_dtype == "quantized"
+
+
+def packed_ffn_rows(config, quantized_layout, compute, held, kernels):
+    """Keep a quantized layout's FFN rows at their bits in the caches? (see ffn_rows)"""
+    possible = quantized_layout and compute == "float32" and not held and kernels
+    if config.ffn_rows == "quantized" and not possible:
+        raise FlashError("--ffn-rows quantized needs a quantized model, float32 compute and the native "
+                         "kernels on the CPU" + ("" if kernels else " (not built, or not on the CPU)"))
+    return possible and config.ffn_rows != "float32"
 
 
 def option_names():

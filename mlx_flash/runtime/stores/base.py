@@ -21,7 +21,7 @@ from ...cache import NeuronCache
 from ...errors import FlashError
 from ...io.reader import ChecksumError
 from ...layout.format import check_file
-from ...models.ffn import FFNRows
+from ...models.ffn import FFNRows, PackedRows
 from ..stats import TokenStats
 
 
@@ -81,13 +81,17 @@ def _reads(memo, layout, cache, tables, crc, bundled):
     hit = memo.get(key) if memo is not None else None
     if hit is not None and hit[0] is cache:
         return hit[1]
+    def segments(kinds=None):  # a packed cache takes the bytes as they are
+        return (layout.raw_segments(cache.views, kinds) if cache.packed else
+                layout.segments(cache.views, tables, kinds))
+
     if bundled:
         parts = tuple((o, n, j) for j, (o, n) in enumerate(layout.parts()))
-        reads = [(0, tuple(layout.segments(cache.views, tables)), None if crc is None else (crc, parts))]
+        reads = [(0, tuple(segments()), None if crc is None else (crc, parts))]
     else:
         reads = []
         for j, k in enumerate(layout.kinds):
-            (off, n, src, dst), = layout.segments(cache.views, tables, kinds=[k])
+            (off, n, src, dst), = segments([k])
             reads.append((off, ((0, n, src, dst),), None if crc is None else (crc, ((0, layout.kind_bytes(k), j),))))
     if memo is not None:
         memo[key] = (cache, reads)  # the cache pins the key's identity; tables and crc are the store's
@@ -113,8 +117,13 @@ class Store:
         docstring). -> the current pass's stats row."""
         if layer == 0:
             self.stats.begin(int(np.prod(x.shape[:-1])))
+        self._layer = layer
         mx.eval(x)
         return self.stats.cur
+
+    def tables_of(self, cache):
+        """The scale tables of the rows in `cache` now: the layer being computed's."""
+        return self.tables[self._layer]
 
     def _counts(self):
         s = self.reader.stats
@@ -157,7 +166,9 @@ class NeuronFileStore(Store):
     i+1's cache converted meanwhile."""
 
     def __init__(self, folder, manifest, plan, reader, dtype=mx.float32, bundled=True, tables=None,
-                 crcs=None):
+                 crcs=None, packed=False):
+        """packed: a quantized layout's rows stay at their bits in the caches (the CPU's native
+        kernels compute on them); else they are dequantized as they are read."""
         self.plan = plan
         self.tables = tables or [None] * len(manifest.ffn_files)  # per layer (quantized layouts)
         self.crcs = crcs or [None] * len(manifest.ffn_files)  # per layer: checksums, unless --no-verify
@@ -174,14 +185,18 @@ class NeuronFileStore(Store):
             from ...models.half import Arena
 
             self.arenas = [Arena(max(plan.arena_rows // bufs, 1) * d * len(self.kinds)) for _ in range(bufs)]
+        self.kernels = cpu_kernels()
+        self.packed = {k: lay.kind_bytes(k) for k in self.kinds} if packed else None
+        if packed and (lay.quant is None or self.kernels is None or self.arenas):
+            raise FlashError("packed FFN rows need a quantized layout, float32 compute and the native "
+                             "kernels on the CPU")
         self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype,
-                                   self.arenas[0] if self.arenas else None)
+                                   self.arenas[0] if self.arenas else None, self.packed)
                        for i in range(len(self.files))]
-        self.buffers = [NeuronCache(max(plan.scratch_rows // bufs, 1), n, d, self.kinds, dtype)
-                        for _ in range(bufs)]
+        self.buffers = [NeuronCache(max(plan.scratch_rows // bufs, 1), n, d, self.kinds, dtype,
+                                    packed=self.packed) for _ in range(bufs)]
         self.scratch = self.buffers[0]
         self.stats = TokenStats()
-        self.kernels = cpu_kernels()
 
     @property
     def weights_bytes(self):
@@ -222,10 +237,19 @@ class NeuronFileStore(Store):
         (FFNRows.select) and the FFN computes on those alone (kernels' gather_mv / _axpy),
         not on the whole window masked (~5x the bytes with the paper's trace)."""
         cached = cache.cached_ids()
+        lo = 0 if rows is None else rows.start
+        span = cached if rows is None else cached[rows]
+        if cache.packed:  # every row, or each token's (the union when several: their mask then)
+            on = None if mask is None else mask[:, span]
+            sel = lo + (np.arange(span.size) if on is None else np.flatnonzero(on.any(axis=0)))
+            keep = None
+            if on is not None and on.shape[0] > 1 and not on[:, sel - lo].all():
+                keep = mx.array(on[:, sel - lo]).reshape(*shape[:-1], -1)
+            return FFNRows(up=None, down=None, ids=mx.array(cache.row_to_id[sel]), mask=keep,
+                           packed=PackedRows(cache.views, sel.astype(np.int64), cache.row_to_id[sel],
+                                             self.layout, self.tables_of(cache), self.kernels))
         if (mask is not None and mask.shape[0] == 1 and converted is None and cache.arena is None
                 and self.kernels is not None):
-            lo = 0 if rows is None else rows.start
-            span = cached if rows is None else cached[rows]
             sel = (lo + np.flatnonzero(mask[0, span])).astype(np.int64)
             return FFNRows(up=None, down=None, ids=mx.array(cache.row_to_id[sel]),
                            select=(cache.views, sel, self.kernels))

@@ -183,7 +183,7 @@ def test_flash_decode_on_the_active_rows_equals_the_masked_window(smollm2, optio
     logits as the masked product over the whole window, token after token."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, tok = mlx_flash.load(smollm2, mode="flash", ffn_rows="float32", **options)
+    model, tok = mlx_flash.load(smollm2, mode="flash", **options)  # float32 rows: flash's default
     store = model.runtime.store
     assert store.kernels is not None and store.packed is None
     prompt = mx.array([tok.encode("Write a short poem about rivers")])
@@ -216,14 +216,15 @@ def _decode_logits(model, tok, n=4):
 
 
 @pytest.mark.parametrize("options", [dict(mode="naive"), dict(mode="hybrid", prefetch=False),
-                                     dict(mode="flash", sparsity="oracle", density=0.5),
-                                     dict(mode="flash", sparsity="oracle", density=0.5, overlap=True)])
+                                     dict(mode="flash", sparsity="oracle", density=0.5, ffn_rows="quantized"),
+                                     dict(mode="flash", sparsity="oracle", density=0.5, overlap=True,
+                                          ffn_rows="quantized")])
 def test_packed_rows_equal_dequantized_rows(smollm2, options):
-    """A quantized model's FFN rows held at their bits (the default on the CPU: packed caches,
-    computed by qmv_rows / qaxpy_cols) give the logits of the rows dequantized on read, prompt
-    and decode, at 1/7 of the DRAM."""
+    """A quantized model's FFN rows held at their bits (the CPU's default for naive / hybrid:
+    packed caches, computed by qmv_rows / qaxpy_cols) give the logits of the rows dequantized
+    on read, prompt and decode, at 1/7 of the DRAM."""
     packed, tok = mlx_flash.load(smollm2, **options)
-    flat, _ = mlx_flash.load(smollm2, ffn_rows="float32", **options)
+    flat, _ = mlx_flash.load(smollm2, **(options | dict(ffn_rows="float32")))
     assert packed.runtime.store.packed is not None and flat.runtime.store.packed is None
     assert packed.runtime.plan.ffn_dram_bytes < flat.runtime.plan.ffn_dram_bytes / 5
     assert mx.abs(_decode_logits(packed, tok) - _decode_logits(flat, tok)).max().item() < 1e-4

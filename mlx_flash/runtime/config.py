@@ -53,8 +53,10 @@ class FlashConfig:
     ffn_rows: str | None = _opt(
         None, "a quantized model's FFN rows in DRAM (caches, streaming buffers): 'quantized' keeps "
         "them at their bits as read (1/7 of float32's DRAM, computed on by the native kernels on the "
-        "CPU), float32 dequantizes them as they are read; default: quantized where the kernels run "
-        "(the CPU, float32 compute, no --resident-dtype float16), else float32",
+        "CPU), float32 dequantizes them as they are read; default: quantized for naive / hybrid where "
+        "the kernels run (the CPU, float32 compute, no --resident-dtype float16), else float32 (flash "
+        "mode's few active rows fall in many groups of the down scales: at its bits its compute was "
+        "measured 741-985 vs 733-796 ms per OPT-6.7B token, benchmark paper)",
         "--ffn-rows", ("quantized", "float32"))
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
                           "next layer's rows; flash: the missing neurons while the cached ones compute)",
@@ -133,11 +135,13 @@ def keep_quantized(config, on_cpu):
 
 def packed_ffn_rows(config, quantized_layout, compute, held, kernels):
     """Keep a quantized layout's FFN rows at their bits in the caches? (see ffn_rows)"""
-    possible = quantized_layout and compute == "float32" and not held and kernels
+    possible = bool(quantized_layout and compute == "float32" and not held and kernels)
     if config.ffn_rows == "quantized" and not possible:
         raise FlashError("--ffn-rows quantized needs a quantized model, float32 compute and the native "
                          "kernels on the CPU" + ("" if kernels else " (not built, or not on the CPU)"))
-    return possible and config.ffn_rows != "float32"
+    if config.ffn_rows is None:
+        return possible and config.mode in ("naive", "hybrid")
+    return possible and config.ffn_rows == "quantized"
 
 
 def option_names():

@@ -428,6 +428,23 @@ static void run_job(const job_t *j) {
 
 static pthread_mutex_t calls = PTHREAD_MUTEX_INITIALIZER;
 
+/* run a job on the pool (scratch: floats per thread), the GIL released; one job at a time:
+ * callers on two Python threads take turns. -> 0, or -1 with MemoryError set */
+static int dispatch(const job_t *j, int64_t scratch) {
+    int started;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls);
+    started = pool_start(scratch) == 0;
+    if (started) run_job(j);
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    if (!started) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
 /* x's group sums and its 4-bit SIMD order (per 16 values: 8 even-indexed, then 8 odd) */
 static void prepare_x(const float *xf, int64_t k, int64_t group, float *xsum, float *xp) {
     for (int64_t g0 = 0; g0 < k; g0 += group) {
@@ -481,17 +498,7 @@ static PyObject *run(PyObject *args, int dequantize) {
     }
     job_t j = {w.buf, s.buf, b.buf, xf, xp, xsum, y.buf, n, k, group, bits, sc, row_bytes, use_simd,
                dequantize ? DEQUANTIZE : QMV, NULL, NULL, 0, ng * ssz, ng * ssz, NULL, NULL, NULL, 0};
-    int started;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&calls); /* one job at a time: callers on two Python threads take turns */
-    started = pool_start(2 * ng) == 0;
-    if (started) run_job(&j);
-    pthread_mutex_unlock(&calls);
-    Py_END_ALLOW_THREADS
-    if (!started) {
-        PyErr_NoMemory();
-        goto out;
-    }
+    if (dispatch(&j, 2 * ng) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -553,17 +560,7 @@ static PyObject *py_qmv_rows(PyObject *mod, PyObject *args) {
     j.x = x.buf, j.xp = xsum + ng, j.xsum = xsum, j.y = y.buf, j.n = m, j.k = k, j.g = group, j.bits = bits;
     j.scode = sc, j.row_bytes = stride, j.s_stride = stride, j.b_stride = stride, j.simd = use_simd;
     j.kind = QMV, j.sel = ids;
-    int started;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&calls);
-    started = pool_start(2 * ng) == 0;
-    if (started) run_job(&j);
-    pthread_mutex_unlock(&calls);
-    Py_END_ALLOW_THREADS
-    if (!started) {
-        PyErr_NoMemory();
-        goto out;
-    }
+    if (dispatch(&j, 2 * ng) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -601,17 +598,7 @@ static PyObject *py_qaxpy_cols(PyObject *mod, PyObject *args) {
     j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.m = m, j.h = h.buf, j.y = y.buf;
     j.ts = ts.buf, j.tb = tb.buf, j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.n = k;
     j.kind = QAXPY_COLS, j.simd = use_simd;
-    int started;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&calls);
-    started = pool_start(2 * k) == 0;
-    if (started) run_job(&j);
-    pthread_mutex_unlock(&calls);
-    Py_END_ALLOW_THREADS
-    if (!started) {
-        PyErr_NoMemory();
-        goto out;
-    }
+    if (dispatch(&j, 2 * k) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -650,17 +637,7 @@ static PyObject *gather(PyObject *args, int kind) {
         j.x = v.buf, j.n = m;
     else
         j.h = v.buf, j.n = k;
-    int started;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&calls);
-    started = pool_start(0) == 0;
-    if (started) run_job(&j);
-    pthread_mutex_unlock(&calls);
-    Py_END_ALLOW_THREADS
-    if (!started) {
-        PyErr_NoMemory();
-        goto out;
-    }
+    if (dispatch(&j, 0) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:

@@ -427,8 +427,7 @@ class Peers:
                            "threads": os.cpu_count()}
                           if "llama.cpp" in self.baselines else None),
             "model": str(self.model), "model_float32_bytes": self.f32_bytes,
-            "dtype": ("mlx: float16 on flash, float32 compute (mlx_lm: float32 export of the same values); "
-                      "llama.cpp: F32 / F16 GGUF of the same float16-rounded values"),
+            "dtype": _dtype_text(self.model),
             "limit": "; ".join(_limit_text(parse_limit(t)) for t in self.limit_texts),
             "cgroup": self.cgroup or "none",
             "flash_budget": _flash_budget_text(self.flash_budget), "calibration": self.calibration,
@@ -460,3 +459,16 @@ def _child_env(runtime=None):
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _dtype_text(folder):
+    """What the systems hold, from the flash folder's manifest."""
+    from ...layout.format import read_manifest
+
+    q = read_manifest(folder).layout.quant
+    if q is None:
+        return ("mlx: float16 on flash, float32 compute (mlx_lm: float32 export of the same values); "
+                "llama.cpp: F32 / F16 GGUF of the same float16-rounded values")
+    return (f"mlx_flash: {q.bits}-bit group {q.group_size} ({q.scale_dtype} scales) on flash and in DRAM, "
+            "float32 compute; llama.cpp: the GGUF those values came from, at its own blocks (q4_1 / q4_0: "
+            "the same values); F32 / F16 systems: the values dequantized")

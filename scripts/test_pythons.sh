@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test-pythons`: the native reader and the paths a user meets first
-# (reader, convert, parity with mlx_lm, CLI, float16-held weights) under every
+# (reader, convert, parity with mlx_lm, CLI, float16-held weights, the native kernels'
+# thread pool) under every
 # other CPython we claim, each in its own venv (.venv-py3.X) with the package
 # installed editable. The main suite (`make test`) runs on $(PYTHON), 3.11 here.
 #
@@ -15,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TESTS=(tests/test_reader.py tests/test_convert.py tests/test_parity.py tests/test_cli.py
-       tests/test_half.py)
+       tests/test_half.py tests/test_kernels.py)
 PYENV_VERSIONS="$( (command -v pyenv >/dev/null && pyenv root) || echo "$HOME/.pyenv")/versions"
 
 find_python() {  # the first candidate that runs and is that version (pyenv shims may not)

@@ -268,3 +268,30 @@ def test_the_pool_survives_resizing():
                 np.testing.assert_allclose(q.matvec(x), want, rtol=1e-5)
     finally:
         kernels.set_threads(default_threads())
+
+
+def test_dequantized_packed_rows_equal_the_reader_s_values(smollm2):
+    """dequantize_rows / dequantize_cols (a prompt over packed rows) give the values the reader
+    writes when it dequantizes the same bundles on read (--ffn-rows float32), bit for bit."""
+    from mlx_flash.kernels import dequantize_cols, dequantize_rows
+
+    packed, _ = mlx_flash.load(smollm2, mode="naive", prefetch=False)
+    flat, _ = mlx_flash.load(smollm2, mode="naive", prefetch=False, ffn_rows="float32")
+    ps, fs = packed.runtime.store, flat.runtime.store
+    x = mx.zeros((1, 1, ps.layout.d_model))
+    for s in (ps, fs):
+        s.rows(0, x)  # layer 0's bundles into the streaming buffer
+    buf, lay = ps.buffers[0], ps.layout
+    spec, d = lay.quant, lay.d_model
+    sel = np.arange(buf.num_used, dtype=np.int64)
+    ids = buf.row_to_id[sel]
+    raw = {k: v.view(np.uint8) for k, v in buf.views.items()}
+    soff = spec.packed_bytes(d)
+    boff = soff + (d // spec.group_size) * 2
+    want = {k: fs.buffers[0].views[k][fs.buffers[0].id_to_row[ids]] for k in lay.kinds}
+    for k in lay.kinds:
+        if k in lay.columns:
+            got = dequantize_cols(kernels, raw[k], sel, ids // spec.group_size, ps.tables[0][k], spec)
+        else:
+            got = dequantize_rows(kernels, raw[k], sel, spec, soff, boff, d)
+        assert np.array_equal(got, want[k]), k

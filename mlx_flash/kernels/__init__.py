@@ -110,3 +110,20 @@ def qaxpy_cols(kernels, h, buf, sel, trow, tables, spec):
 
 
 _MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def dequantize_rows(kernels, buf, sel, spec, scales_off, biases_off, k):
+    """The values of rows `sel` of `buf` (as qmv_rows reads them) -> float32 [len(sel), k]."""
+    y = np.empty((len(sel), k), np.float32)
+    kernels.dequantize_rows(buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, k, spec.bits,
+                            spec.group_size, SCALE_CODES[_MX[spec.scale_dtype]])
+    return y
+
+
+def dequantize_cols(kernels, buf, sel, trow, tables, spec):
+    """The values of columns `sel` of `buf` (as qaxpy_cols reads them) -> float32 [len(sel), d]."""
+    scales, biases = tables
+    y = np.empty((len(sel), scales.shape[1]), np.float32)
+    kernels.dequantize_cols(buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
+                            spec.bits, SCALE_CODES[_MX[spec.scale_dtype]])
+    return y

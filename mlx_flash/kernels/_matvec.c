@@ -66,7 +66,7 @@ typedef struct {
     int64_t t_stride;
 } job_t;
 
-enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4 };
+enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5 };
 
 /* ---- one row */
 
@@ -289,8 +289,35 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
     }
 }
 
+/* DEQUANT_COLS, rows [r0, r1) of sel: y[i, c] = ts[trow[i]][c] * q + tb[trow[i]][c], k values a row */
+static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
+    const int64_t ssz = j->scode == F32 ? 4 : 2, bits = j->bits;
+    uint8_t q[128];
+    for (int64_t i = r0; i < r1; i++) {
+        const uint8_t *p = j->w + j->sel[i] * j->row_bytes;
+        const uint8_t *sr = j->ts + j->trow[i] * j->t_stride, *br = j->tb + j->trow[i] * j->t_stride;
+        float *out = j->y + i * j->k;
+        for (int64_t b = 0; b < j->k; b += 128) {
+            const int64_t len = j->k - b < 128 ? j->k - b : 128;
+            const uint8_t *qb = q;
+            if (bits == 8)
+                qb = p + b;
+            else
+                unpack_bits(p + b * bits / 8, bits, len, q);
+            for (int64_t v = 0; v < len; v++) {
+                const float t = load_scale(sr + (b + v) * ssz, j->scode) * (float)qb[v];
+                out[b + v] = t + load_scale(br + (b + v) * ssz, j->scode);
+            }
+        }
+    }
+}
+
 /* rows [r0, r1) of the job; sc, bi: scratch for one row's K / g scales and biases */
 static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi) {
+    if (j->kind == DEQUANT_COLS) {
+        dequant_cols(j, r0, r1);
+        return;
+    }
     if (j->kind == GATHER_MV) {
         gather_mv(j, r0, r1);
         return;
@@ -572,6 +599,80 @@ out:
     return result;
 }
 
+/* dequantize_rows(buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code):
+ * y[i] = the values of row sel[i] (as qmv_rows reads it), float32 [len(sel), k] */
+static PyObject *py_dequantize_rows(PyObject *mod, PyObject *args) {
+    Py_buffer w, sel, y;
+    long long stride, soff, boff, k, bits, group, sc;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "y*LLLy*w*LLLL", &w, &stride, &soff, &boff, &sel, &y, &k, &bits, &group, &sc))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0;
+    const int64_t rows = stride > 0 ? w.len / stride : 0;
+    int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && k > 0 && k % group == 0 &&
+             sel.len % 8 == 0 && y.len == 4 * m * k && stride >= k * bits / 8 && soff >= k * bits / 8 &&
+             soff + ng * ssz <= stride && boff >= 0 && boff + ng * ssz <= stride &&
+             ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0;
+    const int64_t *ids = (const int64_t *)sel.buf;
+    for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "dequantize_rows: arguments of the wrong size or kind (or a row out of range)");
+        goto out;
+    }
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.w = w.buf, j.s = (const uint8_t *)w.buf + soff, j.b = (const uint8_t *)w.buf + boff, j.y = y.buf;
+    j.n = m, j.k = k, j.g = group, j.bits = bits, j.scode = sc, j.row_bytes = stride, j.s_stride = stride;
+    j.b_stride = stride, j.kind = DEQUANTIZE, j.sel = ids;
+    if (dispatch(&j, 2 * ng) < 0) goto out;
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&sel);
+    PyBuffer_Release(&y);
+    return result;
+}
+
+/* dequantize_cols(buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code):
+ * y[i] = the values of column sel[i] (as qaxpy_cols reads it), float32 [len(sel), k] */
+static PyObject *py_dequantize_cols(PyObject *mod, PyObject *args) {
+    Py_buffer w, sel, trow, ts, tb, y;
+    long long stride, k, bits, sc;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "y*Ly*y*y*y*w*LLL", &w, &stride, &sel, &trow, &ts, &tb, &y, &k, &bits, &sc))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, rows = stride > 0 ? w.len / stride : 0;
+    const int64_t trows = k > 0 ? ts.len / (k * ssz) : 0;
+    int ok = valid_width(bits, 32) && sc >= F32 && sc <= BF16 && k > 0 && k % 32 == 0 && sel.len % 8 == 0 &&
+             trow.len == sel.len && y.len == 4 * m * k && stride >= k * bits / 8 && ts.len == trows * k * ssz &&
+             tb.len == ts.len && ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0 &&
+             ((uintptr_t)trow.buf % 8) == 0;
+    const int64_t *ids = (const int64_t *)sel.buf, *tr = (const int64_t *)trow.buf;
+    for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows && tr[i] >= 0 && tr[i] < trows;
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "dequantize_cols: arguments of the wrong size or kind (or an index out of range)");
+        goto out;
+    }
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.y = y.buf, j.ts = ts.buf, j.tb = tb.buf;
+    j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.n = m, j.kind = DEQUANT_COLS;
+    if (dispatch(&j, 0) < 0) goto out;
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&sel);
+    PyBuffer_Release(&trow);
+    PyBuffer_Release(&ts);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&y);
+    return result;
+}
+
 static PyObject *py_qaxpy_cols(PyObject *mod, PyObject *args) {
     Py_buffer h, w, sel, trow, ts, tb, y;
     long long stride, k, bits, sc;
@@ -688,6 +789,10 @@ static PyMethodDef methods[] = {
      "qmv_rows(x, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code)"},
     {"qaxpy_cols", py_qaxpy_cols, METH_VARARGS,
      "qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
+    {"dequantize_rows", py_dequantize_rows, METH_VARARGS,
+     "dequantize_rows(buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code)"},
+    {"dequantize_cols", py_dequantize_cols, METH_VARARGS,
+     "dequantize_cols(buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
     {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
     {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},

@@ -130,19 +130,23 @@ class FlashFFN(nn.Module):
                 part = self._selected(x, rows) if rows.packed is None else self._packed(x, rows)
                 y = part if y is None else y + part
                 continue
-            h = x @ rows.up.T
-            if "up_bias" in self:
-                h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
-            if self.gated:
-                h = self._act(x @ rows.gate.T) * h
-            else:
-                h = self._act(h)
-            if rows.mask is not None:
-                h = h * rows.mask.astype(h.dtype)
-            y = h @ rows.down if y is None else y + h @ rows.down
+            y = self._dense_part(x, rows, y)
         if "down_bias" in self:
             y = y + self.down_bias
         return y
+
+    def _dense_part(self, x, rows, y):
+        """y + the FFN over float rows (masked per token if the part says so)."""
+        h = x @ rows.up.T
+        if "up_bias" in self:
+            h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
+        if self.gated:
+            h = self._act(x @ rows.gate.T) * h
+        else:
+            h = self._act(h)
+        if rows.mask is not None:
+            h = h * rows.mask.astype(h.dtype)
+        return h @ rows.down if y is None else y + h @ rows.down
 
     def _selected(self, x, rows):
         """One token's FFN over the chosen rows of a cache, read in place by the native kernels
@@ -187,6 +191,8 @@ class FlashFFN(nn.Module):
         def product(kind, v):
             return qmv_rows(p.kernels, v, raw[kind], p.sel, spec, scales_off, biases_off)
 
+        if xs.shape[0] > 1:  # several positions: dequantized row chunks, multiplied by BLAS
+            return self._packed_chunks(x, rows, raw, scales_off, biases_off)
         out = []
         for t in range(xs.shape[0]):
             v = np.ascontiguousarray(xs[t])
@@ -205,6 +211,29 @@ class FlashFFN(nn.Module):
                 raise FlashError("packed rows: a quantized down kind stored as rows is not supported")
         y = mx.array(np.stack(out))
         return y.reshape(*x.shape[:-1], d).astype(x.dtype)
+
+    PACKED_CHUNK_VALUES = 1 << 20  # float32 values of one kind's dequantized chunk (4 MiB)
+
+    def _packed_chunks(self, x, rows, raw, scales_off, biases_off):
+        """Several positions over packed rows: chunks of rows dequantized to float32 (in C) and
+        multiplied by BLAS, a chunk's temporaries ~4 MiB a kind, evaluated before the next."""
+        from ..kernels import dequantize_cols, dequantize_rows
+
+        p = rows.packed
+        spec, d = p.layout.quant, self.d_model
+        step = max(1, self.PACKED_CHUNK_VALUES // d)
+        y = None
+        for start in range(0, p.sel.size, step):
+            sel, ids = p.sel[start : start + step], p.ids[start : start + step]
+            w = {k: mx.array(dequantize_rows(p.kernels, raw[k], sel, spec, scales_off, biases_off, d))
+                 for k in p.layout.kinds if k not in p.layout.columns}
+            w["down"] = mx.array(dequantize_cols(p.kernels, raw["down"], sel, ids // spec.group_size,
+                                                 p.tables["down"], spec))
+            mask = None if rows.mask is None else rows.mask[..., start : start + step]
+            part = FFNRows(up=w["up"], down=w["down"], gate=w.get("gate"), ids=mx.array(ids), mask=mask)
+            y = self._dense_part(x, part, y)
+            mx.eval(y)
+        return y
 
     def _in_halves(self, x):
         """A prompt chunk whose neurons do not fit the store: run it in two halves.

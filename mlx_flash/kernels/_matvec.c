@@ -27,6 +27,12 @@
  * neurons; a token uses the few active ones): gather_mv y[i] = W[sel[i]] . x and
  * gather_axpy y = sum_i h[i] * W[sel[i]], reading those rows only, in place.
  *
+ * Why one file past 500 lines: every kernel is a kind of one job that the same
+ * pool runs (the job struct, the pool and the dispatch are shared); most of the
+ * length is each Python entry point checking its buffers before any pointer is
+ * followed. Splitting would mean a private header for the pool: worth it when a
+ * second architecture's SIMD (NEON) lands.
+ *
  * Rows are split over a small persistent pthread pool (the caller's thread
  * takes the first share); the GIL is released while it runs, and no worker
  * touches a Python object. Threads do not survive fork(): a child makes its own.

@@ -26,6 +26,10 @@ weights the compute touches / the memory bandwidth (measured in this run).
 Figure 7 (window size vs DRAM vs latency) and Figure 8 (I/O latency per
 token over a long generation) drive the store alone (no attention/FFN compute:
 what they plot is the loading).
+
+Past 500 lines because the run, its floors and its report read the same row
+dictionaries; the report half (from "--- reports") is the piece to move out
+when it grows again.
 """
 
 import csv

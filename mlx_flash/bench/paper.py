@@ -176,8 +176,7 @@ def decode(model, store, prompt, warmup, tokens):
     return rows, walls[warmup: warmup + tokens]
 
 
-def summarize(config, rows, walls, store, plan, neuron_bytes, resident_bytes, curve, mem_bw,
-              source_stats=None):
+def summarize(config, rows, walls, store, plan, resident_bytes, curve, mem_bw, source_stats=None):
     mean = {k: float(np.mean([r[k] for r in rows])) for k in
             ("io_ms", "mem_ms", "predict_ms", "compute_ms", "total_ms", "bytes_read", "reads",
              "hit_rate", "active")}
@@ -319,7 +318,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     first = subjects[0]
     lay = first.manifest.layout
     n_layers = len(first.manifest.ffn_files)
-    neuron_bytes = len(lay.kinds) * lay.d_model * 4
+    neuron_bytes = len(lay.kinds) * lay.d_model * 4  # a float32 row (reported; stores say their own)
     # every dtype's rows get the same budget in bytes: a share of this shape's float32 model
     from ..runtime.budget import parse_budget
     from .peers.files import model_float32_bytes
@@ -370,8 +369,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             log(f"[round {rnd + 1}/{rounds}] {name}: {n_warm} warm-up + {n_tok} decode tokens")
             r, walls = decode(sub.model, store, prompt, n_warm, n_tok)
             src_stats = sub.model.runtime.source.stats if sub.model.runtime.source is not None else None
-            row = summarize(name, r, walls, store, plan, neuron_bytes, sub.resident_bytes, curve,
-                            bw, src_stats)
+            row = summarize(name, r, walls, store, plan, sub.resident_bytes, curve, bw, src_stats)
             row["dtype"] = sub.dtype
             per[name].append(row)
             best_bw = max(best_bw, bw)
@@ -396,7 +394,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
                      "mem_ms": float(np.mean([x["mem_ms"] for x in r])),
                      "load_ms": float(np.mean([x["total_ms"] for x in r])),
                      "flash_to_dram_gb": float(np.mean([x["bytes_read"] for x in r])) / 1e9,
-                     "ffn_dram_gb": store.held_rows * neuron_bytes / 1e9,
+                     "ffn_dram_gb": store.held_rows * store.plan.neuron_bytes / 1e9,
                      "window_kept": float(np.mean([x["window"] for x in r]))})
         log(f"window {w}: FFN in DRAM {fig7[-1]['ffn_dram_gb']:.2f} GB, "
             f"{fig7[-1]['flash_to_dram_gb'] * 1e3:.0f} MB/token, I/O {fig7[-1]['io_ms']:.0f} ms")

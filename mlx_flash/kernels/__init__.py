@@ -11,7 +11,8 @@ import numpy as np
 
 import mlx.core as mx
 
-SCALE_CODES = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}  # _matvec.c's dtype codes
+SCALE_CODE_OF = {"float32": 0, "float16": 1, "bfloat16": 2}  # _matvec.c's dtype codes, by name
+SCALE_CODES = {getattr(mx, name): code for name, code in SCALE_CODE_OF.items()}
 
 
 def kernels_module():
@@ -32,6 +33,15 @@ def default_threads():
         return int(env)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(16, cpus or 1))
+
+
+def host_f32(x):
+    """An MLX array's values as a C-contiguous float32 NumPy vector (a view of its memory when
+    it is one already: a decode step's input, evaluated here)."""
+    if x.dtype != mx.float32:
+        x = x.astype(mx.float32)
+    mx.eval(x)
+    return np.ascontiguousarray(np.array(x, copy=False).reshape(-1))
 
 
 def _numpy(a):
@@ -94,7 +104,7 @@ def qmv_rows(kernels, x, buf, sel, spec, scales_off, biases_off):
     offsets -> float32 [len(sel)]."""
     y = np.empty(len(sel), np.float32)
     kernels.qmv_rows(x, buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, x.size, spec.bits,
-                     spec.group_size, SCALE_CODES[_MX[spec.scale_dtype]])
+                     spec.group_size, SCALE_CODE_OF[spec.scale_dtype])
     return y
 
 
@@ -105,18 +115,16 @@ def qaxpy_cols(kernels, h, buf, sel, trow, tables, spec):
     scales, biases = tables
     y = np.empty(scales.shape[1], np.float32)
     kernels.qaxpy_cols(h, buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
-                       spec.bits, SCALE_CODES[_MX[spec.scale_dtype]])
+                       spec.bits, SCALE_CODE_OF[spec.scale_dtype])
     return y
 
-
-_MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def dequantize_rows(kernels, buf, sel, spec, scales_off, biases_off, k):
     """The values of rows `sel` of `buf` (as qmv_rows reads them) -> float32 [len(sel), k]."""
     y = np.empty((len(sel), k), np.float32)
-    kernels.dequantize_rows(buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, k, spec.bits,
-                            spec.group_size, SCALE_CODES[_MX[spec.scale_dtype]])
+    kernels.dequantize_rows(None, buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, k, spec.bits,
+                            spec.group_size, SCALE_CODE_OF[spec.scale_dtype])
     return y
 
 
@@ -124,6 +132,6 @@ def dequantize_cols(kernels, buf, sel, trow, tables, spec):
     """The values of columns `sel` of `buf` (as qaxpy_cols reads them) -> float32 [len(sel), d]."""
     scales, biases = tables
     y = np.empty((len(sel), scales.shape[1]), np.float32)
-    kernels.dequantize_cols(buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
-                            spec.bits, SCALE_CODES[_MX[spec.scale_dtype]])
+    kernels.dequantize_cols(None, buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
+                            spec.bits, SCALE_CODE_OF[spec.scale_dtype])
     return y

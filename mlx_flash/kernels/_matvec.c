@@ -554,122 +554,110 @@ static PyObject *py_dequantize(PyObject *mod, PyObject *args) {
     return run(args, 1);
 }
 
-/* the selected rows of a buffer, each [packed values | scales | biases] or a packed column:
+/* the selected rows of a buffer, each [packed values | scales | biases]:
  *   qmv_rows(x, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code):
  *     y[i] = x . row sel[i] (values, then its k / group scales and biases at their offsets)
- *   qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code):
- *     y = sum_i h[i] * column sel[i], whose value c is scales[trow[i], c] * q + biases[trow[i], c]
- *     (tables [T, k] C-contiguous; rows ordered by trow)
- * sel, trow int64; every index checked against the buffer and the tables. */
-static PyObject *py_qmv_rows(PyObject *mod, PyObject *args) {
-    Py_buffer x, w, sel, y;
+ *   dequantize_rows(None, buf, ...the same...): y[i] = row sel[i]'s values, float32 [len(sel), k]
+ * sel int64; every index checked against the buffer. */
+static PyObject *strided_rows(PyObject *args, int kind) {
+    const char *name = kind == QMV ? "qmv_rows" : "dequantize_rows";
+    Py_buffer x = {0}, w, sel, y;
+    PyObject *xo;
     long long stride, soff, boff, k, bits, group, sc;
-    (void)mod;
-    if (!PyArg_ParseTuple(args, "y*y*LLLy*w*LLLL", &x, &w, &stride, &soff, &boff, &sel, &y, &k, &bits,
-                          &group, &sc))
+    if (!PyArg_ParseTuple(args, "Oy*LLLy*w*LLLL", &xo, &w, &stride, &soff, &boff, &sel, &y, &k, &bits, &group, &sc))
         return NULL;
     PyObject *result = NULL;
     float *xsum = NULL;
+    if (kind == QMV && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
     const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0;
     const int64_t rows = stride > 0 ? w.len / stride : 0;
     int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && k > 0 && k % group == 0 &&
-             sel.len % 8 == 0 && x.len == 4 * k && y.len == 4 * m && stride >= k * bits / 8 &&
-             soff >= k * bits / 8 && soff + ng * ssz <= stride && boff >= 0 && boff + ng * ssz <= stride &&
-             ((uintptr_t)x.buf % 4) == 0 && ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0;
+             sel.len % 8 == 0 && stride >= k * bits / 8 && soff >= k * bits / 8 && soff + ng * ssz <= stride &&
+             boff >= 0 && boff + ng * ssz <= stride && ((uintptr_t)y.buf % 4) == 0 &&
+             ((uintptr_t)sel.buf % 8) == 0 &&
+             (kind == QMV ? x.len == 4 * k && y.len == 4 * m && ((uintptr_t)x.buf % 4) == 0 : y.len == 4 * m * k);
     const int64_t *ids = (const int64_t *)sel.buf;
     for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows;
     if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "qmv_rows: arguments of the wrong size or kind (or a row out of range)");
+        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind (or a row out of range)", name);
         goto out;
     }
-    if (!(xsum = malloc(sizeof(float) * (size_t)(ng + k)))) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    prepare_x(x.buf, k, group, xsum, xsum + ng);
     job_t j;
     memset(&j, 0, sizeof j);
-    j.w = w.buf, j.s = (const uint8_t *)w.buf + soff, j.b = (const uint8_t *)w.buf + boff;
-    j.x = x.buf, j.xp = xsum + ng, j.xsum = xsum, j.y = y.buf, j.n = m, j.k = k, j.g = group, j.bits = bits;
-    j.scode = sc, j.row_bytes = stride, j.s_stride = stride, j.b_stride = stride, j.simd = use_simd;
-    j.kind = QMV, j.sel = ids;
+    if (kind == QMV) {
+        if (!(xsum = malloc(sizeof(float) * (size_t)(ng + k)))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        prepare_x(x.buf, k, group, xsum, xsum + ng);
+        j.x = x.buf, j.xp = xsum + ng, j.xsum = xsum;
+    }
+    j.w = w.buf, j.s = (const uint8_t *)w.buf + soff, j.b = (const uint8_t *)w.buf + boff, j.y = y.buf;
+    j.n = m, j.k = k, j.g = group, j.bits = bits, j.scode = sc, j.row_bytes = stride, j.s_stride = stride;
+    j.b_stride = stride, j.simd = use_simd, j.kind = kind, j.sel = ids;
     if (dispatch(&j, 2 * ng) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
     free(xsum);
-    PyBuffer_Release(&x);
+    if (x.obj) PyBuffer_Release(&x);
     PyBuffer_Release(&w);
     PyBuffer_Release(&sel);
     PyBuffer_Release(&y);
     return result;
 }
 
-/* dequantize_rows(buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code):
- * y[i] = the values of row sel[i] (as qmv_rows reads it), float32 [len(sel), k] */
+static PyObject *py_qmv_rows(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return strided_rows(args, QMV);
+}
+
 static PyObject *py_dequantize_rows(PyObject *mod, PyObject *args) {
-    Py_buffer w, sel, y;
-    long long stride, soff, boff, k, bits, group, sc;
     (void)mod;
-    if (!PyArg_ParseTuple(args, "y*LLLy*w*LLLL", &w, &stride, &soff, &boff, &sel, &y, &k, &bits, &group, &sc))
-        return NULL;
-    PyObject *result = NULL;
-    const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0;
-    const int64_t rows = stride > 0 ? w.len / stride : 0;
-    int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && k > 0 && k % group == 0 &&
-             sel.len % 8 == 0 && y.len == 4 * m * k && stride >= k * bits / 8 && soff >= k * bits / 8 &&
-             soff + ng * ssz <= stride && boff >= 0 && boff + ng * ssz <= stride &&
-             ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0;
-    const int64_t *ids = (const int64_t *)sel.buf;
-    for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows;
-    if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "dequantize_rows: arguments of the wrong size or kind (or a row out of range)");
-        goto out;
-    }
-    job_t j;
-    memset(&j, 0, sizeof j);
-    j.w = w.buf, j.s = (const uint8_t *)w.buf + soff, j.b = (const uint8_t *)w.buf + boff, j.y = y.buf;
-    j.n = m, j.k = k, j.g = group, j.bits = bits, j.scode = sc, j.row_bytes = stride, j.s_stride = stride;
-    j.b_stride = stride, j.kind = DEQUANTIZE, j.sel = ids;
-    if (dispatch(&j, 2 * ng) < 0) goto out;
-    result = Py_None;
-    Py_INCREF(result);
-out:
-    PyBuffer_Release(&w);
-    PyBuffer_Release(&sel);
-    PyBuffer_Release(&y);
-    return result;
+    return strided_rows(args, DEQUANTIZE);
 }
 
-/* dequantize_cols(buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code):
- * y[i] = the values of column sel[i] (as qaxpy_cols reads it), float32 [len(sel), k] */
-static PyObject *py_dequantize_cols(PyObject *mod, PyObject *args) {
-    Py_buffer w, sel, trow, ts, tb, y;
+/* the selected packed columns of a buffer, whose value c is scales[trow[i], c] * q + biases[trow[i], c]
+ * (tables [T, k] C-contiguous):
+ *   qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code):
+ *     y = sum_i h[i] * column sel[i] (rows ordered by trow)
+ *   dequantize_cols(None, buf, ...the same...): y[i] = column sel[i]'s values, float32 [len(sel), k]
+ * sel, trow int64; every index checked against the buffer and the tables. */
+static PyObject *table_cols(PyObject *args, int kind) {
+    const char *name = kind == QAXPY_COLS ? "qaxpy_cols" : "dequantize_cols";
+    Py_buffer h = {0}, w, sel, trow, ts, tb, y;
+    PyObject *ho;
     long long stride, k, bits, sc;
-    (void)mod;
-    if (!PyArg_ParseTuple(args, "y*Ly*y*y*y*w*LLL", &w, &stride, &sel, &trow, &ts, &tb, &y, &k, &bits, &sc))
+    if (!PyArg_ParseTuple(args, "Oy*Ly*y*y*y*w*LLL", &ho, &w, &stride, &sel, &trow, &ts, &tb, &y, &k, &bits, &sc))
         return NULL;
     PyObject *result = NULL;
+    if (kind == QAXPY_COLS && PyObject_GetBuffer(ho, &h, PyBUF_SIMPLE) < 0) goto out;
     const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, rows = stride > 0 ? w.len / stride : 0;
     const int64_t trows = k > 0 ? ts.len / (k * ssz) : 0;
     int ok = valid_width(bits, 32) && sc >= F32 && sc <= BF16 && k > 0 && k % 32 == 0 && sel.len % 8 == 0 &&
-             trow.len == sel.len && y.len == 4 * m * k && stride >= k * bits / 8 && ts.len == trows * k * ssz &&
-             tb.len == ts.len && ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0 &&
-             ((uintptr_t)trow.buf % 8) == 0;
+             trow.len == sel.len && stride >= k * bits / 8 && ts.len == trows * k * ssz && tb.len == ts.len &&
+             ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)trow.buf % 8) == 0 &&
+             (kind == QAXPY_COLS ? h.len == 4 * m && y.len == 4 * k && ((uintptr_t)h.buf % 4) == 0
+                                 : y.len == 4 * m * k);
     const int64_t *ids = (const int64_t *)sel.buf, *tr = (const int64_t *)trow.buf;
-    for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows && tr[i] >= 0 && tr[i] < trows;
+    for (int64_t i = 0; ok && i < m; i++)
+        ok = ids[i] >= 0 && ids[i] < rows && tr[i] >= 0 && tr[i] < trows &&
+             (kind != QAXPY_COLS || i == 0 || tr[i] >= tr[i - 1]);
     if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "dequantize_cols: arguments of the wrong size or kind (or an index out of range)");
+        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind (or an index out of range%s)",
+                     name, kind == QAXPY_COLS ? ", or rows not ordered by table row" : "");
         goto out;
     }
     job_t j;
     memset(&j, 0, sizeof j);
-    j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.y = y.buf, j.ts = ts.buf, j.tb = tb.buf;
-    j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.n = m, j.kind = DEQUANT_COLS;
-    if (dispatch(&j, 0) < 0) goto out;
+    j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.m = m, j.h = h.buf, j.y = y.buf;
+    j.ts = ts.buf, j.tb = tb.buf, j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.kind = kind;
+    j.n = kind == QAXPY_COLS ? k : m, j.simd = use_simd; /* QAXPY_COLS shares out columns, else rows */
+    if (dispatch(&j, kind == QAXPY_COLS ? 2 * k : 0) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
+    if (h.obj) PyBuffer_Release(&h);
     PyBuffer_Release(&w);
     PyBuffer_Release(&sel);
     PyBuffer_Release(&trow);
@@ -680,43 +668,13 @@ out:
 }
 
 static PyObject *py_qaxpy_cols(PyObject *mod, PyObject *args) {
-    Py_buffer h, w, sel, trow, ts, tb, y;
-    long long stride, k, bits, sc;
     (void)mod;
-    if (!PyArg_ParseTuple(args, "y*y*Ly*y*y*y*w*LLL", &h, &w, &stride, &sel, &trow, &ts, &tb, &y, &k, &bits, &sc))
-        return NULL;
-    PyObject *result = NULL;
-    const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, rows = stride > 0 ? w.len / stride : 0;
-    const int64_t trows = k > 0 ? ts.len / (k * ssz) : 0;
-    int ok = valid_width(bits, 32) && sc >= F32 && sc <= BF16 && k > 0 && k % 32 == 0 && sel.len % 8 == 0 &&
-             trow.len == sel.len && h.len == 4 * m && y.len == 4 * k && stride >= k * bits / 8 &&
-             ts.len == trows * k * ssz && tb.len == ts.len && ((uintptr_t)h.buf % 4) == 0 &&
-             ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)trow.buf % 8) == 0;
-    const int64_t *ids = (const int64_t *)sel.buf, *tr = (const int64_t *)trow.buf;
-    for (int64_t i = 0; ok && i < m; i++)
-        ok = ids[i] >= 0 && ids[i] < rows && tr[i] >= 0 && tr[i] < trows && (i == 0 || tr[i] >= tr[i - 1]);
-    if (!ok) {
-        PyErr_SetString(PyExc_ValueError, "qaxpy_cols: arguments of the wrong size or kind (or an index out "
-                                          "of range, or rows not ordered by table row)");
-        goto out;
-    }
-    job_t j;
-    memset(&j, 0, sizeof j);
-    j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.m = m, j.h = h.buf, j.y = y.buf;
-    j.ts = ts.buf, j.tb = tb.buf, j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.n = k;
-    j.kind = QAXPY_COLS, j.simd = use_simd;
-    if (dispatch(&j, 2 * k) < 0) goto out;
-    result = Py_None;
-    Py_INCREF(result);
-out:
-    PyBuffer_Release(&h);
-    PyBuffer_Release(&w);
-    PyBuffer_Release(&sel);
-    PyBuffer_Release(&trow);
-    PyBuffer_Release(&ts);
-    PyBuffer_Release(&tb);
-    PyBuffer_Release(&y);
-    return result;
+    return table_cols(args, QAXPY_COLS);
+}
+
+static PyObject *py_dequantize_cols(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return table_cols(args, DEQUANT_COLS);
 }
 
 /* gather_mv(x, W, sel, y): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y): y = sum_i h[i] W[sel[i]].
@@ -796,9 +754,9 @@ static PyMethodDef methods[] = {
     {"qaxpy_cols", py_qaxpy_cols, METH_VARARGS,
      "qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
     {"dequantize_rows", py_dequantize_rows, METH_VARARGS,
-     "dequantize_rows(buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code)"},
+     "dequantize_rows(None, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code)"},
     {"dequantize_cols", py_dequantize_cols, METH_VARARGS,
-     "dequantize_cols(buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
+     "dequantize_cols(None, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
     {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
     {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},

@@ -46,6 +46,11 @@ class QuantSpec:
         """A quantized row of n values with its scales and biases inline."""
         return self.packed_bytes(n) + 2 * (n // self.group_size) * SCALE_DTYPES[self.scale_dtype]
 
+    def inline_offsets(self, n):
+        """(scales, biases) byte offsets in a row of n values with its scales and biases inline."""
+        scales = self.packed_bytes(n)
+        return scales, scales + (n // self.group_size) * SCALE_DTYPES[self.scale_dtype]
+
 
 def check_quant(bits, group_size, where=""):
     where = f"{where}: " if where else ""

@@ -148,79 +148,62 @@ class FlashFFN(nn.Module):
             h = h * rows.mask.astype(h.dtype)
         return h @ rows.down if y is None else y + h @ rows.down
 
+    def _one_token(self, x, rows, up, gate, down):
+        """One token's FFN over rows the native kernels read in place: up(v) / gate(v) -> the
+        rows' products with the token's vector v, down(h) -> sum_i h[i] * down row i."""
+        from ..kernels import host_f32
+
+        v = host_f32(x)
+        h = mx.array(up(v))
+        if "up_bias" in self:
+            h = h + self.up_bias[rows.ids]
+        h = self._act(mx.array(gate(v))) * h if self.gated else self._act(h)
+        y = down(host_f32(h))
+        return mx.array(y).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
+
     def _selected(self, x, rows):
-        """One token's FFN over the chosen rows of a cache, read in place by the native kernels
-        (the same sums as the masked product, over the active rows only)."""
+        """One token's FFN over the chosen rows of a float32 cache (the same sums as the masked
+        product, over the active rows only)."""
         from ..kernels import gather_axpy, gather_mv
 
         views, sel, kernels = rows.select
         if sel.size == 0:
             return mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype)
-        mx.eval(x)
-        xs = np.ascontiguousarray(np.array(x.astype(mx.float32), copy=False).reshape(-1))
-        h = mx.array(gather_mv(kernels, xs, views["up"], sel))
-        if "up_bias" in self:
-            h = h + self.up_bias[rows.ids]
-        if self.gated:
-            h = self._act(mx.array(gather_mv(kernels, xs, views["gate"], sel))) * h
-        else:
-            h = self._act(h)
-        mx.eval(h)
-        y = gather_axpy(kernels, np.array(h.astype(mx.float32), copy=False), views["down"], sel)
-        return mx.array(y).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
+        return self._one_token(x, rows, lambda v: gather_mv(kernels, v, views["up"], sel),
+                               lambda v: gather_mv(kernels, v, views["gate"], sel),
+                               lambda h: gather_axpy(kernels, h, views["down"], sel))
 
     def _packed(self, x, rows):
-        """The FFN over rows held at their bits, a position at a time (native kernels: gate /
-        up rows with inline scales, down columns with the layer's scale table)."""
+        """The FFN over rows held at their bits (native kernels: gate / up rows with inline
+        scales, down columns with the layer's scale table)."""
         from ..kernels import qaxpy_cols, qmv_rows
 
         p = rows.packed
-        lay, spec, d = p.layout, p.layout.quant, self.d_model
         if p.sel.size == 0:
-            return mx.zeros(x.shape[:-1] + (d,), dtype=x.dtype)
-        mx.eval(x)
-        xs = np.array(x.astype(mx.float32), copy=False).reshape(-1, d)
-        mask = None if rows.mask is None else np.array(rows.mask.astype(mx.float32)).reshape(xs.shape[0], -1)
-        scales_off = spec.packed_bytes(d)
-        biases_off = scales_off + (d // spec.group_size) * np.dtype(
-            np.uint16 if spec.scale_dtype == "bfloat16" else spec.scale_dtype).itemsize
+            return mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype)
         raw = {k: v.view(np.uint8) for k, v in p.views.items()}
-        order = np.argsort(p.ids // spec.group_size, kind="stable")  # the column kernel's row order
-        trow = (p.ids // spec.group_size)[order]
+        if x.size != x.shape[-1]:  # several positions: dequantized row chunks, multiplied by BLAS
+            return self._packed_chunks(x, rows, raw)
+        spec = p.layout.quant
+        offsets = spec.inline_offsets(self.d_model)
+        trow = p.ids // spec.group_size
+        order = np.argsort(trow, kind="stable")  # the column kernel's row order
 
-        def product(kind, v):
-            return qmv_rows(p.kernels, v, raw[kind], p.sel, spec, scales_off, biases_off)
-
-        if xs.shape[0] > 1:  # several positions: dequantized row chunks, multiplied by BLAS
-            return self._packed_chunks(x, rows, raw, scales_off, biases_off)
-        out = []
-        for t in range(xs.shape[0]):
-            v = np.ascontiguousarray(xs[t])
-            h = mx.array(product("up", v))
-            if "up_bias" in self:
-                h = h + self.up_bias[rows.ids]
-            h = self._act(mx.array(product("gate", v))) * h if self.gated else self._act(h)
-            if mask is not None:
-                h = h * mx.array(mask[t])
-            mx.eval(h)
-            hn = np.array(h.astype(mx.float32))
-            if "down" in lay.columns:
-                out.append(qaxpy_cols(p.kernels, np.ascontiguousarray(hn[order]), raw["down"], p.sel[order],
-                                      trow, p.tables["down"], spec))
-            else:
-                raise FlashError("packed rows: a quantized down kind stored as rows is not supported")
-        y = mx.array(np.stack(out))
-        return y.reshape(*x.shape[:-1], d).astype(x.dtype)
+        return self._one_token(x, rows, lambda v: qmv_rows(p.kernels, v, raw["up"], p.sel, spec, *offsets),
+                               lambda v: qmv_rows(p.kernels, v, raw["gate"], p.sel, spec, *offsets),
+                               lambda h: qaxpy_cols(p.kernels, np.ascontiguousarray(h[order]), raw["down"],
+                                                    p.sel[order], trow[order], p.tables["down"], spec))
 
     PACKED_CHUNK_VALUES = 1 << 20  # float32 values of one kind's dequantized chunk (4 MiB)
 
-    def _packed_chunks(self, x, rows, raw, scales_off, biases_off):
+    def _packed_chunks(self, x, rows, raw):
         """Several positions over packed rows: chunks of rows dequantized to float32 (in C) and
         multiplied by BLAS, a chunk's temporaries ~4 MiB a kind, evaluated before the next."""
         from ..kernels import dequantize_cols, dequantize_rows
 
         p = rows.packed
         spec, d = p.layout.quant, self.d_model
+        scales_off, biases_off = spec.inline_offsets(d)
         step = max(1, self.PACKED_CHUNK_VALUES // d)
         y = None
         for start in range(0, p.sel.size, step):

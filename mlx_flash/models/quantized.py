@@ -14,9 +14,8 @@ and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from ..kernels import QuantMatrix
+from ..kernels import QuantMatrix, host_f32
 from .half import ARENA_VALUES, Arena, chunked_matmul
 
 
@@ -64,8 +63,7 @@ class _NativeQuantized(nn.Module):
         """x @ W.T (+ bias): the native matvec for one position, else dequantized chunks + BLAS."""
         if x.size != x.shape[-1]:
             return chunked_matmul(x, self._q.n, self._q.k, self._q.dequantize, self._arena, bias)
-        mx.eval(x)
-        y = mx.array(self._q.matvec(np.array(x.astype(mx.float32), copy=False).reshape(-1)))
+        y = mx.array(self._q.matvec(host_f32(x)))
         y = y.reshape(*x.shape[:-1], self._q.n).astype(x.dtype)
         return y if bias is None else y + bias
 

@@ -291,8 +291,7 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
-    packed = packed_ffn_rows(config, lay.quant is not None, "float32" if dtype == mx.float32 else "other",
-                             held, cpu_kernels() is not None)
+    packed = packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held, cpu_kernels() is not None)
     if packed:  # a neuron costs its bundle's bytes, not its float32 values
         neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds)
     plan = make_plan(mode, budget, resident.held_bytes, source.resident_bytes if source else 0,

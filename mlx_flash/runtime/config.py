@@ -133,9 +133,9 @@ def keep_quantized(config, on_cpu):
     return config.resident_dtype == "quantized"
 
 
-def packed_ffn_rows(config, quantized_layout, compute, held, kernels):
+def packed_ffn_rows(config, quantized_layout, float32_compute, held, kernels):
     """Keep a quantized layout's FFN rows at their bits in the caches? (see ffn_rows)"""
-    possible = bool(quantized_layout and compute == "float32" and not held and kernels)
+    possible = bool(quantized_layout and float32_compute and not held and kernels)
     if config.ffn_rows == "quantized" and not possible:
         raise FlashError("--ffn-rows quantized needs a quantized model, float32 compute and the native "
                          "kernels on the CPU" + ("" if kernels else " (not built, or not on the CPU)"))

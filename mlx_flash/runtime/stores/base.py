@@ -117,13 +117,8 @@ class Store:
         docstring). -> the current pass's stats row."""
         if layer == 0:
             self.stats.begin(int(np.prod(x.shape[:-1])))
-        self._layer = layer
         mx.eval(x)
         return self.stats.cur
-
-    def tables_of(self, cache):
-        """The scale tables of the rows in `cache` now: the layer being computed's."""
-        return self.tables[self._layer]
 
     def _counts(self):
         s = self.reader.stats
@@ -187,9 +182,9 @@ class NeuronFileStore(Store):
             self.arenas = [Arena(max(plan.arena_rows // bufs, 1) * d * len(self.kinds)) for _ in range(bufs)]
         self.kernels = cpu_kernels()
         self.packed = {k: lay.kind_bytes(k) for k in self.kinds} if packed else None
-        if packed and (lay.quant is None or self.kernels is None or self.arenas):
-            raise FlashError("packed FFN rows need a quantized layout, float32 compute and the native "
-                             "kernels on the CPU")
+        if packed and (lay.quant is None or "down" not in lay.columns or self.kernels is None or self.arenas):
+            raise FlashError("packed FFN rows need a quantized layout (down stored as columns), float32 "
+                             "compute and the native kernels on the CPU")
         self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype,
                                    self.arenas[0] if self.arenas else None, self.packed)
                        for i in range(len(self.files))]
@@ -229,9 +224,9 @@ class NeuronFileStore(Store):
         b1, r1 = self._counts()
         return b1 - b0, r1 - r0
 
-    def _part(self, cache, all_ids=False, mask=None, shape=None, converted=None, rows=None):
-        """Rows of a cache as an FFN part; `mask` [tokens, n_neurons] keeps each token to its own
-        neurons; `rows` (a slice) takes part of the cached rows.
+    def _part(self, layer, cache, all_ids=False, mask=None, shape=None, converted=None, rows=None):
+        """Rows of a cache, holding `layer`'s neurons, as an FFN part; `mask` [tokens, n_neurons]
+        keeps each token to its own neurons; `rows` (a slice) takes part of the cached rows.
 
         One token on the CPU over float32 rows: the part names the active rows of the cache
         (FFNRows.select) and the FFN computes on those alone (kernels' gather_mv / _axpy),
@@ -247,7 +242,7 @@ class NeuronFileStore(Store):
                 keep = mx.array(on[:, sel - lo]).reshape(*shape[:-1], -1)
             return FFNRows(up=None, down=None, ids=mx.array(cache.row_to_id[sel]), mask=keep,
                            packed=PackedRows(cache.views, sel.astype(np.int64), cache.row_to_id[sel],
-                                             self.layout, self.tables_of(cache), self.kernels))
+                                             self.layout, self.tables[layer], self.kernels))
         if (mask is not None and mask.shape[0] == 1 and converted is None and cache.arena is None
                 and self.kernels is not None):
             sel = (lo + np.flatnonzero(mask[0, span])).astype(np.int64)

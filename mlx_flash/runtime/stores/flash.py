@@ -43,14 +43,14 @@ class FlashStore(NeuronFileStore):
         n_old = int(new_rows[0]) if new_rows.size else cache.num_used
         fut = self._submit(self._read_counted, (layer, keep, cache, new_rows),
                            (layer, overflow, self.scratch, over_rows))
-        old = self._part(cache, mask=mask, shape=shape, rows=slice(0, n_old))
+        old = self._part(layer, cache, mask=mask, shape=shape, rows=slice(0, n_old))
 
         def rest():
             t = time.perf_counter()
             got = fut.result()  # a failed read raises here
             self.stats.add(io_s=time.perf_counter() - t, bytes_read=got[0], reads=got[1])
-            return [self._part(cache, mask=mask, shape=shape, rows=slice(n_old, cache.num_used))] + (
-                [self._part(self.scratch, mask=mask, shape=shape)] if overflow.size else [])
+            return [self._part(layer, cache, mask=mask, shape=shape, rows=slice(n_old, cache.num_used))] + (
+                [self._part(layer, self.scratch, mask=mask, shape=shape)] if overflow.size else [])
 
         return [old, rest]
 
@@ -66,7 +66,7 @@ class FlashStore(NeuronFileStore):
             t = time.perf_counter()
             got = self._read_counted((layer, chunk, self.scratch, self.scratch.append(chunk)))
             self.stats.add(io_s=time.perf_counter() - t, bytes_read=got[0], reads=got[1])
-            return [self._part(self.scratch, mask=mask, shape=shape)] + (
+            return [self._part(layer, self.scratch, mask=mask, shape=shape)] + (
                 [self._passes(layer, rest, mask, shape)] if rest.size else [])
 
         return more
@@ -108,8 +108,8 @@ class FlashStore(NeuronFileStore):
         else:
             got = self._read_counted((layer, keep, cache, new_rows),
                                      (layer, overflow, self.scratch, over_rows))
-            parts = [self._part(cache, mask=mask, shape=x.shape)] + (
-                [self._part(self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
+            parts = [self._part(layer, cache, mask=mask, shape=x.shape)] + (
+                [self._part(layer, self.scratch, mask=mask, shape=x.shape)] if overflow.size else [])
             if later.size:
                 parts.append(self._passes(layer, later, mask, x.shape))
         t4 = time.perf_counter()

@@ -67,8 +67,8 @@ class StreamedStore(NeuronFileStore):
         t2 = t3 = time.perf_counter()
         j, (got, layout) = self._streamed(layer, stream)
         converted = (self.arenas[j], layout) if layout is not None else None
-        parts = ([self._part(self.caches[layer], converted=converted)] if hybrid else []) + [
-            self._part(self.buffers[j], all_ids=not hybrid)
+        parts = ([self._part(layer, self.caches[layer], converted=converted)] if hybrid else []) + [
+            self._part(layer, self.buffers[j], all_ids=not hybrid)
         ]
         t4 = time.perf_counter()
         self.stats.add(t2 - t1, t3 - t2, t4 - t3, got[0], got[1], n, hits)

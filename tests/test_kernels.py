@@ -295,3 +295,14 @@ def test_dequantized_packed_rows_equal_the_reader_s_values(smollm2):
         else:
             got = dequantize_rows(kernels, raw[k], sel, spec, soff, boff, d)
         assert np.array_equal(got, want[k]), k
+
+
+def test_the_pool_gets_its_threads_on_first_use():
+    """kernels_module() sizes the pool (it once stayed at one thread outside the tests, which
+    set it themselves)."""
+    code = ("from mlx_flash.kernels import default_threads, kernels_module\n"
+            "k, _ = kernels_module()\n"
+            "assert k.threads() == default_threads(), (k.threads(), default_threads())\n")
+    r = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True,
+                       env=os.environ | {"MLX_FLASH_KERNEL_THREADS": "3"})
+    assert r.returncode == 0, r.stderr[-2000:]

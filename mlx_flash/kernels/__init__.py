@@ -16,13 +16,16 @@ SCALE_CODES = {getattr(mx, name): code for name, code in SCALE_CODE_OF.items()}
 
 
 def kernels_module():
-    """-> (the _matvec module, "") or (None, why not)."""
+    """-> (the _matvec module, its pool sized by default_threads() on first use, "") or
+    (None, why not)."""
     if os.environ.get("MLX_FLASH_NO_NATIVE"):
         return None, "MLX_FLASH_NO_NATIVE is set"
     try:
         from . import _matvec
     except ImportError as e:
         return None, f"the native kernels are not built ({e})"
+    if not _matvec.threads():  # never set (the C default runs every row on the caller's thread)
+        _matvec.set_threads(default_threads())
     return _matvec, ""
 
 

@@ -736,6 +736,12 @@ static PyObject *py_set_threads(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* threads() -> the pool's size for the next call, as set_threads left it (0: never set, 1 used) */
+static PyObject *py_threads(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    return PyLong_FromLong(pool.want);
+}
+
 /* simd(flag) -> bool: the AVX2 loops on/off (on only where the CPU has them); flag < 0 asks */
 static PyObject *py_simd(PyObject *mod, PyObject *args) {
     int flag;
@@ -760,6 +766,7 @@ static PyMethodDef methods[] = {
     {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
     {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
+    {"threads", py_threads, METH_NOARGS, "threads() -> the pool's size (0: never set)"},
     {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool (flag < 0: ask)"},
     {NULL}};
 

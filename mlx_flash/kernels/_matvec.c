@@ -49,6 +49,7 @@
 #include "quant.h"
 
 #define MAX_THREADS 64
+#define PAR_MIN_WORK (1 << 20) /* weights (values) a job must touch to be shared out */
 
 typedef struct {
     const uint8_t *w;  /* packed rows, row_bytes apart */
@@ -440,7 +441,10 @@ static int pool_start(int64_t scratch_per) {
 }
 
 static void run_job(const job_t *j) {
-    const int par = pool.n > 1 && j->n >= 4 * pool.n;
+    /* waking the workers costs tens of microseconds: worth it from ~1M weights (a 576 x 576
+     * matvec runs faster on the caller's thread alone) */
+    const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS ? j->m : j->n) * j->k;
+    const int par = pool.n > 1 && j->n >= 4 * pool.n && work >= PAR_MIN_WORK;
     if (par) {
         pthread_mutex_lock(&pool.mu);
         pool.job = j;

@@ -359,7 +359,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             for other in subjects:
                 if other is not sub and len(subjects) > 1:
                     close_subject(other)
-            model = open_subject(sub)
+            open_subject(sub)  # (no local name for the model: a closed subject's must be freed)
             store = attach(sub.model, config, trace, memory_budget, threads, predictor_rank, verify=verify)
             plan = store.plan
             sparse = CONFIGS[row_config(config)[0]][0] == "flash"
@@ -377,6 +377,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
                 f"predictor {row['predict_ms']:.0f}, compute {row['compute_ms']:.0f}; "
                 f"{row['flash_to_dram_gb']:.3f} GB read at {row['throughput_gbs']:.2f} GB/s; "
                 f"floor {row['floor_ms']:.0f} ms (memory {bw:.1f} GB/s)")
+            del store, plan  # its caches go with the runtime, not at the next row's attach
             release(sub.model)
     for rs in per.values():
         for r in rs:

@@ -444,6 +444,24 @@ def test_stats(disk_dir):
         assert s.as_dict() == {k: 0 for k in s.as_dict()}
 
 
+def test_bundles_bridge_at_most_one_bundle(disk_dir):
+    # a gap the reader would bridge (1 MiB here, 16 KiB by default) is skipped when it is
+    # longer than a bundle: small (4-bit) bundles would read more bridge than payload
+    path, layout, _ = _bundle_file(disk_dir, "bridge.bin")
+    dst, segs = _segs(layout)
+    assert layout.stride == layout.bundle_bytes  # bundles touch: the gap of [0, k] is k - 1 bundles
+    with FlashReader(threads=2, coalesce_gap=1 << 20) as r:
+        f = r.open(path)
+        r.read_bundles(f, np.array([0, 2]), layout.stride, segs, np.arange(2))
+        assert r.stats.reads_issued == 1  # one bundle bridged
+        r.stats.reset()
+        r.read_bundles(f, np.array([0, 3]), layout.stride, segs, np.arange(2))
+        assert r.stats.reads_issued == 2  # two bundles: skipped
+        r.stats.reset()
+        r.read_bundles(f, np.array([0, 3]), layout.stride, segs, np.arange(2), gap=1 << 20)
+        assert r.stats.reads_issued == 1  # a batch's own gap is taken as given
+
+
 def _refuse_odirect_at_open(monkeypatch):
     """A file system that refuses O_DIRECT (tmpfs before Linux 6.6, some network
     file systems): open(O_DIRECT) fails with EINVAL."""

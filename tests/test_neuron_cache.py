@@ -53,6 +53,34 @@ def test_random_insert_delete_sequences(seed):
     assert all(cache.views[k].ctypes.data == p for k, p in buf_ptr.items())
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_random_replace_sequences(seed):
+    # replace(gone, new): the window's step; rows of the neurons that stay never move
+    rng = np.random.default_rng(100 + seed)
+    N, d, cap = 300, 8, 120
+    cache = NeuronCache(cap, N, d, ("gate", "up", "down"))
+    truth = set()
+    for step in range(200):
+        gone = (rng.choice(sorted(truth), size=rng.integers(0, len(truth) + 1), replace=False)
+                if truth else np.array([], dtype=np.int64))
+        free = [i for i in range(N) if i not in truth]
+        room = cap - len(truth) + gone.size
+        new = rng.choice(free, size=min(room, rng.integers(0, 60)), replace=False)
+        stay = sorted(truth - set(gone.tolist()))
+        rows_before = cache.id_to_row[stay].copy()
+        rows = cache.replace(gone, new)
+        if gone.size >= new.size:
+            assert rows.size == new.size and cache.num_used == len(truth) - gone.size + new.size
+        if gone.size == new.size:  # the steady window: nothing moved
+            np.testing.assert_array_equal(cache.id_to_row[stay], rows_before)
+        for k in cache.kinds:
+            cache.views[k][rows] = weights_of(new, d, k)
+        truth = (truth - set(gone.tolist())) | set(new.tolist())
+        check(cache, truth, d)
+    with pytest.raises(ValueError, match="cache full"):
+        cache.replace(np.array([], dtype=np.int64), np.array(free[: cap - len(truth) + 1]))
+
+
 def test_capacity_and_misuse():
     cache = NeuronCache(4, 10, 2, ("up", "down"))
     cache.append(np.array([1, 2, 3]))

@@ -57,9 +57,8 @@ class _Side:
         n_keep = min(missing.size, c.capacity - int(present.sum()))
         keep, stream = missing[:n_keep], missing[n_keep:]
         over = c.num_used + keep.size - c.capacity
-        if over > 0:
-            c.delete(self.policy.victims(c.cached_ids(), over, need, step))
-        rows = c.append(keep)
+        gone = self.policy.victims(c.cached_ids(), over, need, step) if over > 0 else keep[:0]
+        rows = c.replace(gone, keep)  # the new entries take the victims' rows
         self.policy.touch(need, step)
         scratch.delete(scratch.cached_ids())
         srows = scratch.append(stream)

@@ -3,8 +3,9 @@
 Per layer and token:
     x -> sparsity source -> active ids
     window: the neurons active in the last k tokens stay cached; those that left
-            the window are deleted (swap-delete); a full cache shrinks its window
-    active - cached -> FlashReader (coalesced parallel uncached reads) -> appended rows
+            the window give their rows to the new ones (or are swap-deleted, with
+            overlap); a full cache shrinks its window
+    active - cached -> FlashReader (coalesced parallel uncached reads) -> those rows
     FFN on cache rows [:num_used] (+ the overflow streamed through scratch rows)
 
 With overlap, the reads of a layer's missing neurons run in a worker thread
@@ -92,13 +93,17 @@ class FlashStore(NeuronFileStore):
         while len(hist) > 1 and np.count_nonzero(counts) > cache.capacity:
             counts[hist.popleft()] -= 1
         cached = cache.cached_ids()
-        cache.delete(cached[counts[cached] == 0])
+        gone = cached[counts[cached] == 0]
         missing = ids[~cache.contains(ids)]
         hits = ids.size - missing.size
-        room = cache.capacity - cache.num_used
+        room = cache.capacity - cache.num_used + gone.size
         keep, overflow = missing[:room], missing[room:]
         overflow, later = overflow[: self.scratch.capacity], overflow[self.scratch.capacity :]
-        new_rows = cache.append(keep)
+        if self.overlap:  # new rows after the old ones: the worker fills them while the FFN reads those
+            cache.delete(gone)
+            new_rows = cache.append(keep)
+        else:  # new neurons in the rows of those that left the window: no rows move
+            new_rows = cache.replace(gone, keep)
         self.scratch.delete(self.scratch.cached_ids())
         over_rows = self.scratch.append(overflow)
         t3 = time.perf_counter()

@@ -71,7 +71,7 @@ log = logging.getLogger("mlx_flash.io")
 # Hence 16 KiB: a 16 KiB bundle nobody wants between two wanted ones is read
 # and discarded rather than skipped (at the break-even point the two cost
 # the same; anything larger is skipped). read_bundles bridges at most one
-# bundle's size: at the break-even the time is equal but the bytes are not, and
+# bundle (its stride, padding included): at the break-even the time is equal but the bytes are not, and
 # a 4.5 KiB 4-bit bundle bridging 16 KiB read 13 % more per OPT-6.7B token
 # (65.8 vs 58.0 MB) for the same I/O time (302 vs 287 ms, 4 rounds, 32 threads).
 READ_THREADS = 32  # the paper's 32 parallel reads (every default thread count is this one)
@@ -658,7 +658,7 @@ class FlashReader:
         treated as not done. dst_rows must not repeat within a batch.
         base: byte offset added to every bundle's start (a part of each bundle);
         gap: this batch's coalescing gap (0: merge only touching reads, < 0: never
-        merge); by default the reader's, but never more than one bundle's bytes.
+        merge); by default the reader's, but never more than one bundle (stride).
         checks: (crc, parts): every bundle's parts [(offset, length, column)] must have
         the CRC32C crc[neuron_ids[k], column] (crc: uint32 [n_bundles, columns]) before
         any row of its read is placed; a mismatch is read once more, then raised as a
@@ -681,7 +681,7 @@ class FlashReader:
             ids, rows = ids[order], rows[order]
         starts = base + ids * stride
         if gap is None:
-            gap = min(self.coalesce_gap, need)
+            gap = min(self.coalesce_gap, stride)
         with self._lock:
             plan = self._plan(f, starts, np.full(len(starts), need, dtype=np.int64), private=True,
                               gap=gap)

@@ -9,6 +9,9 @@ Rows (per token; d_in of x's dims, d_out of the neurons, top-k by score):
 - "one side": the same with the other side kept whole.
 - "exact rows": neurons chosen by top-k |h~| (h~ from the pruned x), then their exact h
   from the whole x (their gate / up rows read too); bytes 2 d_in / 3 + d_out.
+--low-rank R (R-Sparse's idea): the pruned dims of x still reach gate / up through a
+resident rank-R SVD of each (g = G_S x_S + G_R (x - x_S)); only two-sided rows, and
+the resident bytes are printed.
 """
 
 import argparse
@@ -30,6 +33,17 @@ def top_k(scores, k):
     return scores >= mx.sort(scores, axis=-1)[..., -k][..., None]
 
 
+# (name, d_in, d_out, WINA scores, exact rows)
+ROWS = ([("two-sided", d_in, d_out, wina, False)
+         for d_in, d_out in ((0.5, 0.5), (0.6, 0.3), (0.55, 0.4), (0.45, 0.6), (0.4, 0.7)) for wina in (False, True)]
+        + [("one side", 1.0, 0.5, False, False), ("one side", 0.5, 1.0, False, False),
+           ("one side", 0.75, 1.0, False, False)]
+        + [("exact rows", d_in, d_out, False, True)
+           for d_in, d_out in ((0.15, 0.4), (0.3, 0.3), (0.225, 0.35), (0.075, 0.45), (0.3, 0.4))])
+LOW_RANK_ROWS = [("two-sided", d_in, d_out, False, False)
+                 for d_in, d_out in ((0.5, 0.5), (0.6, 0.3), (0.55, 0.4), (0.4, 0.4), (0.45, 0.3))]
+
+
 class Probe:
     def __init__(self, inner):
         self.inner, self.weights = inner, {}
@@ -40,8 +54,16 @@ class Probe:
 
 
 class Sides:
-    def __init__(self, weights, act):
-        self.w, self.act, self.cfg = weights, act, None
+    def __init__(self, weights, act, rank=0):
+        self.w, self.act, self.cfg, self.rank = weights, act, None, rank
+        self.low = {}
+        for i, r in weights.items():  # rank-R factors (A [n, R], B [R, d]) of gate and up
+            if rank:
+                self.low[i] = {}
+                for k in ("gate", "up"):
+                    u, sv, vt = mx.linalg.svd(getattr(r, k), stream=mx.cpu)
+                    self.low[i][k] = (u[:, :rank] * sv[:rank], vt[:rank])
+                mx.eval(self.low[i])
         self.norms = {i: (mx.sqrt(mx.sum(r.gate * r.gate, 0) + mx.sum(r.up * r.up, 0)),
                           mx.sqrt(mx.sum(r.down * r.down, 1))) for i, r in weights.items()}
         mx.eval(self.norms)
@@ -50,7 +72,12 @@ class Sides:
         r, (d_in, d_out, wina, exact) = self.w[layer], self.cfg
         n_in, n_out = self.norms[layer] if wina else (1, 1)
         xs = x * top_k(mx.abs(x) * n_in, max(1, round(d_in * x.shape[-1])))
-        h = self.act(xs @ r.gate.T) * (xs @ r.up.T)
+        g, u = xs @ r.gate.T, xs @ r.up.T
+        if self.rank and not exact:
+            rest = x - xs
+            (ga, gb), (ua, ub) = self.low[layer]["gate"], self.low[layer]["up"]
+            g, u = g + (rest @ gb.T) @ ga.T, u + (rest @ ub.T) @ ua.T
+        h = self.act(g) * u
         keep = top_k(mx.abs(h) * n_out, max(1, round(d_out * h.shape[-1])))
         if exact:
             h = self.act(x @ r.gate.T) * (x @ r.up.T)
@@ -61,6 +88,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--eval-tokens", type=int, default=2048)
+    p.add_argument("--low-rank", type=int, default=0, help="rank of the resident gate / up correction")
     a = p.parse_args(argv)
     model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32")
     probe = model.runtime.wrap_store(Probe)
@@ -73,15 +101,14 @@ def main(argv=None):
 
     dense = ppl()
     print(f"dense: WikiText-2 ppl {dense:.3f} ({a.eval_tokens} tokens)", flush=True)
-    sides = Sides(probe.weights, layer_ffn(model.layers[0])._act)
+    sides = Sides(probe.weights, layer_ffn(model.layers[0])._act, a.low_rank)
+    if a.low_rank:
+        r0 = probe.weights[0]
+        per = 2 * a.low_rank * (r0.gate.shape[0] + r0.gate.shape[1]) * 2  # float16
+        print(f"low rank {a.low_rank}: {per * len(probe.weights) / 1e6:.1f} MB resident at float16 "
+              f"(FFN at 4 bits: {3 * r0.gate.size * len(probe.weights) * 0.5625 / 1e6:.1f} MB)", flush=True)
     model.runtime.wrap_store(lambda store: sides)
-    rows = [("two-sided", d_in, d_out, wina, False)
-            for d_in, d_out in ((0.5, 0.5), (0.6, 0.3), (0.55, 0.4), (0.45, 0.6), (0.4, 0.7))
-            for wina in (False, True)]
-    rows += [("one side", 1.0, 0.5, False, False), ("one side", 0.5, 1.0, False, False),
-             ("one side", 0.75, 1.0, False, False)]
-    rows += [("exact rows", d_in, d_out, False, True)
-             for d_in, d_out in ((0.15, 0.4), (0.3, 0.3), (0.225, 0.35), (0.075, 0.45), (0.3, 0.4))]
+    rows = LOW_RANK_ROWS if a.low_rank else ROWS
     for name, d_in, d_out, wina, exact in rows:
         sides.cfg = (d_in, d_out, wina, exact)
         t = time.perf_counter()

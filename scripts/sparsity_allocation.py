@@ -18,6 +18,8 @@ NLL with respect to that FFN output (an empirical-Fisher estimate, from one back
 pass); `--proxy abs` uses E|dy|^2 instead (TEAL's block-wise activation error, which
 ignores how an error propagates). Every allocation of the search's path is written to
 --json; WikiText-2 test perplexity of dense, uniform and searched densities is printed.
+--low-rank R adds to every row (searched and uniform alike) a resident rank-R SVD of
+gate and up that carries the pruned dims of x (scripts/sparsity_sides.py measures it alone).
 """
 
 import argparse
@@ -57,16 +59,41 @@ class Recorder:
         return [r, FFNRows(up=None, down=self.eye, h=self.delta[layer])]
 
 
+def low_rank(weights, rank):
+    """Per layer {kind: (A [n, R], B [R, d])}: gate's and up's rank-R SVD, or None."""
+    if not rank:
+        return None
+    out = {}
+    for i, r in weights.items():
+        out[i] = {}
+        for k in ("gate", "up"):
+            u, sv, vt = mx.linalg.svd(getattr(r, k), stream=mx.cpu)
+            out[i][k] = (u[:, :rank] * sv[:rank], vt[:rank])
+        mx.eval(out[i])
+    return out
+
+
+def gate_up(r, low, x, xs):
+    """gate and up products of the pruned input xs (with low: the rest of x through the factors)."""
+    g, u = xs @ r.gate.T, xs @ r.up.T
+    if low is not None:
+        rest = x - xs
+        (ga, gb), (ua, ub) = low["gate"], low["up"]
+        g, u = g + (rest @ gb.T) @ ga.T, u + (rest @ ub.T) @ ua.T
+    return g, u
+
+
 class Pruned:
     """The FFN with per-layer thresholds on both sides (the simulation)."""
 
-    def __init__(self, weights, act):
-        self.weights, self.act, self.th = weights, act, None
+    def __init__(self, weights, act, low):
+        self.weights, self.act, self.low, self.th = weights, act, low, None
 
     def rows(self, layer, x):
         r, (t_in, t_out) = self.weights[layer], self.th[layer]
         xs = x * (mx.abs(x) >= t_in)
-        h = self.act(xs @ r.gate.T) * (xs @ r.up.T)
+        g, u = gate_up(r, None if self.low is None else self.low[layer], x, xs)
+        h = self.act(g) * u
         return FFNRows(up=None, down=r.down, h=h * (mx.abs(h) >= t_out))
 
 
@@ -84,6 +111,8 @@ def main(argv=None):
     p.add_argument("--eval-tokens", type=int, default=2048, help="WikiText-2 test tokens scored")
     p.add_argument("--targets", default="0.5,0.4", help="average FFN byte shares to evaluate")
     p.add_argument("--proxy", choices=("fisher", "abs"), default="fisher")
+    p.add_argument("--low-rank", type=int, default=0,
+                   help="R-Sparse-like: the pruned input dims through a resident rank-R SVD of gate / up")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     targets = [float(t) for t in a.targets.split(",")]
@@ -123,6 +152,7 @@ def main(argv=None):
     H = [act(X[i] @ W[i].gate.T) * (X[i] @ W[i].up.T) for i in range(n_layers)]
     Y = [H[i] @ W[i].down for i in range(n_layers)]
     mx.eval(X, G, H, Y)
+    low = low_rank(W, a.low_rank)
     abs_x = [np.sort(np.abs(np.array(x)).ravel()) for x in X]
     abs_h = [np.sort(np.abs(np.array(h)).ravel()) for h in H]
     print(f"recorded {len(seqs)} x 256 C4 tokens and their gradients in {time.perf_counter() - t_start:.0f} s",
@@ -130,7 +160,8 @@ def main(argv=None):
 
     def err(i, d_in, d_out):
         xs = X[i] * (mx.abs(X[i]) >= threshold(abs_x[i], d_in))
-        h = act(xs @ W[i].gate.T) * (xs @ W[i].up.T)
+        g, u = gate_up(W[i], None if low is None else low[i], X[i], xs)
+        h = act(g) * u
         h = h * (mx.abs(h) >= threshold(abs_h[i], d_out))
         dy = h @ W[i].down - Y[i]
         e = mx.sum(G[i] * dy, -1) ** 2 if a.proxy == "fisher" else mx.sum(dy * dy, -1)
@@ -168,7 +199,7 @@ def main(argv=None):
         return path[-1]
 
     text = load_text("wikitext")[0]
-    pr = Pruned(W, act)
+    pr = Pruned(W, act, low)
 
     def ppl(d=None):
         if d is None:

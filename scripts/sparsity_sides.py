@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_flash.eval.harness import evaluate_perplexity
 from mlx_flash.eval.tasks import load_text
 from mlx_flash.models.ffn import FFNRows, layer_ffn
+from sparsity_allocation import gate_up, low_rank  # this folder's; run as a script
 
 
 def top_k(scores, k):
@@ -55,15 +56,8 @@ class Probe:
 
 class Sides:
     def __init__(self, weights, act, rank=0):
-        self.w, self.act, self.cfg, self.rank = weights, act, None, rank
-        self.low = {}
-        for i, r in weights.items():  # rank-R factors (A [n, R], B [R, d]) of gate and up
-            if rank:
-                self.low[i] = {}
-                for k in ("gate", "up"):
-                    u, sv, vt = mx.linalg.svd(getattr(r, k), stream=mx.cpu)
-                    self.low[i][k] = (u[:, :rank] * sv[:rank], vt[:rank])
-                mx.eval(self.low[i])
+        self.w, self.act, self.cfg = weights, act, None
+        self.low = low_rank(weights, rank)
         self.norms = {i: (mx.sqrt(mx.sum(r.gate * r.gate, 0) + mx.sum(r.up * r.up, 0)),
                           mx.sqrt(mx.sum(r.down * r.down, 1))) for i, r in weights.items()}
         mx.eval(self.norms)
@@ -72,11 +66,7 @@ class Sides:
         r, (d_in, d_out, wina, exact) = self.w[layer], self.cfg
         n_in, n_out = self.norms[layer] if wina else (1, 1)
         xs = x * top_k(mx.abs(x) * n_in, max(1, round(d_in * x.shape[-1])))
-        g, u = xs @ r.gate.T, xs @ r.up.T
-        if self.rank and not exact:
-            rest = x - xs
-            (ga, gb), (ua, ub) = self.low[layer]["gate"], self.low[layer]["up"]
-            g, u = g + (rest @ gb.T) @ ga.T, u + (rest @ ub.T) @ ua.T
+        g, u = gate_up(r, None if self.low is None or exact else self.low[layer], x, xs)
         h = self.act(g) * u
         keep = top_k(mx.abs(h) * n_out, max(1, round(d_out * h.shape[-1])))
         if exact:

@@ -71,9 +71,10 @@ log = logging.getLogger("mlx_flash.io")
 # Hence 16 KiB: a 16 KiB bundle nobody wants between two wanted ones is read
 # and discarded rather than skipped (at the break-even point the two cost
 # the same; anything larger is skipped). read_bundles bridges at most one
-# bundle (its stride, padding included): at the break-even the time is equal but the bytes are not, and
-# a 4.5 KiB 4-bit bundle bridging 16 KiB read 13 % more per OPT-6.7B token
-# (65.8 vs 58.0 MB) for the same I/O time (302 vs 287 ms, 4 rounds, 32 threads).
+# bundle (its stride, padding included): at the break-even the time is equal
+# but the bytes are not, and a 4.5 KiB 4-bit bundle bridging 16 KiB read 13 %
+# more per OPT-6.7B token (65.8 vs 58.0 MB) for the same I/O time (302 vs
+# 287 ms, 4 rounds, 32 threads).
 READ_THREADS = 32  # the paper's 32 parallel reads (every default thread count is this one)
 DEFAULT_COALESCE_GAP = 16 * 1024
 # A merged read never spans more than this: the measured throughput is flat

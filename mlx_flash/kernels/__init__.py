@@ -122,7 +122,6 @@ def qaxpy_cols(kernels, h, buf, sel, trow, tables, spec):
     return y
 
 
-
 def dequantize_rows(kernels, buf, sel, spec, scales_off, biases_off, k):
     """The values of rows `sel` of `buf` (as qmv_rows reads them) -> float32 [len(sel), k]."""
     y = np.empty((len(sel), k), np.float32)

@@ -256,6 +256,14 @@ static void gather_axpy(const job_t *j, int64_t c0, int64_t c1) {
     }
 }
 
+/* values b .. b + len - 1 (len <= 128, b a multiple of 32) of a packed column p, as bytes:
+ * at 8 bits the column itself, else unpacked into q */
+static inline const uint8_t *block_values(const uint8_t *p, int64_t bits, int64_t b, int64_t len, uint8_t *q) {
+    if (bits == 8) return p + b;
+    unpack_bits(p + b * bits / 8, bits, len, q);
+    return q;
+}
+
 /* QAXPY_COLS, values [c0, c1) of every column: per run of rows sharing a table row t,
  * acc = sum_i h_i * q_i and hs = sum_i h_i, then y += ts[t] * acc + tb[t] * hs.
  * acc: scratch of c1 - c0 floats. */
@@ -275,11 +283,7 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
             hs += h;
             for (int64_t b = 0; b < n; b += 128) {
                 const int64_t len = n - b < 128 ? n - b : 128;
-                const uint8_t *qb = q;
-                if (bits == 8)
-                    qb = p + b;
-                else
-                    unpack_bits(p + b * bits / 8, bits, len, q);
+                const uint8_t *qb = block_values(p, bits, b, len, q);
                 for (int64_t v = 0; v < len; v++) {
                     const float u = h * (float)qb[v];
                     acc[b + v] += u;
@@ -306,11 +310,7 @@ static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
         float *out = j->y + i * j->k;
         for (int64_t b = 0; b < j->k; b += 128) {
             const int64_t len = j->k - b < 128 ? j->k - b : 128;
-            const uint8_t *qb = q;
-            if (bits == 8)
-                qb = p + b;
-            else
-                unpack_bits(p + b * bits / 8, bits, len, q);
+            const uint8_t *qb = block_values(p, bits, b, len, q);
             for (int64_t v = 0; v < len; v++) {
                 const float t = load_scale(sr + (b + v) * ssz, j->scode) * (float)qb[v];
                 out[b + v] = t + load_scale(br + (b + v) * ssz, j->scode);

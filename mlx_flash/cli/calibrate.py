@@ -1,8 +1,13 @@
-"""mlx_flash.calibrate: train the low-rank activation predictors and measure Req_i for the planner."""
+"""mlx_flash.calibrate: what the sparsity sources need, measured on calibration text.
+
+SwiGLU models: the per-layer thresholds of both FFN sides (for --sparsity calibrated);
+ReLU-family models (OPT): the low-rank activation predictors and Req_i for the planner
+(--sparsity predictor). --what chooses (SwiGLU models can have predictors too)."""
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from . import check_model_arg, default_model, run
 
@@ -19,8 +24,66 @@ def build_parser():
     p.add_argument("--density", type=float, default=None,
                    help="SwiGLU only: the top-k |GLU| fraction to predict (default 0.5)")
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--what", choices=("auto", "thresholds", "predictors", "both"), default="auto",
+                   help="auto (default): thresholds for SwiGLU FFNs, predictors for the others")
+    p.add_argument("--search-tokens", type=int, default=2048,
+                   help="calibration tokens of the threshold search (default 2048)")
+    p.add_argument("--lowest", type=float, default=0.2,
+                   help="the lowest average --density the threshold search reaches (default 0.2)")
+    p.add_argument("--plot", default=None,
+                   help="PNG of the searched densities per layer (default: <model>/calibrated-densities.png)")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def _gated(folder):
+    from ..layout.format import read_manifest
+
+    return "gate" in read_manifest(folder).layout.kinds
+
+
+def _thresholds(model, args):
+    from ..sparsity.allocation import allocation, calibrate_thresholds, plot
+
+    t0 = time.perf_counter()
+    section = calibrate_thresholds(model, data=args.data, tokens=args.search_tokens, seq_len=args.seq_len,
+                                   lowest=args.lowest, progress=not args.quiet,
+                                   log=lambda m: print(f"[calibrate] {m}", file=sys.stderr))
+    shown = [d for d in (0.3, 0.4, 0.5, 0.6, 0.7) if d >= args.lowest - 1e-9]
+    allocs = [allocation(section, d) for d in shown]
+    print("kept share of each side per layer (in: gate/up columns, out: down rows), by --density:")
+    print(f"{'layer':>5} " + " ".join(f"{f'in@{d:g}':>7} {f'out@{d:g}':>7}" for d in shown))
+    for i in range(allocs[0].density.shape[0]):
+        print(f"{i:>5} " + " ".join(f"{a.density[i, 0]:>7.2f} {a.density[i, 1]:>7.2f}" for a in allocs))
+    png = args.plot or str(Path(model) / "calibrated-densities.png")
+    try:
+        plot(section, shown, png)
+        where = f"; plot: {png}"
+    except ImportError:
+        where = "; no plot: matplotlib is not installed (pip install 'mlx-flash[bench]')"
+    print(f"thresholds of {len(section['path'])} search steps on {section['tokens']} tokens of "
+          f"{section['data']} written to {model}/manifest.json in {time.perf_counter() - t0:.1f} s{where}; "
+          f"run with --mode flash --sparsity calibrated --density D")
+
+
+def _predictors(model, args):
+    from ..sparsity.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    cal = calibrate(model, data=args.data, tokens=args.tokens, seq_len=args.seq_len, rank=args.rank,
+                    max_rank=args.max_rank, recall=args.recall, density=args.density,
+                    epochs=args.epochs, progress=not args.quiet,
+                    log=lambda m: print(f"[calibrate] {m}", file=sys.stderr))
+    print(f"{'layer':>5} {'rank':>5} {'thr':>5} {'recall':>7} {'FN':>6} {'FP':>6} {'true dens':>9} "
+          f"{'pred dens':>9} {'Req(1)':>7} {'Req(4)':>7}")
+    req = cal["req"]["per_layer"]
+    for i, m in enumerate(cal["metrics"]):
+        print(f"{i:>5} {m['rank']:>5} {m['threshold']:>5.2f} {m['recall']:>7.3f} "
+              f"{m['false_negative_rate']:>6.3f} {m['false_positive_rate']:>6.3f} "
+              f"{m['true_density']:>9.3f} {m['predicted_density']:>9.3f} {req[i][0]:>7} {req[i][3]:>7}")
+    print(f"{len(cal['metrics'])} predictors ({cal['predictors']['target']} target) written to "
+          f"{model}/{cal['predictors']['file']} in {time.perf_counter() - t0:.1f} s; "
+          f"held-out tokens: {cal['held_out_tokens']}")
 
 
 def main(argv=None):
@@ -35,21 +98,15 @@ def main(argv=None):
         if not 0 < args.recall < 1:
             raise FlashError("--recall must be in (0, 1)")
         model = check_model_arg(args.model or default_model())
-        t0 = time.perf_counter()
-        cal = calibrate(model, data=args.data, tokens=args.tokens, seq_len=args.seq_len, rank=args.rank,
-                        max_rank=args.max_rank, recall=args.recall, density=args.density,
-                        epochs=args.epochs, progress=not args.quiet,
-                        log=lambda m: print(f"[calibrate] {m}", file=sys.stderr))
-        print(f"{'layer':>5} {'rank':>5} {'thr':>5} {'recall':>7} {'FN':>6} {'FP':>6} {'true dens':>9} "
-              f"{'pred dens':>9} {'Req(1)':>7} {'Req(4)':>7}")
-        req = cal["req"]["per_layer"]
-        for i, m in enumerate(cal["metrics"]):
-            print(f"{i:>5} {m['rank']:>5} {m['threshold']:>5.2f} {m['recall']:>7.3f} "
-                  f"{m['false_negative_rate']:>6.3f} {m['false_positive_rate']:>6.3f} "
-                  f"{m['true_density']:>9.3f} {m['predicted_density']:>9.3f} {req[i][0]:>7} {req[i][3]:>7}")
-        print(f"{len(cal['metrics'])} predictors ({cal['predictors']['target']} target) written to "
-              f"{model}/{cal['predictors']['file']} in {time.perf_counter() - t0:.1f} s; "
-              f"held-out tokens: {cal['held_out_tokens']}")
+        what = args.what
+        if what == "auto":
+            what = "thresholds" if _gated(model) else "predictors"
+            print(f"[calibrate] {what} ({'a SwiGLU' if what == 'thresholds' else 'a ReLU-family'} FFN; "
+                  "--what chooses)", file=sys.stderr)
+        if what in ("thresholds", "both"):
+            _thresholds(model, args)
+        if what in ("predictors", "both"):
+            _predictors(model, args)
 
     return run(body, "mlx_flash.calibrate")
 

@@ -314,6 +314,9 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
     inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
     density = config.density
     k_in, k_out = max(1, round(density * inp.n_neurons)), max(1, round(density * down.n_neurons))
+    thresholds = getattr(source, "thresholds", None)
+    if thresholds is not None:  # a token may need any share of a layer: the scratch holds all of one
+        k_in, k_out = inp.n_neurons, down.n_neurons
     dims = (inp.n_neurons, len(inp.kinds) * inp.d_model * dtype.size, down.n_neurons,
             down.d_model * dtype.size, k_in, k_out)
     lay = manifest.layout
@@ -322,5 +325,5 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
     reader = FlashReader(threads=config.threads, direct=True)
     store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
                      cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
-                     eviction=config.eviction, tables=tables, crcs=crcs)
+                     eviction=config.eviction, tables=tables, crcs=crcs, thresholds=thresholds)
     return plan, store

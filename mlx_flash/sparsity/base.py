@@ -14,6 +14,9 @@ from ..errors import FlashError
 NEEDS = {
     "predictors": (lambda m: m.calibration.get("predictors"),
                    "{folder}: no trained predictors; run `mlx_flash.calibrate --model {folder}` first"),
+    "thresholds": (lambda m: m.dip and m.calibration.get("thresholds"),
+                   "{folder}: needs the DIP orientation on flash (`mlx_flash.convert --dip`) and calibrated "
+                   "thresholds (`mlx_flash.calibrate --model {folder}`)"),
     "dip": (lambda m: m.dip,
             "{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"),
 }

@@ -7,6 +7,9 @@ Per layer and token:
     s_out = |h~|                     (DIP-CA: re-weighted by the down cache's presence mask)
     ids   = topK(s_out, k_out)       -> down rows of those neurons: down-cache, read if missing
     y     = h~[ids] D[ids]
+With calibrated thresholds (the `calibrated` sources), topK(s, k) becomes s >= t[layer]
+per side (at least one entry); with DIP-CA, each token keeps as many entries as the
+threshold gives it, chosen by the re-weighted scores.
 Both caches are full-size-less: when full, an eviction policy (LRU / LFU /
 Belady) picks the victims among ids the token does not need. k_in and k_out
 are the same fraction (`density`) of d_model and of n_ff, so `density` is the
@@ -77,7 +80,7 @@ class DIPStore(Store):
 
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
                  gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
-                 record_trace=False, tables=None, crcs=None):
+                 record_trace=False, tables=None, crcs=None, thresholds=None):
         if not manifest.dip:
             raise FlashError(
                 f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"
@@ -86,6 +89,7 @@ class DIPStore(Store):
             raise FlashError(f"unknown eviction policy '{eviction}' (choose from {', '.join(POLICIES)})")
         self.reader, self.act, self.plan = reader, act, plan
         self.density, self.cache_aware, self.gamma = density, cache_aware, gamma
+        self.thresholds = thresholds  # per layer (t_in, t_out), or None: top-k at density
         inp, down = manifest.dip["input"], manifest.dip["down"]
         self.d_model, self.n_ff = inp["layout"].n_neurons, inp["layout"].d_model
         self.k_in = max(1, int(round(density * self.d_model)))
@@ -125,13 +129,24 @@ class DIPStore(Store):
         caches = sum(s.cache.weights_bytes for pair in self.sides for s in pair)
         return caches + self.scratch_in.weights_bytes + self.scratch_down.weights_bytes
 
-    def _scores(self, values, cache):
-        """DIP-CA (Eq. 10): cached entries keep their score, the others are scaled by γ."""
+    def _select(self, values, cache, layer, side, k):
+        """Each token's entries (bool [tokens, n]): its top-k |values|, or, calibrated, those
+        at or over the layer's threshold (at least its best one). DIP-CA (Eq. 10): the same
+        number per token, chosen on scores whose uncached entries are scaled by γ."""
         s = np.abs(values)
-        if not self.cache_aware:
-            return s
+        if self.thresholds is not None:
+            keep = s >= self.thresholds[layer][side]
+            if not self.cache_aware:
+                return keep | top_k_mask(s, 1)
+            k = np.maximum(keep.sum(axis=-1), 1)
+        elif not self.cache_aware:
+            return top_k_mask(s, k)
         c = (cache.id_to_row >= 0).astype(s.dtype)
-        return s * (c + self.gamma * (1 - c)) / np.maximum(s.max(axis=-1, keepdims=True), 1e-30)
+        s = s * (c + self.gamma * (1 - c))
+        if np.ndim(k) == 0:
+            return top_k_mask(s, k)
+        kth = -np.sort(-s, axis=-1)[np.arange(s.shape[0]), k - 1]  # each token's k-th score
+        return s >= kth[:, None]
 
     def rows(self, layer, x):
         if layer == 0:
@@ -141,7 +156,7 @@ class DIPStore(Store):
         t1 = time.perf_counter()
         side_in, side_down = self.sides[layer]
         x2 = x.reshape(-1, x.shape[-1])
-        mask_in = top_k_mask(self._scores(np.array(x2, dtype=np.float32), side_in.cache), self.k_in)
+        mask_in = self._select(np.array(x2, dtype=np.float32), side_in.cache, layer, 0, self.k_in)
         need_in = np.flatnonzero(mask_in.any(axis=0)).astype(np.int64)
         self._check_fits(need_in.size, side_in.cache.capacity + self.scratch_in.capacity, x2, layer)
         t2 = time.perf_counter()
@@ -159,7 +174,7 @@ class DIPStore(Store):
         h = self.act(g) * u
         h_np = np.array(h.astype(mx.float32))  # evaluates h~: compute
         t3 = time.perf_counter()
-        mask_out = top_k_mask(self._scores(h_np, side_down.cache), self.k_out)
+        mask_out = self._select(h_np, side_down.cache, layer, 1, self.k_out)
         need_out = np.flatnonzero(mask_out.any(axis=0)).astype(np.int64)
         self._check_fits(need_out.size, side_down.cache.capacity + self.scratch_down.capacity, x2, layer)
         t4 = time.perf_counter()

@@ -1,0 +1,253 @@
+"""Calibrated thresholds for both sides of a SwiGLU FFN, per layer (issue 19; TEAL's idea).
+
+A token reads the gate/up columns of the input dims with |x_i| >= t_in[layer] (the
+input side, 2/3 of the FFN's bytes) and the down rows of the neurons with
+|h~_j| >= t_out[layer] (the output side, 1/3), h~ computed from the pruned x: the
+`calibrated` sources (dip.py) in the DIP store. How much each layer and side keeps
+is chosen here, on calibration text (C4; never the evaluation text):
+
+1. record: every layer's FFN input x, its output y, and g = dNLL/dy (one backward
+   pass per calibration sequence), with the model in DRAM;
+2. thresholds: the quantiles of |x| and |h| per layer, so that a density d of a
+   side is the threshold that keeps a share d of the recorded values;
+3. search: greedy, from dense, one STEP of one layer's side at a time, taking the
+   step that adds the least predicted loss per byte saved. Predicted loss of a
+   layer's output error dy: E[(g . dy)^2] (an empirical-Fisher estimate: how much
+   the error moves the loss, which TEAL's |dy|^2 ignores; measured better on
+   SmolLM2, see scripts/sparsity_allocation.py).
+
+The manifest keeps the quantiles and the search's path (which side of which layer
+each step lowered), not one allocation: `--density` at run time is the average
+share of the FFN's bytes, and the allocation for it is the path replayed until the
+average reaches it (`allocation(section, density)`).
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import mlx.core as mx
+
+from ..errors import FlashError
+from ..models.ffn import FFNRows
+
+VERSION = 1
+STEP = 0.05
+SHARE = np.array([2 / 3, 1 / 3])  # share of a layer's FFN bytes: gate+up columns, down rows
+LOWEST = 0.2  # the search stops at this average share (run-time --density below it: an error)
+SIDES = ("in", "out")
+
+
+@dataclass
+class Allocation:
+    """Per layer: the kept share of each side, and its threshold."""
+
+    density: np.ndarray  # [layers, 2]: input side, output side
+    threshold: np.ndarray  # [layers, 2]
+
+    @property
+    def bytes_share(self):
+        """The average share of the FFN's weight bytes a token reads."""
+        return float((self.density * SHARE).sum(1).mean())
+
+
+def allocation(section, target):
+    """The allocation of a calibrated `thresholds` section at an average byte share `target`."""
+    if section.get("version") != VERSION:
+        raise FlashError(f"calibrated thresholds of version {section.get('version')} (this mlx_flash reads "
+                         f"{VERSION}); run `mlx_flash.calibrate` again")
+    step, q = section["step"], [np.array(section["quantiles"][s]) for s in SIDES]
+    n_layers = q[0].shape[0]
+    dens = np.ones((n_layers, 2))
+    low = section["lowest"]
+    if target < low - 1e-9:
+        raise FlashError(f"--density {target}: the calibrated thresholds reach down to {low}; "
+                         f"calibrate with a lower --lowest")
+    for layer, side in section["path"]:
+        if float((dens * SHARE).sum(1).mean()) <= target + 1e-9:
+            break
+        dens[layer, side] = round(dens[layer, side] - step, 6)
+    idx = np.rint(dens / step).astype(int)
+    th = np.stack([q[s][np.arange(n_layers), idx[:, s]] for s in (0, 1)], axis=1)
+    return Allocation(dens, th)
+
+
+class _Recorder:
+    """Between the FFNs and a dense store: records each layer's x and weights, and adds
+    `delta[layer]` (zeros) to its output, so that d loss / d delta = d loss / d y."""
+
+    def __init__(self, inner, n_layers, d_model):
+        self.inner, self.eye = inner, mx.eye(d_model)
+        self.weights, self.x, self.delta = {}, [[] for _ in range(n_layers)], None
+
+    def rows(self, layer, x):
+        parts = self.inner.rows(layer, x)
+        if not isinstance(parts, FFNRows) or parts.ids is not None or parts.gate is None:
+            raise FlashError("threshold calibration needs the model's FFNs in DRAM (mode dense)")
+        self.weights[layer] = parts
+        if self.delta is None:
+            self.x[layer].append(x.reshape(-1, x.shape[-1]))
+            return parts
+        return [parts, FFNRows(up=None, down=self.eye, h=self.delta[layer])]
+
+
+def _quantiles(values, step):
+    """Thresholds keeping a share k * step of |values|, k = 0 .. 1/step (k = 0: inf)."""
+    s = np.sort(np.abs(np.asarray(values, dtype=np.float32)).ravel())
+    n = int(round(1 / step))
+    out = [float("inf")]
+    for k in range(1, n):
+        out.append(float(s[min(len(s) - 1, int(round((1 - k * step) * len(s))))]))
+    return out + [0.0]
+
+
+def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print):
+    """Record on `seqs` (token id lists, each one longer than the scored part) and search.
+    -> the `thresholds` manifest section (without the data description)."""
+    from tqdm import tqdm
+
+    n_layers = len(model.layers)
+    rt = model.runtime
+    d_model = rt.ffns[0].d_model
+    rec = rt.wrap_store(lambda store: _Recorder(store, n_layers, d_model))
+    grads = [[] for _ in range(n_layers)]
+    t0 = time.perf_counter()
+    try:
+        for s in tqdm(seqs, desc="record", disable=not progress, leave=False):
+            inp, tgt = mx.array([s[:-1]]), mx.array(s[1:])
+            rec.delta = None
+            mx.eval(model(inp))
+
+            def nll(deltas):
+                rec.delta = deltas
+                logits = model(inp)[0].astype(mx.float32)
+                return mx.mean(mx.logsumexp(logits, -1) - mx.take_along_axis(logits, tgt[:, None], -1)[:, 0])
+
+            g = mx.grad(nll)([mx.zeros((1, len(s) - 1, d_model)) for _ in range(n_layers)])
+            mx.eval(g)
+            for layer in range(n_layers):
+                grads[layer].append(g[layer].reshape(-1, d_model))
+    finally:
+        rt.unwrap_store()
+    X = [mx.concatenate(x) for x in rec.x]
+    G = [mx.concatenate(g) for g in grads]
+    W = rec.weights
+    H = [act(X[i] @ W[i].gate.T) * (X[i] @ W[i].up.T) for i in range(n_layers)]
+    mx.eval(X, G, H)
+    Y = []
+    for i in range(n_layers):
+        Y.append(H[i] @ W[i].down)
+        mx.eval(Y[-1])
+    q = [[_quantiles(np.array(X[i]), step) for i in range(n_layers)],
+         [_quantiles(np.array(H[i]), step) for i in range(n_layers)]]
+    n_tokens = X[0].shape[0]
+    log(f"recorded {len(seqs)} sequences ({n_tokens} tokens) and their gradients in "
+        f"{time.perf_counter() - t0:.1f} s")
+
+    def k(d):
+        return int(round(d / step))
+
+    # the current h~ of each layer (at its current input density): an output-side
+    # step re-thresholds it, only an input-side step recomputes gate and up
+    h_cur = list(H)
+
+    def h_at(i, d_in):
+        x = X[i]
+        xs = x * (mx.abs(x) >= q[0][i][k(d_in)])
+        return act(xs @ W[i].gate.T) * (xs @ W[i].up.T)
+
+    def err(i, h, d_out):
+        h = h * (mx.abs(h) >= q[1][i][k(d_out)])
+        e = mx.mean(mx.sum(G[i] * (h @ W[i].down - Y[i]), -1) ** 2)
+        return float(e)
+
+    t0 = time.perf_counter()
+    dens = np.ones((n_layers, 2))
+    cur = np.zeros(n_layers)
+    cand = {}  # (layer, side) -> (loss after the step, h~ after it or None)
+
+    def candidates(i):
+        for side in (0, 1):
+            if dens[i, side] <= step + 1e-9:
+                cand.pop((i, side), None)
+                continue
+            nd = dens[i].copy()
+            nd[side] = round(nd[side] - step, 6)
+            h = h_at(i, nd[0]) if side == 0 else h_cur[i]
+            cand[(i, side)] = (err(i, h, nd[1]), h if side == 0 else None)
+
+    for i in range(n_layers):
+        candidates(i)
+    path = []
+    total = int(round((1 - lowest) / (step * SHARE.min()) * n_layers))  # an upper bound, for the bar
+    bar = tqdm(total=total, desc="search", disable=not progress, leave=False)
+    while float((dens * SHARE).sum(1).mean()) > lowest + 1e-9 and cand:
+        (i, side), (e, h) = min(cand.items(), key=lambda kv: (kv[1][0] - cur[kv[0][0]]) / SHARE[kv[0][1]])
+        dens[i, side] = round(dens[i, side] - step, 6)
+        cur[i] = e
+        if side == 0:
+            h_cur[i] = h
+        path.append([i, side])
+        candidates(i)
+        bar.update(1)
+    bar.close()
+    log(f"searched {len(path)} steps in {time.perf_counter() - t0:.1f} s")
+    return {"version": VERSION, "step": step, "lowest": lowest, "proxy": "fisher",
+            "quantiles": {"in": q[0], "out": q[1]}, "path": path, "tokens": n_tokens}
+
+
+def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOWEST, progress=True, log=print):
+    """Search a SwiGLU model's per-layer thresholds on calibration text and write them into
+    its manifest (calibration["thresholds"], beside the predictors). -> the section."""
+    from .. import load
+    from ..layout.format import add_manifest_section, read_manifest
+    from .calibrate import calibration_texts
+
+    model, tok = load(folder, mode="dense", resident_dtype="float32")
+    ffns = model.runtime.ffns
+    if not ffns[0].gated or "up_bias" in ffns[0]:
+        raise FlashError(f"{folder}: calibrated thresholds are for gated (SwiGLU) FFNs without biases")
+    if not 0 < lowest < 1:
+        raise FlashError(f"--lowest must be in (0, 1), got {lowest}")
+    seqs, have = [], 0
+    for text in calibration_texts(data):
+        ids = tok.encode(text)
+        for i in range(0, len(ids) - seq_len, seq_len):
+            seqs.append(ids[i : i + seq_len + 1])  # one more: the last position's target
+            have += seq_len
+            if have >= tokens:
+                break
+        if have >= tokens:
+            break
+    if not seqs:
+        raise FlashError(f"calibration data '{data}' gives no sequence of {seq_len + 1} tokens")
+    section = search(model, seqs, ffns[0]._act, lowest=lowest, progress=progress, log=log)
+    section["data"] = str(data)
+    model.runtime.close()
+    cal = dict(read_manifest(folder).calibration)
+    cal["thresholds"] = section
+    return add_manifest_section(folder, "calibration", cal).calibration["thresholds"]
+
+
+def plot(section, densities, path):
+    """A PNG of each layer's input- and output-side density at the given averages."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for d in densities:
+        a = allocation(section, d)
+        for s, ax in enumerate(axes):
+            ax.plot(a.density[:, s], marker="o", ms=3, label=f"--density {d:g}")
+    for s, ax in enumerate(axes):
+        ax.set_title(("input side: gate/up columns kept", "output side: down rows kept")[s])
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("kept share")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

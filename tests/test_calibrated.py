@@ -1,0 +1,151 @@
+"""Calibrated thresholds (issue 19): the search, the manifest, the `calibrated` sources' math."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+import mlx_flash
+from mlx_flash.convert import convert
+from mlx_flash.errors import FlashError
+from mlx_flash.layout import read_manifest
+from mlx_flash.sparsity.allocation import SHARE, STEP, allocation, calibrate_thresholds
+from mlx_flash.sparsity.calibrate import calibrate
+from helpers import make_llama_folder, make_opt_folder
+
+WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
+PROMPT = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("calibrated")
+    src, cfg, t = make_llama_folder(d / "hf", "llama", intermediate_size=256, num_hidden_layers=4)
+    out = convert(src, d / "flash", dtype="float32", progress=False, dip=True)
+    rng = np.random.default_rng(0)
+    (d / "cal.txt").write_text(" ".join(rng.choice(WORDS, 3000)))
+    section = calibrate_thresholds(out, data=str(d / "cal.txt"), tokens=512, seq_len=64, progress=False,
+                                   log=lambda m: None)
+    return out, cfg, t, section, d
+
+
+def test_the_search_path_reaches_each_density(folder):
+    out, cfg, _, section, _ = folder
+    assert read_manifest(out).calibration["thresholds"] == section
+    n_layers = cfg["num_hidden_layers"]
+    assert section["tokens"] == 512 and len(section["quantiles"]["in"]) == n_layers
+    prev = None
+    for target in (0.9, 0.7, 0.5, 0.3, 0.2):
+        a = allocation(section, target)
+        # the first allocation of the path at or below the target: one step under it at most
+        assert a.bytes_share <= target + 1e-9
+        assert a.bytes_share > target - STEP * SHARE.max() / n_layers - 1e-9
+        if prev is not None:  # one path: a lower target only lowers densities
+            assert (a.density <= prev.density + 1e-9).all()
+        prev = a
+        # thresholds are the recorded quantiles at each side's density
+        for s, side in enumerate(("in", "out")):
+            q = np.array(section["quantiles"][side])
+            idx = np.rint(a.density[:, s] / STEP).astype(int)
+            np.testing.assert_array_equal(a.threshold[:, s], q[np.arange(n_layers), idx])
+    half = allocation(section, 0.5)
+    assert not np.allclose(half.density, 0.5)  # the search did not stay uniform
+    full = allocation(section, 1.0)
+    assert (full.density == 1).all() and (full.threshold == 0).all()
+
+
+def test_allocation_errors(folder):
+    section = folder[3]
+    with pytest.raises(FlashError, match="reach down to 0.2"):
+        allocation(section, 0.1)
+    with pytest.raises(FlashError, match="calibrate` again"):
+        allocation(dict(section, version=99), 0.5)
+
+
+def test_predictor_calibration_keeps_the_thresholds(folder):
+    out, _, _, section, d = folder
+    calibrate(out, data=str(d / "cal.txt"), tokens=512, seq_len=64, rank=8, max_rank=8, epochs=1,
+              progress=False, log=lambda m: None)
+    cal = read_manifest(out).calibration
+    assert cal["thresholds"] == section and "predictors" in cal
+
+
+def test_full_density_is_exact(folder):
+    out = folder[0]
+    dense, _ = mlx_flash.load(out)
+    model, _ = mlx_flash.load(out, mode="flash", sparsity="calibrated", density=1.0, memory_budget="70%")
+    np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), np.array(dense(mx.array([PROMPT]))),
+                               atol=1e-4)
+
+
+def test_layer_output_follows_the_thresholds(folder):
+    """One token through one layer: |x| >= t_in columns, then |h~| >= t_out rows."""
+    out, cfg, t, section, _ = folder
+    model, _ = mlx_flash.load(out, mode="flash", sparsity="calibrated", density=0.5, memory_budget="75%")
+    a = allocation(section, 0.5)
+    for layer in (0, 2):
+        x = np.random.default_rng(layer).standard_normal((1, 1, cfg["hidden_size"])).astype(np.float32)
+        model.runtime.store.stats.begin(1)
+        got = np.array(model.layers[layer].mlp(mx.array(x)))[0, 0]
+        p = f"model.layers.{layer}.mlp."
+        G, U, D = t[p + "gate_proj.weight"], t[p + "up_proj.weight"], t[p + "down_proj.weight"]
+        t_in, t_out = a.threshold[layer]
+        x1 = x[0, 0]
+        xm = np.where(np.abs(x1) >= t_in, x1, 0)
+        g, u = G @ xm, U @ xm
+        h = g / (1 + np.exp(-g)) * u
+        hm = np.where(np.abs(h) >= t_out, h, 0)
+        np.testing.assert_allclose(got, D @ hm, rtol=1e-4, atol=1e-4)
+        kept_in = (np.abs(x1) >= t_in).mean()
+        assert 0 < kept_in < 1  # a real cut at this density
+
+
+def test_cache_aware_with_gamma_one_is_plain(folder):
+    out = folder[0]
+    from mlx_lm.generate import generate_step
+
+    def greedy(m):
+        return [int(tok) for tok, _ in generate_step(mx.array(PROMPT), m, max_tokens=8)]
+
+    a, _ = mlx_flash.load(out, mode="flash", sparsity="calibrated", density=0.5, memory_budget="75%")
+    b, _ = mlx_flash.load(out, mode="flash", sparsity="calibrated-ca", density=0.5, memory_budget="75%",
+                          gamma=1.0)
+    c, _ = mlx_flash.load(out, mode="flash", sparsity="calibrated-ca", density=0.5, memory_budget="75%",
+                          gamma=0.2)
+    assert greedy(a) == greedy(b)
+    greedy(c)
+    assert b.runtime.store.thresholds == a.runtime.source.thresholds
+
+
+def test_needs_the_calibration(tmp_path):
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama")
+    out = convert(src, tmp_path / "flash", dtype="float32", progress=False, dip=True)
+    with pytest.raises(FlashError, match="mlx_flash.calibrate"):
+        mlx_flash.load(out, mode="flash", sparsity="calibrated", density=0.5)
+
+
+def test_not_for_ungated_ffns(tmp_path):
+    src, _, _ = make_opt_folder(tmp_path / "hf")
+    out = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    (tmp_path / "cal.txt").write_text(" ".join(WORDS * 40))
+    with pytest.raises(FlashError, match="gated"):
+        calibrate_thresholds(out, data=str(tmp_path / "cal.txt"), tokens=128, seq_len=32, progress=False)
+
+
+def test_cli_prints_the_densities(folder, tmp_path):
+    out, cfg, _, _, d = folder
+    png = tmp_path / "d.png"
+    r = subprocess.run([sys.executable, "-m", "mlx_flash.cli.calibrate", "--model", str(out), "--data",
+                        str(d / "cal.txt"), "--search-tokens", "256", "--seq-len", "64", "--quiet",
+                        "--plot", str(png)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "thresholds (a SwiGLU FFN" in r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.split() and ln.split()[0].isdigit()]
+    assert len(lines) == cfg["num_hidden_layers"]
+    assert "--sparsity calibrated" in r.stdout
+    assert png.exists() or "matplotlib is not installed" in r.stdout
+    assert json.loads((out / "manifest.json").read_text())["calibration"]["thresholds"]["tokens"] == 256

@@ -39,6 +39,7 @@ class Sparse:
     def __init__(self, inner, act, th, rank, d_model, n_layers, rest):
         self.inner, self.act, self.th, self.rest = inner, act, th, rest
         self.on, self.adapt = True, rank > 0
+        self.record = None  # per layer: [(z, y_dense - y_sparse)] while fitting by least squares
         self.params = {"layers": [{"A": mx.random.normal((rank, d_model)) * d_model ** -0.5,
                                    "B": mx.zeros((d_model, rank))} for _ in range(n_layers)] if rank else []}
 
@@ -51,9 +52,13 @@ class Sparse:
         h = self.act(xs @ r.gate.T) * (xs @ r.up.T)
         h = h * (mx.abs(h) >= t_out)
         parts = [FFNRows(up=None, down=r.down, h=h)]
+        z = (x - xs) if self.rest else x
+        if self.record is not None:
+            hd = self.act(x @ r.gate.T) * (x @ r.up.T)
+            self.record[layer].append((z.reshape(-1, z.shape[-1]), ((hd - h) @ r.down).reshape(-1, z.shape[-1])))
+            return r  # the dense FFN: every layer sees the dense model's inputs
         if self.adapt:
             p = self.params["layers"][layer]
-            z = (x - xs) if self.rest else x
             parts.append(FFNRows(up=None, down=p["B"].T, h=z @ p["A"].T))
         return parts
 
@@ -67,6 +72,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--fit", choices=("kl", "lsq"), default="kl",
+                   help="kl: Adam on the distillation loss; lsq: each layer's adapter by reduced-rank least "
+                        "squares of its FFN error on the dense model's inputs (closed form)")
+    p.add_argument("--lsq-tokens", type=int, default=4096)
     p.add_argument("--skip-docs", type=int, default=200, help="C4 documents left out (the search's)")
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--json", default=None)
@@ -90,7 +99,35 @@ def main(argv=None):
     print(f"dense {dense:.3f}; calibrated at {a.density} (bytes {alloc.bytes_share:.3f}): {sparse0:.3f} "
           f"x{sparse0 / dense:.3f}", flush=True)
     rows = {"dense": dense, "sparse": sparse0}
-    if a.rank:
+    if a.rank and a.fit == "lsq":
+        t0 = time.perf_counter()
+        sp.record = [[] for _ in range(n_layers)]
+        have = 0
+        for text_c4 in calibration_texts("c4")[a.skip_docs:]:
+            ids = tok.encode(text_c4)
+            for i in range(0, len(ids) - a.seq_len + 1, a.seq_len):
+                mx.eval(model(mx.array([ids[i : i + a.seq_len]])), sp.record)
+                have += a.seq_len
+            if have >= a.lsq_tokens:
+                break
+        rec, sp.record = sp.record, None
+        for i in range(n_layers):
+            z = mx.concatenate([r[0] for r in rec[i]])
+            t = mx.concatenate([r[1] for r in rec[i]])
+            zz = z.T @ z
+            lam = 1e-3 * mx.mean(mx.diag(zz))
+            m = mx.linalg.solve(zz + lam * mx.eye(d_model), z.T @ t, stream=mx.cpu)  # [d, d]
+            _, _, vt = mx.linalg.svd(z @ m, stream=mx.cpu)
+            v = vt[: a.rank].T  # [d, R]: the fitted values' top directions
+            sp.params["layers"][i] = {"A": (m @ v).T, "B": v}
+            mx.eval(sp.params["layers"][i])
+        train_s = time.perf_counter() - t0
+        sparse1 = ppl(True)
+        nbytes = sum(v.size for q in sp.params["layers"] for v in q.values()) * 2
+        print(f"with lsq adapters (rank {a.rank}, input {a.input}, {nbytes / 1e6:.2f} MB float16, {have} tokens): "
+              f"{sparse1:.3f} x{sparse1 / dense:.3f}; fitted in {train_s:.0f} s", flush=True)
+        rows |= {"recovered": sparse1, "adapter_bytes": nbytes, "train_s": train_s}
+    elif a.rank:
         seqs = []
         for text_c4 in calibration_texts("c4")[a.skip_docs:]:
             ids = tok.encode(text_c4)

@@ -149,3 +149,19 @@ def test_cli_prints_the_densities(folder, tmp_path):
     assert "--sparsity calibrated" in r.stdout
     assert png.exists() or "matplotlib is not installed" in r.stdout
     assert json.loads((out / "manifest.json").read_text())["calibration"]["thresholds"]["tokens"] == 256
+
+
+def test_uniform_ablation(folder):
+    from mlx_flash.sparsity.allocation import uniform
+
+    section = read_manifest(folder[0]).calibration["thresholds"]  # the CLI test calibrated again
+    u = uniform(section, 0.5)
+    assert (u.density == 0.5).all() and abs(u.bytes_share - 0.5) < 1e-9
+    for s, side in enumerate(("in", "out")):
+        np.testing.assert_array_equal(u.threshold[:, s], np.array(section["quantiles"][side])[:, 10])
+    mid = uniform(section, 0.525)  # between grid points: between their thresholds
+    assert (mid.threshold <= u.threshold + 1e-12).all()
+    model, _ = mlx_flash.load(folder[0], mode="flash", sparsity="calibrated-uniform", density=0.5)
+    assert model.runtime.source.thresholds == [tuple(t) for t in u.threshold.tolist()]
+    with pytest.raises(FlashError, match="reach down"):
+        uniform(section, 0.1)

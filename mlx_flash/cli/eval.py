@@ -176,6 +176,8 @@ def summary_lines(res, args, stats):
     if "mean_io_ms" in stats:
         dram += (f"; per token: I/O {stats['mean_io_ms']:.1f} ms, read {stats['mean_bytes_read'] / 1e6:.2f} MB, "
                  f"hit rate {stats['mean_hit_rate']:.2f}")
+        if stats.get("mean_ffn_share"):
+            dram += f", FFN weights used {100 * stats['mean_ffn_share']:.1f} %"
     lines.append(dram)
     return lines
 

@@ -118,7 +118,8 @@ def main(argv=None):
                 print(f"Per token (decode means): I/O {s['mean_io_ms']:.1f} ms, memory management "
                       f"{s['mean_mem_ms']:.1f} ms, predict {s['mean_predict_ms']:.1f} ms, compute "
                       f"{s['mean_compute_ms']:.1f} ms; read {s['mean_bytes_read'] / 1e6:.2f} MB in "
-                      f"{s['mean_reads']:.0f} reads; hit rate {s['mean_hit_rate']:.2f}, window {s['mean_window']:.1f}")
+                      f"{s['mean_reads']:.0f} reads; hit rate {s['mean_hit_rate']:.2f}, window {s['mean_window']:.1f}"
+                      + (f"; FFN weights used {100 * s['mean_ffn_share']:.1f} %" if s.get("mean_ffn_share") else ""))
         if args.stats_json:
             import json
 

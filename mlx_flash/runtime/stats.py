@@ -2,7 +2,8 @@
 
 One row per forward pass (a prompt chunk or a decode token): I/O, memory
 management, prediction and compute time, bytes read, reads issued, neurons
-active and cached (hit rate), the window the caches kept.
+active and cached (hit rate), the window the caches kept, and (DIP store) the share
+of the FFN's weights the pass used.
 """
 
 import time
@@ -12,7 +13,7 @@ import numpy as np
 
 class TokenStats:
     KEYS = ("io_ms", "mem_ms", "predict_ms", "compute_ms", "total_ms", "bytes_read", "reads",
-            "active", "hits", "hit_rate", "window", "tokens")
+            "active", "hits", "hit_rate", "window", "ffn_share", "tokens")
 
     def __init__(self):
         self.rows = []
@@ -40,9 +41,12 @@ class TokenStats:
         self.rows.append(c)
         self.cur = None
 
-    def add(self, predict_s=0.0, mem_s=0.0, io_s=0.0, bytes_read=0, reads=0, active=0, hits=0):
-        """Add one layer's figures to the current pass."""
+    def add(self, predict_s=0.0, mem_s=0.0, io_s=0.0, bytes_read=0, reads=0, active=0, hits=0, share=0.0):
+        """Add one layer's figures to the current pass. share: the part of the model's FFN
+        weights this layer's computation used (its share of the layer / the layers), for
+        the stores that choose rows of both sides (0 elsewhere)."""
         c = self.cur
+        c["ffn_share"] += share
         c["predict_ms"] += 1e3 * predict_s
         c["mem_ms"] += 1e3 * mem_s
         c["io_ms"] += 1e3 * io_s

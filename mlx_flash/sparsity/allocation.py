@@ -73,6 +73,23 @@ def allocation(section, target):
     return Allocation(dens, th)
 
 
+def uniform(section, target):
+    """The ablation of the search: every layer and side at `target`, the thresholds the
+    calibrated quantiles give it (interpolated between the grid's points)."""
+    if target < section["lowest"] - 1e-9:
+        raise FlashError(f"--density {target}: the calibrated thresholds reach down to {section['lowest']}")
+    q = [np.array(section["quantiles"][s]) for s in SIDES]
+    pos = target / section["step"]
+    lo = int(np.floor(pos + 1e-9))
+    hi, w = min(lo + 1, q[0].shape[1] - 1), pos - lo
+    th = []
+    for s in (0, 1):
+        a, b = q[s][:, lo], q[s][:, hi]
+        th.append(a if w < 1e-9 else a + w * (b - a))  # lo >= 1: target >= lowest >= step
+    dens = np.full((q[0].shape[0], 2), float(target))
+    return Allocation(dens, np.stack(th, axis=1))
+
+
 class _Recorder:
     """Between the FFNs and a dense store: records each layer's x and weights, and adds
     `delta[layer]` (zeros) to its output, so that d loss / d delta = d loss / d y."""

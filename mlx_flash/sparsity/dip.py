@@ -1,5 +1,6 @@
 """dip, dip-ca: Dynamic Input Pruning (Federici et al. §4-5), with cache-aware masking;
-calibrated, calibrated-ca: the same two sides with per-layer thresholds (issue 19).
+calibrated, calibrated-ca: the same two sides with per-layer thresholds (issue 19);
+calibrated-uniform: their ablation, every layer at --density.
 
 These sources choose input dimensions and neurons from the FFN's own computation
 (|x|, then |h~|), so they run in the DIP store (runtime/stores/dip.py), which
@@ -63,3 +64,16 @@ class CalibratedCacheAware(Calibrated):
 
     name = "calibrated-ca"
     cache_aware = True
+
+
+class CalibratedUniform(Calibrated):
+    """The ablation of `calibrated`: the same calibrated thresholds machinery, but every
+    layer and side keeps `--density` (what the per-layer search is measured against)."""
+
+    name = "calibrated-uniform"
+
+    @classmethod
+    def build(cls, ctx):
+        from .allocation import uniform
+
+        return cls(ctx.density, uniform(ctx.manifest.calibration["thresholds"], ctx.density))

@@ -191,7 +191,8 @@ class DIPStore(Store):
 
         bytes1, reads1 = self._counts()
         # choosing inputs and neurons is the prediction
+        share = (2 * need_in.size / self.d_model + need_out.size / self.n_ff) / 3 / len(self.sides)
         self.stats.add((t2 - t1) + (t4 - t3), m_in + m_out, io_in + io_out, bytes1 - bytes0,
-                       reads1 - reads0, int(need_in.size + need_out.size), hits_in + hits_out)
+                       reads1 - reads0, int(need_in.size + need_out.size), hits_in + hits_out, share)
         st["windows"].append(0)
         return parts

@@ -165,3 +165,26 @@ def test_uniform_ablation(folder):
     assert model.runtime.source.thresholds == [tuple(t) for t in u.threshold.tolist()]
     with pytest.raises(FlashError, match="reach down"):
         uniform(section, 0.1)
+
+
+@pytest.mark.parametrize("source,budget", [("calibrated", "60%"), ("calibrated-ca", "60%"), ("dip", None),
+                                           ("dip-ca", "55%")])
+def test_one_token_kernels_match_the_masked_products(folder, source, budget):
+    """The DIP store's one-token path (gather_axpy over the chosen rows, streamed ones from
+    the scratch) computes what the masked products over every cached row compute."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = folder[0]
+    logits = []
+    for native in (True, False):
+        model, _ = mlx_flash.load(out, mode="flash", sparsity=source, density=0.5, memory_budget=budget)
+        store = model.runtime.store
+        assert (store.kernels is not None) == native or native is False
+        if not native:
+            store.kernels = None
+        cache = make_prompt_cache(model)
+        model(mx.array([PROMPT[:4]]), cache=cache)
+        logits.append(np.stack([np.array(model(mx.array([[t]]), cache=cache)[0, 0]) for t in PROMPT[4:]]))
+        if budget:
+            assert store.plan.dip_capacity[0] < store.d_model  # the caches cannot hold a whole layer
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-4)

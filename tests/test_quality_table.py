@@ -9,6 +9,7 @@ import pytest
 
 from mlx_flash.sparsity.calibrate import calibrate
 from mlx_flash.convert import convert
+from mlx_flash.sparsity.allocation import calibrate_thresholds
 from mlx_flash.eval.tasks import MCItem
 from helpers import make_llama_folder
 
@@ -40,6 +41,8 @@ def tiny(tmp_path_factory):
     (d / "cal.txt").write_text(words(0, 1500))
     calibrate(out, data=str(d / "cal.txt"), tokens=512, seq_len=64, rank=16, max_rank=16, epochs=1,
               progress=False, log=lambda m: None)
+    calibrate_thresholds(out, data=str(d / "cal.txt"), tokens=256, seq_len=64, progress=False,
+                         log=lambda m: None)
     return out, d
 
 

@@ -24,6 +24,9 @@ SOURCE_NOTES = {
     "threshold": "gate as predictor: top-k of |act(gate x)|; keeps the gate resident",
     "dip": "top-k of |x| (inputs), then top-k of the approximate |GLU| (neurons)",
     "dip-ca": "DIP with cache-aware masking (gamma 0.2, LFU)",
+    "calibrated": "DIP's two sides with per-layer thresholds searched on C4 (mlx_flash.calibrate)",
+    "calibrated-ca": "calibrated with cache-aware masking (gamma 0.2, LFU)",
+    "calibrated-uniform": "calibrated's thresholds at --density for every layer (the search's ablation)",
 }
 
 

@@ -43,6 +43,7 @@ class FFNRows:
     # rows this token uses, the native kernels); up / down / gate are then None
     select: Optional[tuple] = None
     packed: Optional[PackedRows] = None  # rows at their bits (then up / down / gate are None)
+    y: Optional[mx.array] = None  # the part's output, when the store computed it (DIP, one token)
 
 
 def fatrelu(threshold):
@@ -122,6 +123,9 @@ class FlashFFN(nn.Module):
                 if y is not None:
                     mx.eval(y)
                 parts = list(rows()) + parts
+                continue
+            if rows.y is not None:
+                y = rows.y if y is None else y + rows.y
                 continue
             if rows.h is not None:
                 y = rows.h @ rows.down if y is None else y + rows.h @ rows.down

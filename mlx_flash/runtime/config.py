@@ -40,7 +40,8 @@ class FlashConfig:
                          "with --dip; predictor a calibrated one)", "--sparsity", _sparsity_names)
     gamma: float = _opt(0.2, "DIP-CA re-weighting of uncached entries", "--gamma")
     eviction: str = _opt("lfu", "DIP caches' eviction policy", "--eviction", ("lru", "lfu"))
-    density: float = _opt(1.0, "kept fraction of neurons (top-k sources)", "--density")
+    density: float = _opt(1.0, "kept fraction of neurons (top-k sources); of the FFN's weights per token, on "
+                            "average (dip, calibrated)", "--density")
     memory_budget: str | None = _opt(None, "weights in DRAM: '50%%' of the model or '4GB'", "--memory-budget")
     window: int | None = _opt(4, "tokens whose neurons stay cached (flash)", "--window")
     threads: int = _opt(READ_THREADS, "reader threads", "--threads")

@@ -33,7 +33,7 @@ from ...models.ffn import FFNRows
 from ...sparsity import top_k_mask
 from ..config import DEFAULTS
 from ..stats import TokenStats
-from .base import Store, read_into
+from .base import Store, cpu_kernels, read_into
 
 
 class _Side:
@@ -120,6 +120,8 @@ class DIPStore(Store):
         self.scratch_down = NeuronCache(max(sc_down, 1), self.n_ff, self.d_model, ("down",), dtype)
         self.stats = TokenStats()
         self.step = 0
+        # one token on the CPU over float32 caches: the products over the chosen rows only
+        self.kernels = cpu_kernels() if dtype == mx.float32 else None
         # every token's needed ids, for replaying Belady on them; off by default: it grows
         # by ~8 KB per layer and token (32 MB over 128 tokens of SmolLM2)
         self.trace = [{"in": [], "down": []} for _ in self.sides] if record_trace else None
@@ -164,6 +166,9 @@ class DIPStore(Store):
         if self.trace is not None:
             self.trace[layer]["in"].append(need_in)
 
+        if self.kernels is not None and x2.shape[0] == 1:
+            return self._one_token(layer, x, need_in, streamed, st,
+                                   (t1, t2, bytes0, reads0, hits_in, m_in, io_in))
         g = u = None
         for cache in [side_in.cache] + ([self.scratch_in] if streamed else []):
             mats, dims = cache.rows()
@@ -196,3 +201,46 @@ class DIPStore(Store):
                        reads1 - reads0, int(need_in.size + need_out.size), hits_in + hits_out, share)
         st["windows"].append(0)
         return parts
+
+    def _one_token(self, layer, x, need_in, streamed_in, st, begun):
+        """rows() for one token on the CPU: g, u and y summed over the chosen rows alone
+        (the kernels' gather_axpy on the caches in place), not over every cached row masked;
+        the FFN part it returns is the finished output (FFNRows.y)."""
+        from ...kernels import gather_axpy
+
+        t1, t2, bytes0, reads0, hits_in, m_in, io_in = begun
+        side_in, side_down = self.sides[layer]
+        v = np.array(x.reshape(-1).astype(mx.float32), copy=False)
+
+        def axpy(weights, ids, cache, kind):  # sum over ids of weights[i] * cache row of id i
+            rows = cache.id_to_row[ids]
+            here = rows >= 0
+            return gather_axpy(self.kernels, np.ascontiguousarray(weights[here], dtype=np.float32),
+                               cache.views[kind], np.ascontiguousarray(rows[here])), ids[~here]
+
+        def both(weights, ids, cache, scratch, streamed, kind):
+            y, rest = axpy(weights, ids, cache, kind)
+            if streamed and rest.size:  # the scratch holds exactly this call's streamed ids
+                y += axpy(weights, ids, scratch, kind)[0]
+            return y
+
+        w_in = v[need_in]
+        g = both(w_in, need_in, side_in.cache, self.scratch_in, streamed_in, "gate")
+        u = both(w_in, need_in, side_in.cache, self.scratch_in, streamed_in, "up")
+        h_np = np.array(self.act(mx.array(g)) * mx.array(u), copy=False)
+        t3 = time.perf_counter()
+        mask_out = self._select(h_np[None], side_down.cache, layer, 1, self.k_out)
+        need_out = np.flatnonzero(mask_out[0]).astype(np.int64)
+        self._check_fits(need_out.size, side_down.cache.capacity + self.scratch_down.capacity, x, layer)
+        t4 = time.perf_counter()
+        hits_out, m_out, io_out, streamed = side_down.ensure(self.reader, need_out, self.step,
+                                                             self.scratch_down)
+        if self.trace is not None:
+            self.trace[layer]["down"].append(need_out)
+        y = both(h_np[need_out], need_out, side_down.cache, self.scratch_down, streamed, "down")
+        bytes1, reads1 = self._counts()
+        share = (2 * need_in.size / self.d_model + need_out.size / self.n_ff) / 3 / len(self.sides)
+        self.stats.add((t2 - t1) + (t4 - t3), m_in + m_out, io_in + io_out, bytes1 - bytes0,
+                       reads1 - reads0, int(need_in.size + need_out.size), hits_in + hits_out, share)
+        st["windows"].append(0)
+        return FFNRows(up=None, down=None, y=mx.array(y).reshape(*x.shape[:-1], -1).astype(x.dtype))

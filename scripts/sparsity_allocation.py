@@ -36,27 +36,11 @@ import numpy as np
 from mlx_flash.eval.harness import evaluate_perplexity
 from mlx_flash.eval.tasks import load_text
 from mlx_flash.models.ffn import FFNRows, layer_ffn
+from mlx_flash.sparsity.allocation import record
 from mlx_flash.sparsity.calibrate import calibration_texts
 
 BYTES = np.array([2 / 3, 1 / 3])  # share of the FFN's bytes: gate+up columns, down rows
 STEP = 0.05
-
-
-class Recorder:
-    """Records each layer's FFN input and weights; adds `delta[layer]` to its output
-    (zeros: the gradient with respect to them is the gradient w.r.t. the FFN output)."""
-
-    def __init__(self, inner, n_layers, d_model):
-        self.inner, self.eye = inner, mx.eye(d_model)
-        self.weights, self.x, self.delta = {}, [[] for _ in range(n_layers)], None
-
-    def rows(self, layer, x):
-        r = self.inner.rows(layer, x)
-        self.weights[layer] = r
-        if self.delta is None:
-            self.x[layer].append(x.reshape(-1, x.shape[-1]))
-            return r
-        return [r, FFNRows(up=None, down=self.eye, h=self.delta[layer])]
 
 
 def low_rank(weights, rank):
@@ -120,7 +104,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32")
     ffns = [layer_ffn(layer) for layer in model.layers]
-    n_layers, d_model, act = len(ffns), ffns[0].d_model, ffns[0]._act
+    n_layers, act = len(ffns), ffns[0]._act
     seqs = []
     for text in calibration_texts("c4"):
         ids = tok.encode(text)
@@ -129,26 +113,7 @@ def main(argv=None):
             break
     seqs = seqs[: max(1, a.tokens // 256)]
 
-    rec = model.runtime.wrap_store(lambda store: Recorder(store, n_layers, d_model))
-    grads = [[] for _ in range(n_layers)]
-    for s in seqs:
-        inp, tgt = mx.array([s[:-1]]), mx.array(s[1:])
-        rec.delta = None
-        mx.eval(model(inp))  # records x and the weights
-
-        def nll(deltas):
-            rec.delta = deltas
-            logits = model(inp)[0].astype(mx.float32)
-            return mx.mean(mx.logsumexp(logits, -1) - mx.take_along_axis(logits, tgt[:, None], -1)[:, 0])
-
-        g = mx.grad(nll)([mx.zeros((1, len(s) - 1, d_model)) for _ in range(n_layers)])
-        mx.eval(g)
-        for layer in range(n_layers):
-            grads[layer].append(g[layer].reshape(-1, d_model))
-    model.runtime.unwrap_store()
-    X = [mx.concatenate(x) for x in rec.x]
-    G = [mx.concatenate(g) for g in grads]
-    W = rec.weights
+    X, G, W = record(model, seqs, progress=False)
     H = [act(X[i] @ W[i].gate.T) * (X[i] @ W[i].up.T) for i in range(n_layers)]
     Y = [H[i] @ W[i].down for i in range(n_layers)]
     mx.eval(X, G, H, Y)

@@ -119,9 +119,10 @@ def _quantiles(values, step):
     return out + [0.0]
 
 
-def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print):
-    """Record on `seqs` (token id lists, each one longer than the scored part) and search.
-    -> the `thresholds` manifest section (without the data description)."""
+def record(model, seqs, progress=True):
+    """Every layer's FFN input x, d NLL / d (FFN output) and weights on `seqs` (token id
+    lists; each position predicts the next) -> (X [layers][tokens, d], G likewise, W
+    {layer: FFNRows}). One forward and one backward pass per sequence, model in DRAM."""
     from tqdm import tqdm
 
     n_layers = len(model.layers)
@@ -129,7 +130,6 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print)
     d_model = rt.ffns[0].d_model
     rec = rt.wrap_store(lambda store: _Recorder(store, n_layers, d_model))
     grads = [[] for _ in range(n_layers)]
-    t0 = time.perf_counter()
     try:
         for s in tqdm(seqs, desc="record", disable=not progress, leave=False):
             inp, tgt = mx.array([s[:-1]]), mx.array(s[1:])
@@ -147,9 +147,17 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print)
                 grads[layer].append(g[layer].reshape(-1, d_model))
     finally:
         rt.unwrap_store()
-    X = [mx.concatenate(x) for x in rec.x]
-    G = [mx.concatenate(g) for g in grads]
-    W = rec.weights
+    return [mx.concatenate(x) for x in rec.x], [mx.concatenate(g) for g in grads], rec.weights
+
+
+def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print):
+    """Record on `seqs` (token id lists, each one longer than the scored part) and search.
+    -> the `thresholds` manifest section (without the data description)."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    X, G, W = record(model, seqs, progress)
+    n_layers = len(X)
     H = [act(X[i] @ W[i].gate.T) * (X[i] @ W[i].up.T) for i in range(n_layers)]
     mx.eval(X, G, H)
     Y = []
@@ -219,7 +227,7 @@ def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOW
     its manifest (calibration["thresholds"], beside the predictors). -> the section."""
     from .. import load
     from ..layout.format import add_manifest_section, read_manifest
-    from .calibrate import calibration_texts
+    from .calibrate import token_sequences
 
     model, tok = load(folder, mode="dense", resident_dtype="float32")
     ffns = model.runtime.ffns
@@ -227,18 +235,7 @@ def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOW
         raise FlashError(f"{folder}: calibrated thresholds are for gated (SwiGLU) FFNs without biases")
     if not 0 < lowest < 1:
         raise FlashError(f"--lowest must be in (0, 1), got {lowest}")
-    seqs, have = [], 0
-    for text in calibration_texts(data):
-        ids = tok.encode(text)
-        for i in range(0, len(ids) - seq_len, seq_len):
-            seqs.append(ids[i : i + seq_len + 1])  # one more: the last position's target
-            have += seq_len
-            if have >= tokens:
-                break
-        if have >= tokens:
-            break
-    if not seqs:
-        raise FlashError(f"calibration data '{data}' gives no sequence of {seq_len + 1} tokens")
+    seqs = token_sequences(tok, data, tokens, seq_len, targets=True)
     section = search(model, seqs, ffns[0]._act, lowest=lowest, progress=progress, log=log)
     section["data"] = str(data)
     model.runtime.close()

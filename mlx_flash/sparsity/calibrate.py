@@ -86,6 +86,23 @@ class _Recorder:
         return parts
 
 
+def token_sequences(tok, data, tokens, seq_len, targets=False):
+    """Whole sequences of seq_len tokens of the calibration texts, until `tokens`; with
+    targets, each one token longer (its last position's next token)."""
+    n = seq_len + (1 if targets else 0)
+    seqs, have = [], 0
+    for text in calibration_texts(data):
+        ids = tok.encode(text)
+        for i in range(0, len(ids) - n + 1, seq_len):
+            seqs.append(ids[i : i + n])
+            have += seq_len
+            if have >= tokens:
+                return seqs
+    if not seqs:
+        raise FlashError(f"calibration data '{data}' gives no sequence of {n} tokens")
+    return seqs
+
+
 def manifest_calibration(folder):
     from ..layout.format import read_manifest
 
@@ -124,19 +141,7 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
     elif density is not None:
         raise FlashError(f"--density is for SwiGLU models; this one ({act_name}) is predicted exactly")
 
-    # tokens: whole sequences of seq_len from the calibration texts
-    seqs, have = [], 0
-    for text in calibration_texts(data):
-        ids = tok.encode(text)
-        for i in range(0, len(ids) - seq_len + 1, seq_len):
-            seqs.append(ids[i : i + seq_len])
-            have += seq_len
-            if have >= tokens:
-                break
-        if have >= tokens:
-            break
-    if not seqs:
-        raise FlashError(f"calibration data '{data}' gives no sequence of {seq_len} tokens")
+    seqs = token_sequences(tok, data, tokens, seq_len)
     rec = model.runtime.wrap_store(lambda store: _Recorder(store, ffns, target, density))
     t0 = time.perf_counter()
     for s in tqdm(seqs, desc="record", disable=not progress, leave=False):

@@ -188,3 +188,39 @@ def test_one_token_kernels_match_the_masked_products(folder, source, budget):
         if budget:
             assert store.plan.dip_capacity[0] < store.d_model  # the caches cannot hold a whole layer
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    from mlx_flash.convert.quantize import QuantOptions
+
+    d = tmp_path_factory.mktemp("calibrated-q4")
+    src, _, _ = make_llama_folder(d / "hf", "llama", intermediate_size=256, num_hidden_layers=3)
+    out = convert(src, d / "q4", progress=False, dip=True, quant=QuantOptions(quantize=True, bits=4, group_size=32))
+    (d / "cal.txt").write_text(" ".join(np.random.default_rng(1).choice(WORDS, 2000)))
+    calibrate_thresholds(out, data=str(d / "cal.txt"), tokens=256, seq_len=64, progress=False, log=lambda m: None)
+    return out
+
+
+@pytest.mark.parametrize("source,density,budget", [("dip", 1.0, "60%"), ("dip", 0.5, "50%"),
+                                                   ("calibrated", 0.5, "60%"), ("calibrated-ca", 0.4, None)])
+def test_packed_rows_compute_what_float32_rows_do(q4, source, density, budget):
+    """The DIP store holding a 4-bit model's rows at their bits (the default on the CPU) gives
+    the logits of the same rows dequantized as read (--ffn-rows float32), prompt and decode;
+    its caches hold ~7x the rows in the same budget."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits, stores = [], []
+    for rows in (None, "float32"):
+        model, _ = mlx_flash.load(q4, mode="flash", sparsity=source, density=density, memory_budget=budget,
+                                  ffn_rows=rows)
+        stores.append(model.runtime.store)
+        cache = make_prompt_cache(model)
+        out = [np.array(model(mx.array([PROMPT[:5]]), cache=cache)[0])]
+        out += [np.array(model(mx.array([[t]]), cache=cache)[0]) for t in PROMPT[5:]]
+        logits.append(np.concatenate(out))
+    packed, plain = stores
+    assert packed.packed_in is not None and plain.packed_in is None
+    if budget:
+        assert packed.plan.dip_capacity[0] > plain.plan.dip_capacity[0]
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-4)

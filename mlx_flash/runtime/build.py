@@ -317,13 +317,19 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
     thresholds = getattr(source, "thresholds", None)
     if thresholds is not None:  # a token may need any share of a layer: the scratch holds all of one
         k_in, k_out = inp.n_neurons, down.n_neurons
-    dims = (inp.n_neurons, len(inp.kinds) * inp.d_model * dtype.size, down.n_neurons,
-            down.d_model * dtype.size, k_in, k_out)
+    packed = packed_ffn_rows(config, inp.quant is not None and down.quant is not None, dtype == mx.float32,
+                             False, cpu_kernels() is not None, dip=True)
+    if packed:  # a row costs its bytes at their bits
+        dims = (inp.n_neurons, sum(inp.kind_bytes(k) for k in inp.kinds), down.n_neurons,
+                down.kind_bytes("down"), k_in, k_out)
+    else:
+        dims = (inp.n_neurons, len(inp.kinds) * inp.d_model * dtype.size, down.n_neurons,
+                down.d_model * dtype.size, k_in, k_out)
     lay = manifest.layout
     plan = make_plan("flash", budget, resident.held_bytes, 0, len(lay.kinds) * lay.d_model * dtype.size,
                      len(manifest.ffn_files), lay.n_neurons, dip=dims)
     reader = FlashReader(threads=config.threads, direct=True)
     store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
                      cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
-                     eviction=config.eviction, tables=tables, crcs=crcs, thresholds=thresholds)
+                     eviction=config.eviction, tables=tables, crcs=crcs, thresholds=thresholds, packed=packed)
     return plan, store

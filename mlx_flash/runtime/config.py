@@ -54,8 +54,8 @@ class FlashConfig:
     ffn_rows: str | None = _opt(
         None, "a quantized model's FFN rows in DRAM (caches, streaming buffers): 'quantized' keeps "
         "them at their bits as read (1/7 of float32's DRAM, computed on by the native kernels on the "
-        "CPU), float32 dequantizes them as they are read; default: quantized for naive / hybrid where "
-        "the kernels run (the CPU, float32 compute, no --resident-dtype float16), else float32 (flash "
+        "CPU), float32 dequantizes them as they are read; default: quantized for naive / hybrid and the "
+        "DIP store (dip, calibrated) where the kernels run (the CPU, float32 compute, no --resident-dtype float16), else float32 (flash "
         "mode's few active rows fall in many groups of the down scales: at its bits its compute was "
         "measured 741-985 vs 733-796 ms per OPT-6.7B token, benchmark paper)",
         "--ffn-rows", ("quantized", "float32"))
@@ -134,14 +134,15 @@ def keep_quantized(config, on_cpu):
     return config.resident_dtype == "quantized"
 
 
-def packed_ffn_rows(config, quantized_layout, float32_compute, held, kernels):
-    """Keep a quantized layout's FFN rows at their bits in the caches? (see ffn_rows)"""
+def packed_ffn_rows(config, quantized_layout, float32_compute, held, kernels, dip=False):
+    """Keep a quantized layout's FFN rows at their bits in the caches? (see ffn_rows; dip: the
+    DIP store's, whose default is quantized where the kernels run)"""
     possible = bool(quantized_layout and float32_compute and not held and kernels)
     if config.ffn_rows == "quantized" and not possible:
         raise FlashError("--ffn-rows quantized needs a quantized model, float32 compute and the native "
                          "kernels on the CPU" + ("" if kernels else " (not built, or not on the CPU)"))
     if config.ffn_rows is None:
-        return possible and config.mode in ("naive", "hybrid")
+        return possible and (dip or config.mode in ("naive", "hybrid"))
     return possible and config.ffn_rows == "quantized"
 
 

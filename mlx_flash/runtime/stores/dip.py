@@ -40,12 +40,12 @@ class _Side:
     """One cache (input columns or down rows) of one layer, with its policy and file."""
 
     def __init__(self, reader, entry_path, size, layout, capacity, policy, dtype, tables=None, crc=None,
-                 where=""):
+                 where="", packed=None):
         self.file = reader.open(entry_path, expected_size=size)
         self.layout = layout
         self.tables, self.crc, self.where = tables, crc, where
         self._reads = {}  # read_into's memo
-        self.cache = NeuronCache(capacity, layout.n_neurons, layout.d_model, layout.kinds, dtype)
+        self.cache = NeuronCache(capacity, layout.n_neurons, layout.d_model, layout.kinds, dtype, packed=packed)
         self.policy = policy
 
     def ensure(self, reader, need, step, scratch):
@@ -80,7 +80,7 @@ class DIPStore(Store):
 
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
                  gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
-                 record_trace=False, tables=None, crcs=None, thresholds=None):
+                 record_trace=False, tables=None, crcs=None, thresholds=None, packed=False):
         if not manifest.dip:
             raise FlashError(
                 f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"
@@ -103,6 +103,15 @@ class DIPStore(Store):
                 return POLICIES["belady"](n, traces[layer][side])
             return POLICIES[eviction](n)
 
+        # packed: both sides' rows at their bits in the caches, as read (the CPU's kernels
+        # compute on them: qaxpy_cols, both DIP files being column kinds with scale tables)
+        self.kernels = cpu_kernels() if dtype == mx.float32 else None
+        if packed and (self.kernels is None or inp["layout"].quant is None
+                       or set(inp["layout"].columns) != set(inp["layout"].kinds) or down["layout"].quant is None):
+            raise FlashError("packed DIP rows need a quantized model converted with --dip, float32 compute "
+                             "and the native kernels on the CPU")
+        self.packed_in = {k: inp["layout"].kind_bytes(k) for k in inp["layout"].kinds} if packed else None
+        self.packed_down = {"down": down["layout"].kind_bytes("down")} if packed else None
         self.sides = []
         tables = tables or [None] * len(inp["files"])  # per layer: the input and down columns' scales
         crcs = crcs or [(None, None)] * len(inp["files"])  # per layer: (input, down) checksums
@@ -110,18 +119,18 @@ class DIPStore(Store):
             self.sides.append((
                 _Side(reader, folder / fi["file"], fi["size"], inp["layout"], cap_in,
                       policy(self.d_model, layer, "in"), dtype, tables[layer], crcs[layer][0],
-                      f"layer {layer} (DIP input columns)"),
+                      f"layer {layer} (DIP input columns)", self.packed_in),
                 _Side(reader, folder / fd["file"], fd["size"], down["layout"], cap_down,
                       policy(self.n_ff, layer, "down"), dtype, tables[layer], crcs[layer][1],
-                      f"layer {layer} (DIP down rows)"),
+                      f"layer {layer} (DIP down rows)", self.packed_down),
             ))
         sc_in, sc_down = plan.dip_scratch
-        self.scratch_in = NeuronCache(max(sc_in, 1), self.d_model, self.n_ff, inp["layout"].kinds, dtype)
-        self.scratch_down = NeuronCache(max(sc_down, 1), self.n_ff, self.d_model, ("down",), dtype)
+        self.scratch_in = NeuronCache(max(sc_in, 1), self.d_model, self.n_ff, inp["layout"].kinds, dtype,
+                                      packed=self.packed_in)
+        self.scratch_down = NeuronCache(max(sc_down, 1), self.n_ff, self.d_model, ("down",), dtype,
+                                        packed=self.packed_down)
         self.stats = TokenStats()
         self.step = 0
-        # one token on the CPU over float32 caches: the products over the chosen rows only
-        self.kernels = cpu_kernels() if dtype == mx.float32 else None
         # every token's needed ids, for replaying Belady on them; off by default: it grows
         # by ~8 KB per layer and token (32 MB over 128 tokens of SmolLM2)
         self.trace = [{"in": [], "down": []} for _ in self.sides] if record_trace else None
@@ -150,6 +159,20 @@ class DIPStore(Store):
         kth = -np.sort(-s, axis=-1)[np.arange(s.shape[0]), k - 1]  # each token's k-th score
         return s >= kth[:, None]
 
+    def _matrices(self, cache, side):
+        """A cache's rows as float32 MLX matrices {kind: [rows, K]} and their ids (NumPy):
+        packed rows dequantized (in C), in the order of their ids."""
+        if not cache.packed:
+            mats, _ = cache.rows()
+            return mats, cache.cached_ids().copy()
+        from ...kernels import dequantize_cols
+
+        ids = np.sort(cache.cached_ids())
+        spec = side.layout.quant
+        rows, trow = cache.id_to_row[ids], ids // spec.group_size
+        return {k: mx.array(dequantize_cols(self.kernels, cache.views[k].view(np.uint8), rows, trow,
+                                            side.tables[k], spec)) for k in side.layout.kinds}, ids
+
     def rows(self, layer, x):
         if layer == 0:
             self.step += 1
@@ -171,8 +194,9 @@ class DIPStore(Store):
                                    (t1, t2, bytes0, reads0, hits_in, m_in, io_in))
         g = u = None
         for cache in [side_in.cache] + ([self.scratch_in] if streamed else []):
-            mats, dims = cache.rows()
-            m_rows = mx.array(mask_in[:, cache.cached_ids()])
+            mats, ids = self._matrices(cache, side_in)
+            dims = mx.array(ids)
+            m_rows = mx.array(mask_in[:, ids])
             xs = x2[:, dims] * m_rows.astype(x2.dtype)
             g = xs @ mats["gate"] if g is None else g + xs @ mats["gate"]
             u = xs @ mats["up"] if u is None else u + xs @ mats["up"]
@@ -189,9 +213,9 @@ class DIPStore(Store):
             self.trace[layer]["down"].append(need_out)
         parts = []
         for cache in [side_down.cache] + ([self.scratch_down] if streamed else []):
-            dmats, ids = cache.rows()
-            m_rows = mx.array(mask_out[:, cache.cached_ids()])
-            h_sel = (h[:, ids] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
+            dmats, ids = self._matrices(cache, side_down)
+            m_rows = mx.array(mask_out[:, ids])
+            h_sel = (h[:, mx.array(ids)] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
             parts.append(FFNRows(up=None, down=dmats["down"], h=h_sel))
 
         bytes1, reads1 = self._counts()
@@ -204,29 +228,37 @@ class DIPStore(Store):
 
     def _one_token(self, layer, x, need_in, streamed_in, st, begun):
         """rows() for one token on the CPU: g, u and y summed over the chosen rows alone
-        (the kernels' gather_axpy on the caches in place), not over every cached row masked;
+        (the kernels' gather_axpy, or qaxpy_cols on packed rows, on the caches in place), not
+        over every cached row masked;
         the FFN part it returns is the finished output (FFNRows.y)."""
-        from ...kernels import gather_axpy
+        from ...kernels import gather_axpy, qaxpy_cols
 
         t1, t2, bytes0, reads0, hits_in, m_in, io_in = begun
         side_in, side_down = self.sides[layer]
         v = np.array(x.reshape(-1).astype(mx.float32), copy=False)
 
-        def axpy(weights, ids, cache, kind):  # sum over ids of weights[i] * cache row of id i
+        def axpy(weights, ids, cache, side, kind):  # sum over ids of weights[i] * cache row of id i
             rows = cache.id_to_row[ids]
             here = rows >= 0
-            return gather_axpy(self.kernels, np.ascontiguousarray(weights[here], dtype=np.float32),
-                               cache.views[kind], np.ascontiguousarray(rows[here])), ids[~here]
+            w, rows = np.ascontiguousarray(weights[here], dtype=np.float32), np.ascontiguousarray(rows[here])
+            if not cache.packed:
+                return gather_axpy(self.kernels, w, cache.views[kind], rows), ids[~here]
+            table, spec = side.tables[kind], side.layout.quant
+            if not rows.size:
+                return np.zeros(table[0].shape[1], np.float32), ids[~here]
+            trow = ids[here] // spec.group_size  # ids ascending: trow ascending, as the kernel wants
+            return qaxpy_cols(self.kernels, w, cache.views[kind].view(np.uint8), rows, trow, table,
+                              spec), ids[~here]
 
-        def both(weights, ids, cache, scratch, streamed, kind):
-            y, rest = axpy(weights, ids, cache, kind)
+        def both(weights, ids, side, scratch, streamed, kind):
+            y, rest = axpy(weights, ids, side.cache, side, kind)
             if streamed and rest.size:  # the scratch holds exactly this call's streamed ids
-                y += axpy(weights, ids, scratch, kind)[0]
+                y += axpy(weights, ids, scratch, side, kind)[0]
             return y
 
         w_in = v[need_in]
-        g = both(w_in, need_in, side_in.cache, self.scratch_in, streamed_in, "gate")
-        u = both(w_in, need_in, side_in.cache, self.scratch_in, streamed_in, "up")
+        g = both(w_in, need_in, side_in, self.scratch_in, streamed_in, "gate")
+        u = both(w_in, need_in, side_in, self.scratch_in, streamed_in, "up")
         h_np = np.array(self.act(mx.array(g)) * mx.array(u), copy=False)
         t3 = time.perf_counter()
         mask_out = self._select(h_np[None], side_down.cache, layer, 1, self.k_out)
@@ -237,7 +269,7 @@ class DIPStore(Store):
                                                              self.scratch_down)
         if self.trace is not None:
             self.trace[layer]["down"].append(need_out)
-        y = both(h_np[need_out], need_out, side_down.cache, self.scratch_down, streamed, "down")
+        y = both(h_np[need_out], need_out, side_down, self.scratch_down, streamed, "down")
         bytes1, reads1 = self._counts()
         share = (2 * need_in.size / self.d_model + need_out.size / self.n_ff) / 3 / len(self.sides)
         self.stats.add((t2 - t1) + (t4 - t3), m_in + m_out, io_in + io_out, bytes1 - bytes0,

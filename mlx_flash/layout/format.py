@@ -289,13 +289,14 @@ def write_manifest(folder, manifest):
         pass
 
 
-def add_manifest_section(folder, name, value):
+def add_manifest_section(folder, name, value, merge=False):
     """Set one section of a converted folder's manifest ("calibration", "dip") and write it
-    back atomically; -> the new Manifest."""
+    back atomically; merge: set only value's keys, keep the section's others (calibrations of
+    different sources share the "calibration" section). -> the new Manifest."""
     manifest = read_manifest(folder)
     if name not in ("calibration", "dip"):
         raise ValueError(f"unknown manifest section '{name}'")
-    setattr(manifest, name, value)
+    setattr(manifest, name, dict(getattr(manifest, name)) | value if merge else value)
     write_manifest(folder, manifest)
     return manifest
 

@@ -319,12 +319,10 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
         k_in, k_out = inp.n_neurons, down.n_neurons
     packed = packed_ffn_rows(config, inp.quant is not None and down.quant is not None, dtype == mx.float32,
                              False, cpu_kernels() is not None, dip=True)
-    if packed:  # a row costs its bytes at their bits
-        dims = (inp.n_neurons, sum(inp.kind_bytes(k) for k in inp.kinds), down.n_neurons,
-                down.kind_bytes("down"), k_in, k_out)
-    else:
-        dims = (inp.n_neurons, len(inp.kinds) * inp.d_model * dtype.size, down.n_neurons,
-                down.d_model * dtype.size, k_in, k_out)
+    def row_bytes(lay):  # at their bits when packed, else at the compute dtype
+        return sum(lay.kind_bytes(k) if packed else lay.d_model * dtype.size for k in lay.kinds)
+
+    dims = (inp.n_neurons, row_bytes(inp), down.n_neurons, row_bytes(down), k_in, k_out)
     lay = manifest.layout
     plan = make_plan("flash", budget, resident.held_bytes, 0, len(lay.kinds) * lay.d_model * dtype.size,
                      len(manifest.ffn_files), lay.n_neurons, dip=dims)

@@ -192,14 +192,21 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print)
     cur = np.zeros(n_layers)
     cand = {}  # (layer, side) -> (loss after the step, h~ after it or None)
 
-    def candidates(i):
+    def candidates(i, stepped=0):
+        """Layer i's two next steps, after a step of its side `stepped` (an output-side step
+        leaves the input-side candidate's h~ as it was: only its loss changes)."""
         for side in (0, 1):
             if dens[i, side] <= step + 1e-9:
                 cand.pop((i, side), None)
                 continue
             nd = dens[i].copy()
             nd[side] = round(nd[side] - step, 6)
-            h = h_at(i, nd[0]) if side == 0 else h_cur[i]
+            if side == 1:
+                h = h_cur[i]
+            elif stepped == 1 and (i, 0) in cand:
+                h = cand[(i, 0)][1]
+            else:
+                h = h_at(i, nd[0])
             cand[(i, side)] = (err(i, h, nd[1]), h if side == 0 else None)
 
     for i in range(n_layers):
@@ -214,7 +221,7 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print)
         if side == 0:
             h_cur[i] = h
         path.append([i, side])
-        candidates(i)
+        candidates(i, side)
         bar.update(1)
     bar.close()
     log(f"searched {len(path)} steps in {time.perf_counter() - t0:.1f} s")
@@ -226,7 +233,7 @@ def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOW
     """Search a SwiGLU model's per-layer thresholds on calibration text and write them into
     its manifest (calibration["thresholds"], beside the predictors). -> the section."""
     from .. import load
-    from ..layout.format import add_manifest_section, read_manifest
+    from ..layout.format import add_manifest_section
     from .calibrate import token_sequences
 
     model, tok = load(folder, mode="dense", resident_dtype="float32")
@@ -239,9 +246,7 @@ def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOW
     section = search(model, seqs, ffns[0]._act, lowest=lowest, progress=progress, log=log)
     section["data"] = str(data)
     model.runtime.close()
-    cal = dict(read_manifest(folder).calibration)
-    cal["thresholds"] = section
-    return add_manifest_section(folder, "calibration", cal).calibration["thresholds"]
+    return add_manifest_section(folder, "calibration", {"thresholds": section}, merge=True).calibration["thresholds"]
 
 
 def plot(section, densities, path):

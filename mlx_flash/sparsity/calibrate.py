@@ -103,12 +103,6 @@ def token_sequences(tok, data, tokens, seq_len, targets=False):
     return seqs
 
 
-def manifest_calibration(folder):
-    from ..layout.format import read_manifest
-
-    return read_manifest(folder).calibration
-
-
 def _req(pred_by_seq, n):
     """Req(k): the most distinct neurons predicted over k consecutive tokens of a sequence."""
     req = [0] * len(WINDOWS)
@@ -195,6 +189,4 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
         "metrics": per_layer,
         "data": str(data), "tokens": len(seqs) * seq_len, "held_out_tokens": n_val * seq_len,
     }
-    if "thresholds" in manifest_calibration(folder):  # calibrate_thresholds' part stays
-        calibration["thresholds"] = manifest_calibration(folder)["thresholds"]
-    return add_manifest_section(folder, "calibration", calibration).calibration
+    return add_manifest_section(folder, "calibration", calibration, merge=True).calibration

@@ -160,20 +160,44 @@ class DIPStore(Store):
         return s >= kth[:, None]
 
     def _matrices(self, cache, side):
-        """A cache's rows as float32 MLX matrices {kind: [rows, K]} and their ids (NumPy):
-        packed rows dequantized (in C), in the order of their ids."""
+        """A cache's rows as float32 MLX matrices {kind: [rows, K]}, their ids (NumPy) and the
+        same ids as an MLX array: packed rows dequantized (in C), in the order of their ids."""
         if not cache.packed:
-            mats, _ = cache.rows()
-            return mats, cache.cached_ids().copy()
+            mats, ids = cache.rows()
+            return mats, cache.cached_ids(), ids
         from ...kernels import dequantize_cols
 
         ids = np.sort(cache.cached_ids())
         spec = side.layout.quant
         rows, trow = cache.id_to_row[ids], ids // spec.group_size
         return {k: mx.array(dequantize_cols(self.kernels, cache.views[k].view(np.uint8), rows, trow,
-                                            side.tables[k], spec)) for k in side.layout.kinds}, ids
+                                            side.tables[k], spec)) for k in side.layout.kinds}, ids, mx.array(ids)
+
+    def _axpy(self, side, scratch, streamed, weights, ids, kinds):
+        """One token on the CPU: per kind, sum over `ids` of weights[i] * the row of id i, from
+        the side's cache and (streamed: it holds exactly this call's streamed ids) the scratch,
+        read in place by the kernels (gather_axpy; qaxpy_cols on packed rows)."""
+        from ...kernels import gather_axpy, qaxpy_cols
+
+        out = [np.zeros(side.layout.d_model, np.float32) for _ in kinds]
+        for cache in (side.cache, scratch) if streamed else (side.cache,):
+            rows = cache.id_to_row[ids]
+            here = rows >= 0
+            if not here.any():
+                continue
+            w, rows = np.ascontiguousarray(weights[here], dtype=np.float32), np.ascontiguousarray(rows[here])
+            if cache.packed:
+                spec = side.layout.quant
+                trow = ids[here] // spec.group_size  # ids ascending: trow ascending, as the kernel wants
+            for y, k in zip(out, kinds):
+                y += (qaxpy_cols(self.kernels, w, cache.views[k].view(np.uint8), rows, trow, side.tables[k], spec)
+                      if cache.packed else gather_axpy(self.kernels, w, cache.views[k], rows))
+        return out
 
     def rows(self, layer, x):
+        """The FFN parts of `layer` for x. One token on the CPU (kernels): g, u and y summed over
+        the chosen rows alone, not over every cached row masked; the part returned is then the
+        finished output (FFNRows.y)."""
         if layer == 0:
             self.step += 1
         st = self._begin(layer, x)
@@ -181,7 +205,8 @@ class DIPStore(Store):
         t1 = time.perf_counter()
         side_in, side_down = self.sides[layer]
         x2 = x.reshape(-1, x.shape[-1])
-        mask_in = self._select(np.array(x2, dtype=np.float32), side_in.cache, layer, 0, self.k_in)
+        x_np = np.array(x2, dtype=np.float32)
+        mask_in = self._select(x_np, side_in.cache, layer, 0, self.k_in)
         need_in = np.flatnonzero(mask_in.any(axis=0)).astype(np.int64)
         self._check_fits(need_in.size, side_in.cache.capacity + self.scratch_in.capacity, x2, layer)
         t2 = time.perf_counter()
@@ -189,18 +214,19 @@ class DIPStore(Store):
         if self.trace is not None:
             self.trace[layer]["in"].append(need_in)
 
-        if self.kernels is not None and x2.shape[0] == 1:
-            return self._one_token(layer, x, need_in, streamed, st,
-                                   (t1, t2, bytes0, reads0, hits_in, m_in, io_in))
-        g = u = None
-        for cache in [side_in.cache] + ([self.scratch_in] if streamed else []):
-            mats, ids = self._matrices(cache, side_in)
-            dims = mx.array(ids)
-            m_rows = mx.array(mask_in[:, ids])
-            xs = x2[:, dims] * m_rows.astype(x2.dtype)
-            g = xs @ mats["gate"] if g is None else g + xs @ mats["gate"]
-            u = xs @ mats["up"] if u is None else u + xs @ mats["up"]
-        h = self.act(g) * u
+        one = self.kernels is not None and x2.shape[0] == 1
+        if one:
+            g, u = self._axpy(side_in, self.scratch_in, streamed, x_np[0, need_in], need_in, ("gate", "up"))
+            h = self.act(mx.array(g)[None]) * mx.array(u)[None]
+        else:
+            g = u = None
+            for cache in [side_in.cache] + ([self.scratch_in] if streamed else []):
+                mats, ids, dims = self._matrices(cache, side_in)
+                m_rows = mx.array(mask_in[:, ids])
+                xs = x2[:, dims] * m_rows.astype(x2.dtype)
+                g = xs @ mats["gate"] if g is None else g + xs @ mats["gate"]
+                u = xs @ mats["up"] if u is None else u + xs @ mats["up"]
+            h = self.act(g) * u
         h_np = np.array(h.astype(mx.float32))  # evaluates h~: compute
         t3 = time.perf_counter()
         mask_out = self._select(h_np, side_down.cache, layer, 1, self.k_out)
@@ -211,12 +237,16 @@ class DIPStore(Store):
                                                              self.scratch_down)
         if self.trace is not None:
             self.trace[layer]["down"].append(need_out)
-        parts = []
-        for cache in [side_down.cache] + ([self.scratch_down] if streamed else []):
-            dmats, ids = self._matrices(cache, side_down)
-            m_rows = mx.array(mask_out[:, ids])
-            h_sel = (h[:, mx.array(ids)] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
-            parts.append(FFNRows(up=None, down=dmats["down"], h=h_sel))
+        if one:
+            y, = self._axpy(side_down, self.scratch_down, streamed, h_np[0, need_out], need_out, ("down",))
+            parts = [FFNRows(up=None, down=None, y=mx.array(y).reshape(*x.shape[:-1], -1).astype(x.dtype))]
+        else:
+            parts = []
+            for cache in [side_down.cache] + ([self.scratch_down] if streamed else []):
+                dmats, ids, ids_mx = self._matrices(cache, side_down)
+                m_rows = mx.array(mask_out[:, ids])
+                h_sel = (h[:, ids_mx] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
+                parts.append(FFNRows(up=None, down=dmats["down"], h=h_sel))
 
         bytes1, reads1 = self._counts()
         # choosing inputs and neurons is the prediction
@@ -225,54 +255,3 @@ class DIPStore(Store):
                        reads1 - reads0, int(need_in.size + need_out.size), hits_in + hits_out, share)
         st["windows"].append(0)
         return parts
-
-    def _one_token(self, layer, x, need_in, streamed_in, st, begun):
-        """rows() for one token on the CPU: g, u and y summed over the chosen rows alone
-        (the kernels' gather_axpy, or qaxpy_cols on packed rows, on the caches in place), not
-        over every cached row masked;
-        the FFN part it returns is the finished output (FFNRows.y)."""
-        from ...kernels import gather_axpy, qaxpy_cols
-
-        t1, t2, bytes0, reads0, hits_in, m_in, io_in = begun
-        side_in, side_down = self.sides[layer]
-        v = np.array(x.reshape(-1).astype(mx.float32), copy=False)
-
-        def axpy(weights, ids, cache, side, kind):  # sum over ids of weights[i] * cache row of id i
-            rows = cache.id_to_row[ids]
-            here = rows >= 0
-            w, rows = np.ascontiguousarray(weights[here], dtype=np.float32), np.ascontiguousarray(rows[here])
-            if not cache.packed:
-                return gather_axpy(self.kernels, w, cache.views[kind], rows), ids[~here]
-            table, spec = side.tables[kind], side.layout.quant
-            if not rows.size:
-                return np.zeros(table[0].shape[1], np.float32), ids[~here]
-            trow = ids[here] // spec.group_size  # ids ascending: trow ascending, as the kernel wants
-            return qaxpy_cols(self.kernels, w, cache.views[kind].view(np.uint8), rows, trow, table,
-                              spec), ids[~here]
-
-        def both(weights, ids, side, scratch, streamed, kind):
-            y, rest = axpy(weights, ids, side.cache, side, kind)
-            if streamed and rest.size:  # the scratch holds exactly this call's streamed ids
-                y += axpy(weights, ids, scratch, side, kind)[0]
-            return y
-
-        w_in = v[need_in]
-        g = both(w_in, need_in, side_in, self.scratch_in, streamed_in, "gate")
-        u = both(w_in, need_in, side_in, self.scratch_in, streamed_in, "up")
-        h_np = np.array(self.act(mx.array(g)) * mx.array(u), copy=False)
-        t3 = time.perf_counter()
-        mask_out = self._select(h_np[None], side_down.cache, layer, 1, self.k_out)
-        need_out = np.flatnonzero(mask_out[0]).astype(np.int64)
-        self._check_fits(need_out.size, side_down.cache.capacity + self.scratch_down.capacity, x, layer)
-        t4 = time.perf_counter()
-        hits_out, m_out, io_out, streamed = side_down.ensure(self.reader, need_out, self.step,
-                                                             self.scratch_down)
-        if self.trace is not None:
-            self.trace[layer]["down"].append(need_out)
-        y = both(h_np[need_out], need_out, side_down, self.scratch_down, streamed, "down")
-        bytes1, reads1 = self._counts()
-        share = (2 * need_in.size / self.d_model + need_out.size / self.n_ff) / 3 / len(self.sides)
-        self.stats.add((t2 - t1) + (t4 - t3), m_in + m_out, io_in + io_out, bytes1 - bytes0,
-                       reads1 - reads0, int(need_in.size + need_out.size), hits_in + hits_out, share)
-        st["windows"].append(0)
-        return FFNRows(up=None, down=None, y=mx.array(y).reshape(*x.shape[:-1], -1).astype(x.dtype))

@@ -126,3 +126,47 @@ def test_eval_table_cli(tiny, tmp_path):
         e = subprocess.run(cmd + bad, capture_output=True, text=True, timeout=120)
         assert e.returncode == 2 and "Traceback" not in e.stderr, e.stderr
         assert len(e.stderr.strip().splitlines()) == 1 and "mlx_flash.eval: error:" in e.stderr, e.stderr
+
+
+def test_speed_rows_and_plot(tiny, tmp_path):
+    """--speed-tokens: every row, dense and hybrid decoded under the budget in alternating rounds;
+    the markdown's speed table, the CSV's columns and the PNG of perplexity against tokens/s."""
+    qt = _script()
+    folder, _ = tiny
+    tasks = {"wikitext": ("perplexity", words(4, 200), "words")}
+    configs = qt.plan_configs([0.5, 0.75], [], "85%", 32, {}, 16, 0, sources=["calibrated", "dip"])
+    assert [c["key"] for c in configs] == ["dense", "calibrated@0.5", "dip@0.5", "calibrated@0.75", "dip@0.75"]
+    out = tmp_path / "q"
+    logs = []
+    state = qt.run_table(folder, out, tasks, configs, context=32, progress=False, log=logs.append,
+                         speed=(3, 2, "95%"))
+    sp = state["speed"]["rows"]
+    assert list(sp) == ["dense", "hybrid", "calibrated@0.5", "dip@0.5", "calibrated@0.75", "dip@0.75"]
+    # two layers: hybrid's two streaming buffers of a whole layer leave it no resident share
+    assert "over the budget" in sp.pop("hybrid")["error"]
+    for key, r in sp.items():
+        assert "error" not in r, (key, r)
+        assert len(r["rounds_ms"]) == 2 and r["ms_per_token"] > 0
+        assert (r["budget_bytes"] is None) == (key == "dense")
+    assert sp["dense"]["bytes_per_token"] == 0 and sp["calibrated@0.5"]["bytes_per_token"] > 0
+    assert 0 < sp["calibrated@0.5"]["ffn_share"] < sp["calibrated@0.75"]["ffn_share"] <= 1
+    md = out.with_suffix(".md").read_text()
+    assert "## Decode speed under --memory-budget 95%" in md and "| hybrid | 265.04 | not measured: " in md
+    table = list(csv.DictReader(open(out.with_suffix(".csv"))))
+    assert all(float(r["decode_ms_per_token"]) > 0 for r in table)
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").stat().st_size > 1000
+    again = []
+    qt.run_table(folder, out, tasks, configs, context=32, progress=False, resume=True, log=again.append,
+                 speed=(3, 2, "95%"))
+    assert "[resume] decode speed: kept" in again
+
+
+def test_table_sources_errors(tiny, tmp_path):
+    from mlx_flash.errors import FlashError
+
+    folder, _ = tiny
+    for kw, msg in ((dict(sources=["nope"]), "--sources: unknown nope"), (dict(sources=[]), "--sources"),
+                    (dict(speed_tokens=-1), "--speed-tokens")):
+        with pytest.raises(FlashError, match=msg):
+            _script().quality_table(folder, tmp_path / "q", **kw)

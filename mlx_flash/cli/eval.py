@@ -64,7 +64,7 @@ def build_parser():
     t.add_argument("--mc-densities", default=None,
                    help="densities that also run the multiple-choice tasks (default 0.5; each costs ~5 min "
                    "per source on SmolLM2)")
-    t.add_argument("--budget", default=None, help="dip-ca's memory budget, and the checks' (default 50%%)")
+    t.add_argument("--budget", default=None, help="dip-ca's memory budget, the checks' and the speed measurement's (default 50%%)")
     t.add_argument("--tokens", type=int, default=None,
                    help="WikiText-2 tokens, dense and batch-prefill rows (default 2048)")
     t.add_argument("--arc-easy", type=int, default=None, help="ARC-Easy test items, from the start (default 100)")
@@ -80,12 +80,19 @@ def build_parser():
                    help="tokens of the token-by-token checks (predictor and dip at 50%%; default 256); 0: none")
     t.add_argument("--probe-tokens", type=int, default=None,
                    help="WikiText-2 tokens to re-measure the predictor per layer (default 2048); 0: none")
+    t.add_argument("--sources", default=None,
+                   help="comma-separated sparsity sources of the rows (default: every source of the registry)")
+    t.add_argument("--speed-tokens", type=int, default=None,
+                   help="also decode every row (and hybrid, the best exact mode) under --budget in flash mode for "
+                   "this many tokens, and plot perplexity against tokens/s (OUT.png); default 0: no speed")
+    t.add_argument("--speed-rounds", type=int, default=None, help="alternating rounds of the speed measurement (default 3)")
     t.add_argument("--resume", action="store_true", default=None, help="keep the rows already in OUT.json")
     return p
 
 
 TABLE_OPTIONS = ("densities", "mc_densities", "budget", "tokens", "arc_easy", "arc_challenge", "hellaswag",
-                 "dip_ca_tokens", "dip_ca_items", "check_tokens", "probe_tokens", "resume")
+                 "dip_ca_tokens", "dip_ca_items", "check_tokens", "probe_tokens", "sources", "speed_tokens",
+                 "speed_rounds", "resume")
 SHARED_OPTIONS = ("task", "table", "model", "context", "data_dir", "no_progress")
 
 
@@ -125,6 +132,8 @@ def table_main(parser, args, argv):
     for k in ("densities", "mc_densities"):
         if k in kw:
             kw[k] = _floats(kw[k], _flag(parser, k))
+    if "sources" in kw:
+        kw["sources"] = [x.strip() for x in kw["sources"].split(",") if x.strip()]
     argv = list(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     state = quality_table(check_model_arg(args.model or default_model()), args.table, context=args.context,

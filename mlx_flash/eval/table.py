@@ -61,7 +61,8 @@ from ..models.ffn import layer_ffn
 from ..sparsity import source_class, source_names, top_k_mask
 from ..sparsity.predictor import PredictorSource
 from .harness import evaluate, load_task, prefix_token, tokenize_stream, windows
-from .table_report import SOURCE_NOTES, TASKS, markdown, row_line, write_outputs  # noqa: F401
+from .speed import decode_speed
+from .table_report import SOURCE_NOTES, TASKS, markdown, row_line, write_outputs, write_plot  # noqa: F401
 
 
 def _sources():
@@ -257,12 +258,24 @@ def predictor_layers(model_path, text, n_tokens, context, densities, progress):
 # --- the whole table
 
 
+def speed_configs(configs, budget):
+    """The decode-speed measurement's configurations: dense without a budget, the best exact mode
+    (hybrid: half the FFN resident, the rest read per token) and every sparse row in flash mode,
+    under `budget`."""
+    out = {"dense": dict(mode="dense"), "hybrid": dict(mode="hybrid", memory_budget=budget)}
+    for c in configs:
+        if c["source"] != "dense":
+            out[c["key"]] = c["load"] | dict(memory_budget=budget)
+    return out
+
+
 def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_densities=(0.5,),
-              context=512, spread=True, resume=False, progress=True, meta=None, log=print):
+              context=512, spread=True, resume=False, progress=True, meta=None, log=print, speed=None):
     """Run every configuration not already in <out>.json (with resume), write .json/.csv/.md after each.
 
     tasks: {name: load_task() result}; configs: plan_configs(); checks: (source, density, budget,
-    tokens) run token by token against that source's batch row at the same density.
+    tokens) run token by token against that source's batch row at the same density; speed:
+    (tokens, rounds, budget) of the decode-speed measurement of every row (speed_configs), or None.
     """
     from tqdm import tqdm
 
@@ -337,6 +350,18 @@ def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_
                   f"{np.mean([r['fn_rate'] for r in pr['layers']]):.3f}, predicted density "
                   f"{np.mean([r['predicted_density'] for r in pr['layers']]):.3f}")
     bar.close()
+    if speed:
+        tokens, rounds, budget = speed
+        plan = speed_configs(configs, budget)
+        args = dict(tokens=tokens, rounds=rounds, budget=budget, configs=list(plan))
+        if state.get("speed", {}).get("args") != args:
+            log(f"decode speed: {len(plan)} configurations under --memory-budget {budget}, {rounds} alternating "
+                f"rounds of {tokens} tokens")
+            state["speed"] = dict(args=args, rows=decode_speed(model_path, plan, tokens, rounds, log=log))
+            save()
+        else:
+            log("[resume] decode speed: kept")
+        write_plot(state, out)
     state["meta"]["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     save()
     return state
@@ -350,7 +375,7 @@ def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_
 def quality_table(model_path, out, densities=(0.75, 0.5, 0.25), mc_densities=(0.5,), budget="50%",
                   tokens=2048, context=512, arc_easy=100, arc_challenge=80, hellaswag=50, dip_ca_tokens=512,
                   dip_ca_items=0, check_tokens=256, probe_tokens=2048, data_dir=None, resume=False,
-                  progress=True, command=None, log=print):
+                  progress=True, command=None, log=print, sources=None, speed_tokens=0, speed_rounds=3):
     """The table of every source at `densities`, written to <out>.md/.csv/.json (and
     <out>_predictor.csv); returns its state. FlashError for a mistake in the arguments, a
     missing model or data set, before any configuration runs.
@@ -360,7 +385,10 @@ def quality_table(model_path, out, densities=(0.75, 0.5, 0.25), mc_densities=(0.
     and the checks'; tokens: WikiText-2 tokens of the dense and batch-prefill rows; the
     checks (predictor and dip at 50 %, check_tokens, token by token) need 0.5 in densities;
     probe_tokens: WikiText-2 tokens of the predictor's per-layer probe (0: none); command:
-    the line the markdown shows."""
+    the line the markdown shows; sources: the sparsity sources of the rows (default every
+    source of the registry); speed_tokens: decode every row (and hybrid, the best exact mode)
+    in flash mode under `budget` for that many tokens, speed_rounds alternating rounds, and
+    plot perplexity against tokens/s (<out>.png); 0: no speed measurement."""
     from ..loader import resolve_model_path
     from ..sizes import parse_share
 
@@ -378,25 +406,37 @@ def quality_table(model_path, out, densities=(0.75, 0.5, 0.25), mc_densities=(0.
     counts = dict(arc_easy=arc_easy, arc_challenge=arc_challenge, hellaswag=hellaswag,
                   dip_ca_tokens=dip_ca_tokens, dip_ca_items=dip_ca_items, check_tokens=check_tokens,
                   probe_tokens=probe_tokens)
+    if sources is not None:
+        unknown = [x for x in sources if x not in SOURCES]
+        if unknown or not sources:
+            raise FlashError(f"--sources: unknown {', '.join(unknown) or '(none given)'} (choose from "
+                             f"{', '.join(SOURCES)})")
+    if speed_tokens < 0 or speed_rounds < 1:
+        raise FlashError(f"--speed-tokens must be 0 or more and --speed-rounds 1 or more (got {speed_tokens}, "
+                         f"{speed_rounds})")
     for name, v in counts.items():
         if v < 0:
             raise FlashError(f"--{name.replace('_', '-')} must be 0 or more, not {v}")
     folder = resolve_model_path(model_path)  # a Hub repo / HF folder: converted once, as load() does
 
     items = {"arc_easy": arc_easy, "arc_challenge": arc_challenge, "hellaswag": hellaswag}
-    configs = plan_configs(densities, mc_densities, budget, tokens, items, dip_ca_tokens, dip_ca_items)
+    configs = plan_configs(densities, mc_densities, budget, tokens, items, dip_ca_tokens, dip_ca_items, sources)
     need = {t for c in configs for t, n in c["limits"].items() if n} | {"wikitext"}
     tasks = {t: load_task(t, data_dir=data_dir) for t in TASKS if t in need}
     checks = []
     if check_tokens and 0.5 in densities:
-        checks = [("predictor", 0.5, budget, check_tokens), ("predictor", 0.5, None, check_tokens),
-                  ("dip", 0.5, budget, check_tokens)]
+        checks = [(s, 0.5, b, check_tokens) for s, b in (("predictor", budget), ("predictor", None), ("dip", budget))
+                  if sources is None or s in sources]
     meta = dict(
         command=command, model=str(model_path),
         machine=f"{platform.machine()} {platform.system()} ({platform.platform()}, {os.cpu_count()} CPUs)",
         blas=blas_info(), mlx=mx.__version__, dtype="float32" if mx.default_device() == mx.cpu else "flash dtype",
         context=context, budget=budget, densities=densities, mc_densities=mc_densities, spread=True,
         limits=dict(tokens=tokens, dip_ca_tokens=dip_ca_tokens, dip_ca_items=dip_ca_items, **items,
-                    check_tokens=check_tokens, probe_tokens=probe_tokens))
+                    check_tokens=check_tokens, probe_tokens=probe_tokens, speed_tokens=speed_tokens,
+                    speed_rounds=speed_rounds))
+    if sources is not None and "predictor" not in sources:
+        probe_tokens = 0
     return run_table(folder, out, tasks, configs, checks, probe_tokens, densities, context,
-                     spread=True, resume=resume, progress=progress, meta=meta, log=log)
+                     spread=True, resume=resume, progress=progress, meta=meta, log=log,
+                     speed=(speed_tokens, speed_rounds, budget) if speed_tokens else None)

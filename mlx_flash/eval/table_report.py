@@ -98,6 +98,10 @@ def csv_rows(state):
                 d[f"{task}_{k}"] = t["metrics"][k] if t else ""
         d["seconds"] = r.get("seconds", "")
         d["source_resident_bytes"] = r.get("source_bytes", "")
+        sp = (state.get("speed") or {}).get("rows", {}).get(key) or {}
+        d["decode_ms_per_token"] = sp.get("ms_per_token", "")
+        d["ffn_bytes_read_per_token"] = sp.get("bytes_per_token", "")
+        d["ffn_share_used"] = sp.get("ffn_share", "") if sp.get("ffn_share") is not None else ""
         out.append(d)
     return out
 
@@ -195,8 +199,92 @@ def markdown(state):
                   "FFN output by two borderline neurons, and at these densities the model amplifies it: from "
                   "then on the two runs are different samples of the same noise. Identical when no tie flips "
                   "(tests/test_quality_table.py, tiny model); on SmolLM2 within the rows' standard errors."]
+    lines += speed_markdown(state)
     lines += predictor_markdown(state)
     return "\n".join(lines) + "\n"
+
+
+def _wikitext_ppl(row):
+    w = (row or {}).get("tasks", {}).get("wikitext")
+    return w["metrics"]["perplexity"] if w else None
+
+
+def speed_points(state):
+    """[(key, source, density, ppl, speed row)] of the decode-speed measurement; hybrid is
+    exact, so its perplexity is the dense row's."""
+    sp = state.get("speed")
+    if not sp:
+        return []
+    out = []
+    for key, r in sp["rows"].items():
+        row = state["rows"].get("dense" if key == "hybrid" else key)
+        source, density = (key, 1.0) if key in ("dense", "hybrid") else (row["source"], row["density"])
+        out.append((key, source, density, _wikitext_ppl(row), r))
+    return out
+
+
+def speed_markdown(state):
+    sp = state.get("speed")
+    if not sp:
+        return []
+    a = sp["args"]
+    hybrid = sp["rows"].get("hybrid", {}).get("ms_per_token")
+    lines = ["", f"## Decode speed under --memory-budget {a['budget']}", "",
+             f"Each configuration loaded once (dense without a budget, the others in their mode under the budget: "
+             f"hybrid, the best exact mode, and every sparse row in flash mode); {a['rounds']} rounds of "
+             f"{a['tokens']} greedy tokens after the same prompt, the order rotated by round; the median of the "
+             "rounds' means. FFN bytes read from flash per token; the share of the FFN's weights a token used "
+             "(DIP-store sources). Perplexity: the row's WikiText-2 figure above (hybrid is exact: dense's).", "",
+             "| configuration | WikiText-2 ppl | ms/token | tokens/s | vs hybrid | FFN MB read/token | "
+             "FFN weights used | weights in DRAM MB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, _, _, ppl, r in speed_points(state):
+        p = "—" if ppl is None else _ppl(ppl)
+        if "error" in r:
+            lines.append(f"| {key} | {p} | not measured: {r['error']} | | | | | |")
+            continue
+        ms = r["ms_per_token"]
+        rel = f"{hybrid / ms:.2f}×" if hybrid else "—"
+        used = "" if r.get("ffn_share") is None else f"{100 * r['ffn_share']:.1f} %"
+        lines.append(f"| {key} | {p} | {ms:.1f} | {1e3 / ms:.1f} | {rel} | {r['bytes_per_token'] / 1e6:.3f} | "
+                     f"{used} | {r['weights_in_dram_bytes'] / 1e6:.1f} |")
+    return lines
+
+
+def write_plot(state, out, log=print):
+    """<out>.png: WikiText-2 perplexity against decode tokens/s, one curve per source (its
+    densities), dense and hybrid as points. Nothing (a line says so) without matplotlib."""
+    points = [p for p in speed_points(state) if p[3] is not None and "error" not in p[4]]
+    if not points:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("no plot: matplotlib is not installed (pip install 'mlx-flash[bench]')")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for source in dict.fromkeys(p[1] for p in points):
+        pts = sorted((p for p in points if p[1] == source), key=lambda p: p[2])
+        xs, ys = [1e3 / p[4]["ms_per_token"] for p in pts], [p[3] for p in pts]
+        if source in ("dense", "hybrid"):
+            ax.scatter(xs, ys, marker="*" if source == "dense" else "s", s=90, label=source, zorder=3)
+            continue
+        ax.plot(xs, ys, marker="o", label=source)
+        for x, y, p in zip(xs, ys, pts):
+            ax.annotate(f"{p[2]:.0%}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"decode tokens/s (--memory-budget {state['speed']['args']['budget']})")
+    ax.set_ylabel("WikiText-2 perplexity")
+    ax.set_title(f"Quality against speed: {Path(state['meta'].get('model', '')).name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = Path(out).with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
 
 
 def source_notes(state):

@@ -1,6 +1,7 @@
 """mlx_flash.calibrate: what the sparsity sources need, measured on calibration text.
 
-SwiGLU models: the per-layer thresholds of both FFN sides (for --sparsity calibrated);
+SwiGLU models: the per-layer thresholds of both FFN sides (for --sparsity calibrated),
+and with --recover the recovery adapters trained with that sparsity in the loop;
 ReLU-family models (OPT): the low-rank activation predictors and Req_i for the planner
 (--sparsity predictor). --what chooses (SwiGLU models can have predictors too)."""
 
@@ -24,14 +25,23 @@ def build_parser():
     p.add_argument("--density", type=float, default=None,
                    help="SwiGLU only: the top-k |GLU| fraction to predict (default 0.5)")
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--what", choices=("auto", "thresholds", "predictors", "both"), default="auto",
-                   help="auto (default): thresholds for SwiGLU FFNs, predictors for the others")
+    p.add_argument("--what", choices=("auto", "thresholds", "predictors", "both", "recovery"), default="auto",
+                   help="auto (default): thresholds for SwiGLU FFNs, predictors for the others; recovery: only "
+                   "the recovery adapters, on the thresholds the model has")
     p.add_argument("--search-tokens", type=int, default=2048,
                    help="calibration tokens of the threshold search (default 2048)")
     p.add_argument("--lowest", type=float, default=0.2,
                    help="the lowest average --density the threshold search reaches (default 0.2)")
     p.add_argument("--plot", default=None,
                    help="PNG of the searched densities per layer (default: <model>/calibrated-densities.png)")
+    r = p.add_argument_group("recovery adapters (--recover, or --what recovery)")
+    r.add_argument("--recover", action="store_true",
+                   help="after the thresholds, train a low-rank adapter per layer by distillation with the sparse "
+                   "FFN in the loop (resident at run time; ~4 s per step here)")
+    r.add_argument("--recover-density", type=float, default=0.5, help="the --density trained at (default 0.5)")
+    r.add_argument("--recover-rank", type=int, default=32, help="adapter rank (default 32)")
+    r.add_argument("--recover-steps", type=int, default=200, help="training sequences of --seq-len (default 200)")
+    r.add_argument("--recover-lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -64,6 +74,17 @@ def _thresholds(model, args):
     print(f"thresholds of {len(section['path'])} search steps on {section['tokens']} tokens of "
           f"{section['data']} written to {model}/manifest.json in {time.perf_counter() - t0:.1f} s{where}; "
           f"run with --mode flash --sparsity calibrated --density D")
+
+
+def _recovery(model, args):
+    from ..sparsity.recovery import train_recovery
+
+    s = train_recovery(model, density=args.recover_density, rank=args.recover_rank, steps=args.recover_steps,
+                       seq_len=args.seq_len, lr=args.recover_lr, data=args.data, progress=not args.quiet,
+                       log=lambda m: print(f"[calibrate] {m}", file=sys.stderr))
+    print(f"recovery adapters (rank {s['rank']}, {s['size'] / 1e6:.2f} MB float16) trained at --density "
+          f"{s['density']:g} on {s['tokens']} tokens of {s['data']} in {s['train_s']:.0f} s, written to "
+          f"{model}/{s['file']}; --sparsity calibrated adds them (--no-recovery leaves them out)")
 
 
 def _predictors(model, args):
@@ -103,10 +124,15 @@ def main(argv=None):
             what = "thresholds" if _gated(model) else "predictors"
             print(f"[calibrate] {what} ({'a SwiGLU' if what == 'thresholds' else 'a ReLU-family'} FFN; "
                   "--what chooses)", file=sys.stderr)
+        if args.recover and what not in ("thresholds", "both"):
+            raise FlashError("--recover trains on calibrated thresholds: with --what thresholds / both / auto on a "
+                             "SwiGLU model (or --what recovery alone)")
         if what in ("thresholds", "both"):
             _thresholds(model, args)
         if what in ("predictors", "both"):
             _predictors(model, args)
+        if args.recover or what == "recovery":
+            _recovery(model, args)
 
     return run(body, "mlx_flash.calibrate")
 

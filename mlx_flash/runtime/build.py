@@ -274,7 +274,7 @@ def _make_source(folder, manifest, config, dtype, ffns, tables):
 
     ctx = SourceContext(folder, manifest, config.density, dtype, ffns[0]._act, ffns[0].gated,
                         "up_bias" in ffns[0], [f.up_bias if "up_bias" in f else None for f in ffns],
-                        layer_weights)
+                        layer_weights, recovery=config.recovery, verify=config.verify)
     cls.check(ctx)
     return cls.build(ctx)
 
@@ -324,10 +324,11 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
 
     dims = (inp.n_neurons, row_bytes(inp), down.n_neurons, row_bytes(down), k_in, k_out)
     lay = manifest.layout
-    plan = make_plan("flash", budget, resident.held_bytes, 0, len(lay.kinds) * lay.d_model * dtype.size,
+    plan = make_plan("flash", budget, resident.held_bytes, source.resident_bytes, len(lay.kinds) * lay.d_model * dtype.size,
                      len(manifest.ffn_files), lay.n_neurons, dip=dims)
     reader = FlashReader(threads=config.threads, direct=True)
     store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
                      cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
-                     eviction=config.eviction, tables=tables, crcs=crcs, thresholds=thresholds, packed=packed)
+                     eviction=config.eviction, tables=tables, crcs=crcs, thresholds=thresholds, packed=packed,
+                     adapters=getattr(source, "adapters", None))
     return plan, store

@@ -59,6 +59,8 @@ class FlashConfig:
         "mode's few active rows fall in many groups of the down scales: at its bits its compute was "
         "measured 741-985 vs 733-796 ms per OPT-6.7B token, benchmark paper)",
         "--ffn-rows", ("quantized", "float32"))
+    recovery: bool = _opt(True, "calibrated sources: leave out the recovery adapters of `mlx_flash.calibrate "
+                          "--recover` (used when the model has them)", "--no-recovery", negate=True)
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
                           "next layer's rows; flash: the missing neurons while the cached ones compute)",
                           "--no-prefetch", negate=True)

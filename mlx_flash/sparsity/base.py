@@ -45,6 +45,8 @@ class SourceContext:
     has_bias: bool
     up_bias: list  # per layer: mx.array [n] or None
     layer_weights: Callable  # kinds -> per layer {kind: mx.array [n, d]}, read from flash
+    recovery: bool = True  # add calibrate --recover's adapters where a source uses them
+    verify: bool = True  # check the sha256 of calibration files
 
 
 class Source:

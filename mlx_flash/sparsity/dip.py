@@ -37,14 +37,19 @@ class Calibrated(DIP):
     """DIP's two sides with per-layer thresholds instead of one top-k (allocation.py):
     input dims with |x_i| >= t_in[layer], neurons with |h~_j| >= t_out[layer]. Each
     layer and side keeps the share the calibration search gave it for this average
-    `--density` (of the FFN's weight bytes per token)."""
+    `--density` (of the FFN's weight bytes per token). With `mlx_flash.calibrate --recover`'s
+    adapters in the folder (recovery.py), each layer adds its adapter's B (A x), resident,
+    unless --no-recovery."""
 
     name = "calibrated"
     needs = "thresholds"
+    uses_recovery = True
 
-    def __init__(self, density, allocation):
+    def __init__(self, density, allocation, adapters=None):
         super().__init__(density)
         self.allocation = allocation
+        self.adapters = adapters  # per layer (A^T [d, r], B^T [r, d]) or None
+        self.resident_bytes = sum(a.nbytes + b.nbytes for a, b in adapters) if adapters else 0
 
     @property
     def thresholds(self):
@@ -55,7 +60,30 @@ class Calibrated(DIP):
     def build(cls, ctx):
         from .allocation import allocation
 
-        return cls(ctx.density, allocation(ctx.manifest.calibration["thresholds"], ctx.density))
+        return cls(ctx.density, allocation(ctx.manifest.calibration["thresholds"], ctx.density),
+                   cls._adapters(ctx))
+
+    @classmethod
+    def _adapters(cls, ctx):
+        """calibrate --recover's adapters, when the folder has them and they are wanted (a line
+        says which)."""
+        import logging
+
+        from .recovery import load_adapters
+
+        section = ctx.manifest.calibration.get("recovery")
+        if section is None:
+            return None
+        log = logging.getLogger("mlx_flash")
+        if not (cls.uses_recovery and ctx.recovery):
+            why = "--no-recovery" if cls.uses_recovery else f"{cls.name} is the search's ablation"
+            log.warning("%s: recovery adapters (calibrate --recover) left out: %s", ctx.folder, why)
+            return None
+        adapters = load_adapters(ctx.folder, ctx.manifest, ctx.dtype, ctx.verify)
+        log.warning("%s: adding the recovery adapters of calibrate --recover (rank %d, trained at --density "
+                    "%g%s; --no-recovery leaves them out)", ctx.folder, section["rank"], section["density"],
+                    "" if abs(section["density"] - ctx.density) < 1e-9 else f", running at {ctx.density:g}")
+        return adapters
 
 
 class CalibratedCacheAware(Calibrated):
@@ -71,9 +99,10 @@ class CalibratedUniform(Calibrated):
     layer and side keeps `--density` (what the per-layer search is measured against)."""
 
     name = "calibrated-uniform"
+    uses_recovery = False  # the adapters were trained for the searched thresholds
 
     @classmethod
     def build(cls, ctx):
         from .allocation import uniform
 
-        return cls(ctx.density, uniform(ctx.manifest.calibration["thresholds"], ctx.density))
+        return cls(ctx.density, uniform(ctx.manifest.calibration["thresholds"], ctx.density), cls._adapters(ctx))

@@ -80,7 +80,7 @@ class DIPStore(Store):
 
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
                  gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
-                 record_trace=False, tables=None, crcs=None, thresholds=None, packed=False):
+                 record_trace=False, tables=None, crcs=None, thresholds=None, packed=False, adapters=None):
         if not manifest.dip:
             raise FlashError(
                 f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"
@@ -90,6 +90,7 @@ class DIPStore(Store):
         self.reader, self.act, self.plan = reader, act, plan
         self.density, self.cache_aware, self.gamma = density, cache_aware, gamma
         self.thresholds = thresholds  # per layer (t_in, t_out), or None: top-k at density
+        self.adapters = adapters  # per layer (A^T, B^T): a resident part B (A x) (sparsity/recovery.py)
         inp, down = manifest.dip["input"], manifest.dip["down"]
         self.d_model, self.n_ff = inp["layout"].n_neurons, inp["layout"].d_model
         self.k_in = max(1, int(round(density * self.d_model)))
@@ -248,6 +249,9 @@ class DIPStore(Store):
                 h_sel = (h[:, ids_mx] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
                 parts.append(FFNRows(up=None, down=dmats["down"], h=h_sel))
 
+        if self.adapters is not None:  # resident: y += B (A x)
+            a_t, b_t = self.adapters[layer]
+            parts.append(FFNRows(up=None, down=b_t, h=x @ a_t))
         bytes1, reads1 = self._counts()
         # choosing inputs and neurons is the prediction
         share = (2 * need_in.size / self.d_model + need_out.size / self.n_ff) / 3 / len(self.sides)

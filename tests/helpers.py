@@ -192,3 +192,14 @@ def make_opt_folder(folder, variant="opt", seed=0, dtype="float32", lm_head=Fals
     tensors = opt_tensors(cfg, np.random.default_rng(seed), lm_head=lm_head)
     write_safetensors(folder / "model.safetensors", tensors, dtype)
     return folder, cfg, tensors
+
+
+def thresholded_ffn(tensors, layer, x, t_in, t_out):
+    """A SwiGLU layer's FFN of one token vector x in NumPy, both sides thresholded as the
+    `calibrated` sources do: the input dims with |x| >= t_in, then the neurons with |h~| >= t_out."""
+    p = f"model.layers.{layer}.mlp."
+    G, U, D = tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"], tensors[p + "down_proj.weight"]
+    xm = np.where(np.abs(x) >= t_in, x, 0)
+    g, u = G @ xm, U @ xm
+    h = g / (1 + np.exp(-g)) * u
+    return D @ np.where(np.abs(h) >= t_out, h, 0)

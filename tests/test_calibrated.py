@@ -15,7 +15,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.layout import read_manifest
 from mlx_flash.sparsity.allocation import SHARE, STEP, allocation, calibrate_thresholds
 from mlx_flash.sparsity.calibrate import calibrate
-from helpers import make_llama_folder, make_opt_folder
+from helpers import make_llama_folder, make_opt_folder, thresholded_ffn
 
 WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
 PROMPT = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
@@ -91,15 +91,9 @@ def test_layer_output_follows_the_thresholds(folder):
         x = np.random.default_rng(layer).standard_normal((1, 1, cfg["hidden_size"])).astype(np.float32)
         model.runtime.store.stats.begin(1)
         got = np.array(model.layers[layer].mlp(mx.array(x)))[0, 0]
-        p = f"model.layers.{layer}.mlp."
-        G, U, D = t[p + "gate_proj.weight"], t[p + "up_proj.weight"], t[p + "down_proj.weight"]
         t_in, t_out = a.threshold[layer]
         x1 = x[0, 0]
-        xm = np.where(np.abs(x1) >= t_in, x1, 0)
-        g, u = G @ xm, U @ xm
-        h = g / (1 + np.exp(-g)) * u
-        hm = np.where(np.abs(h) >= t_out, h, 0)
-        np.testing.assert_allclose(got, D @ hm, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got, thresholded_ffn(t, layer, x1, t_in, t_out), rtol=1e-4, atol=1e-4)
         kept_in = (np.abs(x1) >= t_in).mean()
         assert 0 < kept_in < 1  # a real cut at this density
 

@@ -16,7 +16,7 @@ from mlx_flash.errors import FlashError
 from mlx_flash.layout import read_manifest
 from mlx_flash.sparsity.allocation import allocation, calibrate_thresholds
 from mlx_flash.sparsity.recovery import FILE, train_recovery
-from helpers import make_llama_folder
+from helpers import make_llama_folder, thresholded_ffn
 
 WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
 
@@ -71,14 +71,8 @@ def test_the_layer_adds_its_adapter(folder, caplog):
         for name, m in (("with", model), ("without", plain)):
             m.runtime.store.stats.begin(1)
             got[name] = np.array(m.layers[layer].mlp(mx.array(x)))[0, 0]
-        p = f"model.layers.{layer}.mlp."
-        G, U, D = t[p + "gate_proj.weight"], t[p + "up_proj.weight"], t[p + "down_proj.weight"]
-        t_in, t_out = a.threshold[layer]
         x1 = x[0, 0]
-        xm = np.where(np.abs(x1) >= t_in, x1, 0)
-        g, u = G @ xm, U @ xm
-        h = g / (1 + np.exp(-g)) * u
-        sparse = D @ np.where(np.abs(h) >= t_out, h, 0)
+        sparse = thresholded_ffn(t, layer, x1, *a.threshold[layer])
         np.testing.assert_allclose(got["without"], sparse, rtol=1e-4, atol=1e-4)
         extra = w[f"layers.{layer}.B"] @ (w[f"layers.{layer}.A"] @ x1)
         assert np.abs(extra).max() > 1e-3

@@ -88,3 +88,22 @@ def test_generate_held_at_float16_cli(tiny):
     assert "resident float16" in b.stderr
     c = run(*args, "--resident-dtype", "bfloat16")
     assert c.returncode != 0 and "would round" in c.stderr and "Traceback" not in c.stderr
+
+
+def test_device_flag(tiny):
+    """--device cpu computes there (the header says the compute dtype); --device gpu without a GPU
+    backend is one clear line, exit 2."""
+    import mlx.core as mx
+
+    _, flash = tiny
+    r = run(f"{BIN}/mlx_flash.generate", "--model", str(flash), "--prompt", "hi", "--max-tokens", "2",
+            "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "compute float32" in r.stderr
+    if mx.is_available(mx.gpu):
+        pytest.skip("this MLX has a GPU: --device gpu runs")
+    for cmd in ("mlx_flash.generate", "mlx_flash.eval"):
+        extra = ["--task", "wikitext"] if cmd == "mlx_flash.eval" else []
+        e = run(f"{BIN}/{cmd}", "--model", str(flash), "--device", "gpu", *extra)
+        assert e.returncode == 2 and "Traceback" not in e.stderr, e.stderr
+        assert "--device gpu: this MLX" in e.stderr and "no GPU backend" in e.stderr

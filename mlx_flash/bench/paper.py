@@ -145,7 +145,8 @@ def attach(model, config, trace, budget, threads, predictor_rank, window=None, v
     if mode == "flash":
         source = TraceSource(trace, model.runtime.manifest.layout.d_model,
                              predictor_rank=predictor_rank if predictor else 0)
-    cfg = FlashConfig(dtype="float32", verify=verify, mode=mode, memory_budget=budget, threads=threads,
+    # the loaded model's compute dtype: float32 on the CPU, the flash dtype on a GPU (its header says which)
+    cfg = FlashConfig(dtype=model.runtime.compute_dtype, verify=verify, mode=mode, memory_budget=budget, threads=threads,
                       window=cfg_window if window is None else window, bundled=bundled,
                       prefetch=False, overlap=overlap)
     return rebuild_runtime(model, cfg, source=source).store
@@ -411,7 +412,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         release(model)
 
     return {
-        "shape": shape, "flash_dtype": ",".join(dtypes), "compute_dtype": "float32", "verify": verify,
+        "shape": shape, "flash_dtype": ",".join(dtypes), "compute_dtype": model.runtime.compute_dtype, "verify": verify,
         "resident_dtype": model.runtime.resident_dtype,
         "subjects": [{"dtype": s.dtype, "checkpoint": str(s.folder), "resident_bytes": s.resident_bytes,
                       "resident_dtype": s.held} for s in subjects],
@@ -467,7 +468,7 @@ def report(res):
     t = res["trace"]
     held = "; ".join(f"{s['dtype']}: {s['resident_bytes'] / 1e9:.2f} GB held at {s['resident_dtype'] or 'float32'}"
                      for s in subjects)
-    head = (f"{res['shape']} shape, random weights; {res['flash_dtype']} on flash, float32 compute; "
+    head = (f"{res['shape']} shape, random weights; {res['flash_dtype']} on flash, {res.get('compute_dtype', 'float32')} compute; "
             f"reads {'checked (CRC32C)' if res.get('verify', True) else 'unchecked (--no-verify)'}; "
             f"memory budget {res['memory_budget']} of the float32 model "
             f"({res['model_bytes_float32'] / 1e9:.1f} GB; resident attention + embeddings: {held}); "

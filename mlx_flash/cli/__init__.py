@@ -29,6 +29,31 @@ def run(main_fn, prog):
         return 130
 
 
+DEVICES = ("cpu", "gpu")
+
+
+def add_device_arg(p):
+    p.add_argument("--device", choices=DEVICES, default=None,
+                   help="where MLX computes (default: MLX's default device, the GPU where this MLX has one)")
+
+
+def use_device(name):
+    """Make `name` ("cpu" | "gpu" | None: leave MLX's default) MLX's default device for this
+    command; a clear error where this MLX has no GPU backend."""
+    if name is None:
+        return
+    import platform
+
+    import mlx.core as mx
+
+    if name not in DEVICES:
+        raise FlashError(f"--device {name}: choose from {', '.join(DEVICES)}")
+    if name == "gpu" and not mx.is_available(mx.gpu):
+        raise FlashError(f"--device gpu: this MLX ({mx.__version__} on {platform.system()} {platform.machine()}) "
+                         "has no GPU backend (Metal on a Mac, CUDA builds elsewhere); use --device cpu")
+    mx.set_default_device(mx.gpu if name == "gpu" else mx.cpu)
+
+
 def check_model_arg(model):
     p = Path(model)
     if model == DEFAULT_MODEL and not p.exists():

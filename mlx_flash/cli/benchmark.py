@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import run
+from . import add_device_arg, run, use_device
 
 DEFAULT_FILE = os.path.join("~", ".cache", "mlx_flash", "storage-bench.bin")
 
@@ -96,6 +96,7 @@ def add_paper_parser(sub):
     s.add_argument("--resident-dtype", default=None, choices=["quantized", "float32"],
                    help="q4 / q8: hold attention and embeddings at their bits (default, as under a "
                         "user's budget) or dequantized at float32")
+    add_device_arg(s)
     s.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check the reads' CRC32C (to measure what the checks cost)")
     s.add_argument("--memory-budget", default="50%",
@@ -123,6 +124,7 @@ def add_paper_parser(sub):
 def paper_main(args, argv):
     from ..bench import paper
 
+    use_device(args.device)
     res = paper.run(shape=args.shape, dtype=args.dtype, memory_budget=args.memory_budget,
                     tokens=args.tokens, warmup=args.warmup, rounds=args.rounds, configs=args.configs,
                     windows=args.windows, window_tokens=args.window_tokens,

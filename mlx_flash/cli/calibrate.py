@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import check_model_arg, default_model, run
+from . import add_device_arg, check_model_arg, default_model, run, use_device
 
 
 def build_parser():
@@ -42,6 +42,7 @@ def build_parser():
     r.add_argument("--recover-rank", type=int, default=32, help="adapter rank (default 32)")
     r.add_argument("--recover-steps", type=int, default=200, help="training sequences of --seq-len (default 200)")
     r.add_argument("--recover-lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    add_device_arg(p)
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -119,6 +120,7 @@ def main(argv=None):
         if not 0 < args.recall < 1:
             raise FlashError("--recall must be in (0, 1)")
         model = check_model_arg(args.model or default_model())
+        use_device(args.device)
         what = args.what
         if what == "auto":
             what = "thresholds" if _gated(model) else "predictors"

@@ -34,7 +34,7 @@ import sys
 import time
 
 from ..errors import FlashError
-from . import run
+from . import run, use_device
 from .generate import add_model_args, load_for_cli
 
 
@@ -93,7 +93,7 @@ def build_parser():
 TABLE_OPTIONS = ("densities", "mc_densities", "budget", "tokens", "arc_easy", "arc_challenge", "hellaswag",
                  "dip_ca_tokens", "dip_ca_items", "check_tokens", "probe_tokens", "sources", "speed_tokens",
                  "speed_rounds", "resume")
-SHARED_OPTIONS = ("task", "table", "model", "context", "data_dir", "no_progress")
+SHARED_OPTIONS = ("task", "table", "model", "context", "data_dir", "no_progress", "device")
 
 
 def _flag(parser, dest):
@@ -199,6 +199,7 @@ def main(argv=None):
         from ..eval.harness import evaluate, load_task
 
         check_options(parser, args)
+        use_device(args.device)  # before the data and the model: a missing GPU is the first thing said
         if args.table is not None:
             return table_main(parser, args, argv)
         if args.limit is not None and args.limit <= 0:

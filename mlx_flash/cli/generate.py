@@ -4,7 +4,7 @@ import argparse
 import sys
 import time
 
-from . import check_model_arg, default_model, run
+from . import add_device_arg, check_model_arg, default_model, run, use_device
 
 
 def add_model_args(p):
@@ -13,6 +13,7 @@ def add_model_args(p):
     p.add_argument("--model", default=None,
                    help=f"converted folder, Hub repo, HF/mlx-lm folder or .gguf (default {default_model()})")
     add_cli_args(p)  # every FlashConfig option with a flag
+    add_device_arg(p)
 
 
 def add_sampling_args(p):
@@ -38,6 +39,7 @@ def load_for_cli(args):
     from ..runtime import from_cli
 
     model_name = check_model_arg(args.model or default_model())
+    use_device(args.device)
     t0 = time.perf_counter()
     model, tokenizer = load(model_name, progress=True, config=from_cli(args))
     dt = time.perf_counter() - t0

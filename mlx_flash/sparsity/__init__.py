@@ -3,8 +3,8 @@
 Owns the sources (one class per file: oracle.py, threshold.py, predictor.py,
 dip.py), their registry, and calibration (calibrate.py: records activations,
 trains the predictors, measures Req_i; allocation.py: the per-layer thresholds
-of both FFN sides). A source is found by its `name`: every module of this
-package except base / calibrate / allocation is scanned for Source
+of both FFN sides; recovery.py: the calibrated sources' adapters). A source is found by its `name`: every module of this
+package except base / calibrate / allocation / recovery is scanned for Source
 subclasses, so adding a source is adding its file (and its tests): the CLI's
 --sparsity choices, the errors for what a model lacks, and the benchmarks'
 source lists all come from `sources()`.
@@ -19,7 +19,7 @@ import pkgutil
 from ..errors import FlashError
 from .base import Source, SourceContext, top_k_mask  # noqa: F401
 
-_NOT_SOURCES = ("base", "calibrate", "allocation")
+_NOT_SOURCES = ("base", "calibrate", "allocation", "recovery")
 _registry = None
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/host_syncs.py                          # SmolLM2, every mode
     .venv/bin/python scripts/host_syncs.py --configs "flash dip 0.5" --tokens 16
+    .venv/bin/python scripts/host_syncs.py --cache-writes staged --resident-dtype float32   # a GPU's path
 
 Counts, while `--tokens` greedy tokens decode after a short prompt, the calls on the
 per-token path that wait for MLX's results on the host: mx.eval, np.array / np.asarray
@@ -83,11 +84,21 @@ def main(argv=None):
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of: " + ", ".join(CONFIGS))
+    p.add_argument("--cache-writes", choices=("host", "staged"), default=None,
+                   help="every mode but dense: how rows enter the caches (staged: a GPU's default)")
+    p.add_argument("--resident-dtype", default=None,
+                   help="float32: attention and embeddings dequantized (no CPU-only native quantized matvec, "
+                   "whose every call is a host synchronisation; a GPU uses mx.quantized_matmul)")
     a = p.parse_args(argv)
     print(f"| mode | host syncs / token | of them mlx_lm's loop | per layer (runtime) | by kind |")
     print("| --- | --- | --- | --- | --- |")
     for name in [n.strip() for n in a.configs.split(",")]:
-        model, tok = mlx_flash.load(a.model, **CONFIGS[name])
+        kw = dict(CONFIGS[name])
+        if a.cache_writes and kw["mode"] != "dense":
+            kw["cache_writes"] = a.cache_writes
+        if a.resident_dtype:
+            kw["resident_dtype"] = a.resident_dtype
+        model, tok = mlx_flash.load(a.model, **kw)
         n_layers = len(model.layers)
         prompt = mx.array(tok.encode(PROMPT))
         steps = generate_step(prompt, model, max_tokens=a.tokens + 1)

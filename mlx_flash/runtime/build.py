@@ -20,7 +20,7 @@ from ..layout.quant import value_shapes
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, _too_small, make_plan, parse_budget
-from .config import FlashConfig, keep_quantized, packed_ffn_rows
+from .config import FlashConfig, keep_quantized, packed_ffn_rows, staged_caches
 from .stores.base import cpu_kernels, read_layer_file
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -291,9 +291,13 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
-    packed = packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held, cpu_kernels() is not None)
+    staged = _staged(config, held)
+    packed = not staged and packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held,
+                                            cpu_kernels() is not None)
     if packed:  # a neuron costs its bundle's bytes, not its float32 values
         neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds)
+    if staged:  # its rows on the device and their host staging copy
+        neuron_bytes *= 2
     plan = make_plan(mode, budget, resident.held_bytes, source.resident_bytes if source else 0,
                      neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
                      window=10**9 if window is None else window, req=req,
@@ -301,11 +305,20 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
     reader = FlashReader(threads=config.threads, direct=True)
     if mode == "flash":
         store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
-                           overlap=config.overlaps, tables=tables, crcs=crcs, packed=packed)
+                           overlap=config.overlaps, tables=tables, crcs=crcs, packed=packed, staged=staged)
     else:
         store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables,
-                              crcs=crcs, packed=packed)
+                              crcs=crcs, packed=packed, staged=staged)
     return plan, store
+
+
+def _staged(config, held):
+    """Staged caches (config.staged_caches), with what they cannot do refused."""
+    staged = staged_caches(config, mx.default_device() == mx.cpu)
+    if staged and (held or config.ffn_rows == "quantized"):
+        raise FlashError("staged cache writes hold the rows at the compute dtype: not with float16-held "
+                         "rows (--resident-dtype float16) or --ffn-rows quantized")
+    return staged
 
 
 def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, tables, crcs):
@@ -317,10 +330,12 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
     thresholds = getattr(source, "thresholds", None)
     if thresholds is not None:  # a token may need any share of a layer: the scratch holds all of one
         k_in, k_out = inp.n_neurons, down.n_neurons
-    packed = packed_ffn_rows(config, inp.quant is not None and down.quant is not None, dtype == mx.float32,
-                             False, cpu_kernels() is not None, dip=True)
-    def row_bytes(lay):  # at their bits when packed, else at the compute dtype
-        return sum(lay.kind_bytes(k) if packed else lay.d_model * dtype.size for k in lay.kinds)
+    staged = _staged(config, False)
+    packed = not staged and packed_ffn_rows(config, inp.quant is not None and down.quant is not None,
+                                            dtype == mx.float32, False, cpu_kernels() is not None, dip=True)
+
+    def row_bytes(lay):  # at their bits when packed, else at the compute dtype (twice when staged)
+        return sum(lay.kind_bytes(k) if packed else lay.d_model * dtype.size * (1 + staged) for k in lay.kinds)
 
     dims = (inp.n_neurons, row_bytes(inp), down.n_neurons, row_bytes(down), k_in, k_out)
     lay = manifest.layout
@@ -330,5 +345,5 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
     store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
                      cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
                      eviction=config.eviction, tables=tables, crcs=crcs, thresholds=thresholds, packed=packed,
-                     adapters=getattr(source, "adapters", None))
+                     adapters=getattr(source, "adapters", None), staged=staged)
     return plan, store

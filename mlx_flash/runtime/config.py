@@ -59,6 +59,11 @@ class FlashConfig:
         "mode's few active rows fall in many groups of the down scales: at its bits its compute was "
         "measured 741-985 vs 733-796 ms per OPT-6.7B token, benchmark paper)",
         "--ffn-rows", ("quantized", "float32"))
+    cache_writes: str | None = _opt(
+        None, "how read rows enter the neuron caches: host (the reader writes the cache's memory in place, "
+        "the fastest on the CPU) or staged (a host staging copy, scattered into the caches on the device: no "
+        "host write to memory a GPU computes on); default host on the CPU, staged on a GPU",
+        "--cache-writes", ("host", "staged"))
     recovery: bool = _opt(True, "calibrated sources: leave out the recovery adapters of `mlx_flash.calibrate "
                           "--recover` (used when the model has them)", "--no-recovery", negate=True)
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
@@ -88,6 +93,10 @@ class FlashConfig:
             bad(f"--window must be 0 or more, got {self.window}")
         if not 1 <= self.threads <= 1024:
             bad(f"--threads must be in 1..1024, got {self.threads}")
+        if self.cache_writes not in (None, "host", "staged"):
+            bad(f"unknown cache writes '{self.cache_writes}' (choose from host, staged)")
+        if self.cache_writes is not None and self.mode == "dense":
+            bad("--cache-writes is for the modes that read rows into caches (naive, hybrid, flash), not dense")
         if self.eviction not in EVICTIONS:
             bad(f"unknown eviction policy '{self.eviction}' (choose from {', '.join(EVICTIONS)})")
         if self.resident_dtype is not None and self.resident_dtype not in RESIDENT_DTYPES:
@@ -146,6 +155,17 @@ def packed_ffn_rows(config, quantized_layout, float32_compute, held, kernels, di
     if config.ffn_rows is None:
         return possible and (dip or config.mode in ("naive", "hybrid"))
     return possible and config.ffn_rows == "quantized"
+
+
+def staged_caches(config, on_cpu):
+    """The one place that chooses how rows enter the caches (cache/neuron_cache.py): in place
+    from the host on the CPU (measured fastest: no copy, no scatter), staged on a GPU (the
+    host never writes memory the device reads; on a discrete GPU every such write crosses the
+    bus and serialises host and device, issue 20). A Mac's unified memory would allow the host
+    path too; staged is the default there until a Metal run measures which is faster."""
+    if config.cache_writes is None:
+        return not on_cpu
+    return config.cache_writes == "staged"
 
 
 def option_names():

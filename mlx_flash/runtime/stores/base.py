@@ -112,12 +112,17 @@ class Store:
     def weights_bytes(self):
         raise NotImplementedError
 
+    staged = False  # caches written through host staging (no in-place host writes)
+
     def _begin(self, layer, x):
         """The start of rows(): a new pass at layer 0, then x evaluated (see the module
-        docstring). -> the current pass's stats row."""
+        docstring), unless the caches are staged: no host write then touches memory MLX
+        reads, and x is evaluated by whatever first reads it back (the sparsity decision),
+        one host synchronisation fewer per layer. -> the current pass's stats row."""
         if layer == 0:
             self.stats.begin(int(np.prod(x.shape[:-1])))
-        mx.eval(x)
+        if not self.staged:
+            mx.eval(x)
         return self.stats.cur
 
     def _counts(self):
@@ -161,9 +166,11 @@ class NeuronFileStore(Store):
     i+1's cache converted meanwhile."""
 
     def __init__(self, folder, manifest, plan, reader, dtype=mx.float32, bundled=True, tables=None,
-                 crcs=None, packed=False):
+                 crcs=None, packed=False, staged=False):
         """packed: a quantized layout's rows stay at their bits in the caches (the CPU's native
-        kernels compute on them); else they are dequantized as they are read."""
+        kernels compute on them); else they are dequantized as they are read. staged: the
+        caches' new rows go through a host staging copy (cache/neuron_cache.py)."""
+        self.staged = staged
         self.plan = plan
         self.tables = tables or [None] * len(manifest.ffn_files)  # per layer (quantized layouts)
         self.crcs = crcs or [None] * len(manifest.ffn_files)  # per layer: checksums, unless --no-verify
@@ -186,10 +193,10 @@ class NeuronFileStore(Store):
             raise FlashError("packed FFN rows need a quantized layout (down stored as columns), float32 "
                              "compute and the native kernels on the CPU")
         self.caches = [NeuronCache(max(plan.layer_capacity(i), 1), n, d, self.kinds, dtype,
-                                   self.arenas[0] if self.arenas else None, self.packed)
+                                   self.arenas[0] if self.arenas else None, self.packed, staged)
                        for i in range(len(self.files))]
         self.buffers = [NeuronCache(max(plan.scratch_rows // bufs, 1), n, d, self.kinds, dtype,
-                                    packed=self.packed) for _ in range(bufs)]
+                                    packed=self.packed, staged=staged) for _ in range(bufs)]
         self.scratch = self.buffers[0]
         self.stats = TokenStats()
 
@@ -244,11 +251,11 @@ class NeuronFileStore(Store):
                            packed=PackedRows(cache.views, sel.astype(np.int64), cache.row_to_id[sel],
                                              self.layout, self.tables[layer], self.kernels))
         if (mask is not None and mask.shape[0] == 1 and converted is None and cache.arena is None
-                and self.kernels is not None):
+                and self.kernels is not None and cache.host_readable):
             sel = (lo + np.flatnonzero(mask[0, span])).astype(np.int64)
             return FFNRows(up=None, down=None, ids=mx.array(cache.row_to_id[sel]),
                            select=(cache.views, sel, self.kernels))
-        m, ids = cache.rows(converted)
+        m, ids = cache.rows(converted, upto=None if rows is None else rows.stop)
         if rows is not None:
             m, ids, cached = {k: v[rows] for k, v in m.items()}, ids[rows], cached[rows]
         keep = None

@@ -40,12 +40,13 @@ class _Side:
     """One cache (input columns or down rows) of one layer, with its policy and file."""
 
     def __init__(self, reader, entry_path, size, layout, capacity, policy, dtype, tables=None, crc=None,
-                 where="", packed=None):
+                 where="", packed=None, staged=False):
         self.file = reader.open(entry_path, expected_size=size)
         self.layout = layout
         self.tables, self.crc, self.where = tables, crc, where
         self._reads = {}  # read_into's memo
-        self.cache = NeuronCache(capacity, layout.n_neurons, layout.d_model, layout.kinds, dtype, packed=packed)
+        self.cache = NeuronCache(capacity, layout.n_neurons, layout.d_model, layout.kinds, dtype, packed=packed,
+                                 staged=staged)
         self.policy = policy
 
     def ensure(self, reader, need, step, scratch):
@@ -80,7 +81,8 @@ class DIPStore(Store):
 
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
                  gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
-                 record_trace=False, tables=None, crcs=None, thresholds=None, packed=False, adapters=None):
+                 record_trace=False, tables=None, crcs=None, thresholds=None, packed=False, adapters=None,
+                 staged=False):
         if not manifest.dip:
             raise FlashError(
                 f"{folder}: no DIP orientation on flash; convert again with `mlx_flash.convert --dip`"
@@ -106,7 +108,8 @@ class DIPStore(Store):
 
         # packed: both sides' rows at their bits in the caches, as read (the CPU's kernels
         # compute on them: qaxpy_cols, both DIP files being column kinds with scale tables)
-        self.kernels = cpu_kernels() if dtype == mx.float32 else None
+        self.staged = staged  # caches written through host staging: the one-token kernels cannot read them
+        self.kernels = cpu_kernels() if dtype == mx.float32 and not staged else None
         if packed and (self.kernels is None or inp["layout"].quant is None
                        or set(inp["layout"].columns) != set(inp["layout"].kinds) or down["layout"].quant is None):
             raise FlashError("packed DIP rows need a quantized model converted with --dip, float32 compute "
@@ -120,16 +123,16 @@ class DIPStore(Store):
             self.sides.append((
                 _Side(reader, folder / fi["file"], fi["size"], inp["layout"], cap_in,
                       policy(self.d_model, layer, "in"), dtype, tables[layer], crcs[layer][0],
-                      f"layer {layer} (DIP input columns)", self.packed_in),
+                      f"layer {layer} (DIP input columns)", self.packed_in, staged),
                 _Side(reader, folder / fd["file"], fd["size"], down["layout"], cap_down,
                       policy(self.n_ff, layer, "down"), dtype, tables[layer], crcs[layer][1],
-                      f"layer {layer} (DIP down rows)", self.packed_down),
+                      f"layer {layer} (DIP down rows)", self.packed_down, staged),
             ))
         sc_in, sc_down = plan.dip_scratch
         self.scratch_in = NeuronCache(max(sc_in, 1), self.d_model, self.n_ff, inp["layout"].kinds, dtype,
-                                      packed=self.packed_in)
+                                      packed=self.packed_in, staged=staged)
         self.scratch_down = NeuronCache(max(sc_down, 1), self.n_ff, self.d_model, ("down",), dtype,
-                                        packed=self.packed_down)
+                                        packed=self.packed_down, staged=staged)
         self.stats = TokenStats()
         self.step = 0
         # every token's needed ids, for replaying Belady on them; off by default: it grows

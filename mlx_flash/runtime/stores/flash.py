@@ -27,8 +27,8 @@ class FlashStore(NeuronFileStore):
     FIT_ERROR = "{n} neurons in layer {layer}, more than the {limit} rows the memory budget leaves it"
 
     def __init__(self, folder, manifest, plan, source, reader, dtype=mx.float32, bundled=True,
-                 overlap=False, tables=None, crcs=None, packed=False):
-        super().__init__(folder, manifest, plan, reader, dtype, bundled, tables, crcs, packed)
+                 overlap=False, tables=None, crcs=None, packed=False, staged=False):
+        super().__init__(folder, manifest, plan, reader, dtype, bundled, tables, crcs, packed, staged)
         self.source = source
         self.overlap = overlap
         self.window = plan.window

@@ -14,8 +14,8 @@ from .base import NeuronFileStore
 
 class StreamedStore(NeuronFileStore):
     def __init__(self, folder, manifest, plan, reader, dtype, bundled=True, tables=None, crcs=None,
-                 packed=False):
-        super().__init__(folder, manifest, plan, reader, dtype, bundled, tables, crcs, packed)
+                 packed=False, staged=False):
+        super().__init__(folder, manifest, plan, reader, dtype, bundled, tables, crcs, packed, staged)
         self._pending = None  # (layer, buffer index, future) of the work in flight
         if plan.mode == "hybrid":  # the first half of every layer, loaded once
             half = np.arange(plan.capacity, dtype=np.int64)

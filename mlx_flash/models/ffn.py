@@ -87,7 +87,9 @@ class FlashFFN(nn.Module):
 
     `store` is set by the loader: `store.rows(layer, x)` -> FFNRows or a list of them;
     an entry of the list may be a callable returning more FFNRows (rows still being
-    read): the FFN evaluates what it has summed so far, then calls it.
+    read): the FFN evaluates what it has summed so far, then calls it (starts evaluating
+    it, without waiting, when the callable has `overwrites = False`: its rows overwrite
+    nothing that sum reads, as with staged caches).
     """
 
     def __init__(self, layer, d_model, n_neurons, act, gated, bias=False):
@@ -121,7 +123,7 @@ class FlashFFN(nn.Module):
             rows = parts.pop(0)
             if callable(rows):
                 if y is not None:
-                    mx.eval(y)
+                    (mx.eval if getattr(rows, "overwrites", True) else mx.async_eval)(y)
                 parts = list(rows()) + parts
                 continue
             if rows.y is not None:

@@ -32,6 +32,19 @@ def top_k_mask(scores, k):
     return mask
 
 
+def device_top_k_mask(scores, k):
+    """scores: an MLX [t, n] array -> the NumPy bool mask of each row's top-k, the top-k found
+    where MLX computes and only their ids read back (issue 20: k ints cross, not n scores)."""
+    import mlx.core as mx
+
+    if k >= scores.shape[-1]:
+        return np.ones(scores.shape, dtype=bool)
+    idx = np.array(mx.argpartition(-scores, kth=k - 1, axis=-1)[:, :k])
+    mask = np.zeros(scores.shape, dtype=bool)
+    np.put_along_axis(mask, idx, True, axis=-1)
+    return mask
+
+
 @dataclass
 class SourceContext:
     """What a source is built from (runtime/build.py fills it)."""

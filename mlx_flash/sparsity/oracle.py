@@ -6,7 +6,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from .base import Source, top_k_mask
+from .base import Source, device_top_k_mask
 
 
 class WeightsSource(Source):
@@ -41,8 +41,8 @@ class Oracle(WeightsSource):
         x2 = x.reshape(-1, x.shape[-1])
         u = self._up(layer, x2)
         if self.gated:
-            h = np.array(mx.abs(self.act(x2 @ self.weights[layer]["gate"].T) * u))
+            h = mx.abs(self.act(x2 @ self.weights[layer]["gate"].T) * u)
             if self.density >= 1.0:  # exact: every neuron whose output is not zero
-                return h != 0
-            return top_k_mask(h, self.k(self.density, h.shape[-1]))
+                return np.array(h != 0)
+            return device_top_k_mask(h, self.k(self.density, h.shape[-1]))
         return np.array(self.act(u)) != 0

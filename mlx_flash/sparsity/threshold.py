@@ -6,7 +6,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from .base import top_k_mask
+from .base import device_top_k_mask
 from .oracle import WeightsSource
 
 
@@ -17,8 +17,8 @@ class Threshold(WeightsSource):
     def select(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
         if self.gated:
-            g = np.array(mx.abs(self.act(x2 @ self.weights[layer]["gate"].T)))
+            g = mx.abs(self.act(x2 @ self.weights[layer]["gate"].T))
             if self.density >= 1.0:  # exact for ReLU / FATReLU gates: act(gate) == 0 adds nothing
-                return g != 0
-            return top_k_mask(g, self.k(self.density, g.shape[-1]))
+                return np.array(g != 0)
+            return device_top_k_mask(g, self.k(self.density, g.shape[-1]))
         return np.array(self.act(self._up(layer, x2))) != 0

@@ -53,6 +53,7 @@ class FlashStore(NeuronFileStore):
             return [self._part(layer, cache, mask=mask, shape=shape, rows=slice(n_old, cache.num_used))] + (
                 [self._part(layer, self.scratch, mask=mask, shape=shape)] if overflow.size else [])
 
+        rest.overwrites = not self.staged  # host writes go to other rows; staged ones to none MLX reads
         return [old, rest]
 
     def _passes(self, layer, ids, mask, shape):
@@ -70,6 +71,7 @@ class FlashStore(NeuronFileStore):
             return [self._part(layer, self.scratch, mask=mask, shape=shape)] + (
                 [self._passes(layer, rest, mask, shape)] if rest.size else [])
 
+        more.overwrites = not self.staged  # the host path rewrites the scratch rows the last part read
         return more
 
     def rows(self, layer, x):

@@ -107,3 +107,15 @@ def test_device_flag(tiny):
         e = run(f"{BIN}/{cmd}", "--model", str(flash), "--device", "gpu", *extra)
         assert e.returncode == 2 and "Traceback" not in e.stderr, e.stderr
         assert "--device gpu: this MLX" in e.stderr and "no GPU backend" in e.stderr
+
+
+def test_benchmark_paper_devices_are_checked_first():
+    """benchmark paper --device cpu,gpu: every device is checked before the first run (no GPU: one
+    line, exit 2, nothing built); an unknown device likewise."""
+    import mlx.core as mx
+
+    bad = ["nope"] + ([] if mx.is_available(mx.gpu) else ["cpu,gpu"])
+    for dev in bad:
+        e = run(f"{BIN}/mlx_flash.benchmark", "paper", "--shape", "opt-1.3b", "--device", dev, "--quiet")
+        assert e.returncode == 2 and "Traceback" not in e.stderr, e.stderr
+        assert "--device" in e.stderr and len(e.stderr.strip().splitlines()) == 1, e.stderr

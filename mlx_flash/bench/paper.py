@@ -149,7 +149,9 @@ def attach(model, config, trace, budget, threads, predictor_rank, window=None, v
     cfg = FlashConfig(dtype=model.runtime.compute_dtype, verify=verify, mode=mode, memory_budget=budget, threads=threads,
                       window=cfg_window if window is None else window, bundled=bundled,
                       prefetch=False, overlap=overlap)
-    return rebuild_runtime(model, cfg, source=source).store
+    store = rebuild_runtime(model, cfg, source=source).store
+    store.timed = True  # the phases' times must be the phases' (a staged store skips that sync otherwise)
+    return store
 
 
 def release(model):
@@ -468,7 +470,8 @@ def report(res):
     t = res["trace"]
     held = "; ".join(f"{s['dtype']}: {s['resident_bytes'] / 1e9:.2f} GB held at {s['resident_dtype'] or 'float32'}"
                      for s in subjects)
-    head = (f"{res['shape']} shape, random weights; {res['flash_dtype']} on flash, {res.get('compute_dtype', 'float32')} compute; "
+    head = (f"{res['shape']} shape, random weights; {res['flash_dtype']} on flash, {res.get('compute_dtype', 'float32')} compute"
+            f" on {res.get('device', 'the default device')}; "
             f"reads {'checked (CRC32C)' if res.get('verify', True) else 'unchecked (--no-verify)'}; "
             f"memory budget {res['memory_budget']} of the float32 model "
             f"({res['model_bytes_float32'] / 1e9:.1f} GB; resident attention + embeddings: {held}); "

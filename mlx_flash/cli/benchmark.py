@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import add_device_arg, run, use_device
+from . import run, use_device
 
 DEFAULT_FILE = os.path.join("~", ".cache", "mlx_flash", "storage-bench.bin")
 
@@ -96,7 +96,9 @@ def add_paper_parser(sub):
     s.add_argument("--resident-dtype", default=None, choices=["quantized", "float32"],
                    help="q4 / q8: hold attention and embeddings at their bits (default, as under a "
                         "user's budget) or dequantized at float32")
-    add_device_arg(s)
+    s.add_argument("--device", default=None,
+                   help="cpu | gpu | cpu,gpu: where MLX computes (several: one run each, written to OUT/<device>/, "
+                        "their totals side by side); default MLX's default device")
     s.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check the reads' CRC32C (to measure what the checks cost)")
     s.add_argument("--memory-budget", default="50%",
@@ -122,9 +124,32 @@ def add_paper_parser(sub):
 
 
 def paper_main(args, argv):
+    """One run per --device (cpu,gpu: both, one after the other, each written to OUT/<device>/
+    and their totals side by side)."""
+    devices = [d.strip() for d in (args.device or "").split(",") if d.strip()] or [None]
+    for d in devices:  # every device checked before the first run
+        use_device(d)
+    if len(devices) == 1:
+        _paper_run(args, argv, args.out)
+        return
+    import mlx.core as mx
+
+    totals = {}
+    for d in devices:
+        use_device(d)
+        print(f"--- device {d} ({mx.default_device()})")
+        res = _paper_run(args, argv, str(Path(args.out) / d), json_suffix=f"-{d}")
+        totals[d] = {r["config"]: r["total_ms"] for r in res["rows"]}
+    configs = list(dict.fromkeys(c for t in totals.values() for c in t))
+    print("\n| row | " + " | ".join(f"{d} ms/token" for d in devices) + " |")
+    print("| --- |" + " --- |" * len(devices))
+    for c in configs:
+        print(f"| {c} | " + " | ".join(f"{totals[d][c]:.0f}" if c in totals[d] else "—" for d in devices) + " |")
+
+
+def _paper_run(args, argv, out, json_suffix=""):
     from ..bench import paper
 
-    use_device(args.device)
     res = paper.run(shape=args.shape, dtype=args.dtype, memory_budget=args.memory_budget,
                     tokens=args.tokens, warmup=args.warmup, rounds=args.rounds, configs=args.configs,
                     windows=args.windows, window_tokens=args.window_tokens,
@@ -132,10 +157,22 @@ def paper_main(args, argv):
                     predictor_rank=args.predictor_rank, active=args.active, new=args.new, k=args.k,
                     progress=not args.quiet, verify=args.verify, resident_dtype=args.resident_dtype)
     res["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
-    md, written = paper.write_outputs(res, args.out, args.json)
+    res["device"] = str(mx_device())
+    json_path = args.json
+    if json_path and json_suffix:
+        p = Path(json_path)
+        json_path = str(p.with_name(p.stem + json_suffix + p.suffix))
+    md, written = paper.write_outputs(res, out, json_path)
     print()
     print(md)
-    print("wrote " + ", ".join(str(w) for w in written + ([args.json] if args.json else [])))
+    print("wrote " + ", ".join(str(w) for w in written + ([json_path] if json_path else [])))
+    return res
+
+
+def mx_device():
+    import mlx.core as mx
+
+    return mx.default_device()
 
 
 def main(argv=None):

@@ -86,6 +86,8 @@ def main(argv=None):
         if args.seed is not None:
             mx.random.seed(args.seed)
         model, tokenizer = load_for_cli(args)
+        if (args.stats or args.stats_json) and model.runtime.store is not None:
+            model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)
         prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
         prompt = build_prompt(tokenizer, prompt_text, args.system_prompt, args.ignore_chat_template)
         times, last, resp = [], time.perf_counter(), None

@@ -291,7 +291,7 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
-    staged = _staged(config, held)
+    staged = _staged(config, held, dtype)
     packed = not staged and packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held,
                                             cpu_kernels() is not None)
     if packed:  # a neuron costs its bundle's bytes, not its float32 values
@@ -312,12 +312,15 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
     return plan, store
 
 
-def _staged(config, held):
+def _staged(config, held, dtype):
     """Staged caches (config.staged_caches), with what they cannot do refused."""
     staged = staged_caches(config, mx.default_device() == mx.cpu)
     if staged and (held or config.ffn_rows == "quantized"):
         raise FlashError("staged cache writes hold the rows at the compute dtype: not with float16-held "
                          "rows (--resident-dtype float16) or --ffn-rows quantized")
+    if staged and dtype == mx.bfloat16:  # the staging rows are NumPy's, which has no bfloat16
+        raise FlashError("staged caches of bfloat16 rows are not supported yet: compute at float16 or float32 "
+                         "(--dtype)")
     return staged
 
 
@@ -330,7 +333,7 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
     thresholds = getattr(source, "thresholds", None)
     if thresholds is not None:  # a token may need any share of a layer: the scratch holds all of one
         k_in, k_out = inp.n_neurons, down.n_neurons
-    staged = _staged(config, False)
+    staged = _staged(config, False, dtype)
     packed = not staged and packed_ffn_rows(config, inp.quant is not None and down.quant is not None,
                                             dtype == mx.float32, False, cpu_kernels() is not None, dip=True)
 

@@ -215,12 +215,12 @@ def _decode_logits(model, tok, n=4):
     return mx.concatenate(outs)
 
 
-@pytest.mark.parametrize("options", [dict(mode="naive"), dict(mode="hybrid", prefetch=False),
+@pytest.mark.parametrize("options", [dict(mode="dense"), dict(mode="naive"), dict(mode="hybrid", prefetch=False),
                                      dict(mode="flash", sparsity="oracle", density=0.5, ffn_rows="quantized"),
                                      dict(mode="flash", sparsity="oracle", density=0.5, overlap=True,
                                           ffn_rows="quantized")])
 def test_packed_rows_equal_dequantized_rows(smollm2, options):
-    """A quantized model's FFN rows held at their bits (the CPU's default for naive / hybrid:
+    """A quantized model's FFN rows held at their bits (the CPU's default for dense / naive / hybrid:
     packed caches, computed by qmv_rows / qaxpy_cols) give the logits of the rows dequantized
     on read, prompt and decode, at 1/7 of the DRAM."""
     packed, tok = mlx_flash.load(smollm2, **options)

@@ -160,6 +160,13 @@ class BundleLayout:
         inline scales) into views[kind], float32 containers of kind_bytes / 4 values a row."""
         return [(self.kind_offset(k), self.kind_bytes(k) // 4, "float32", views[k]) for k in kinds or self.kinds]
 
+    def raw_parts(self, raw):
+        """Bytes of consecutive bundles -> {kind: float32 container [n, kind_bytes / 4]} of each
+        kind's part as it is (a quantized layout's packed values and inline scales): the rows a
+        packed cache holds."""
+        raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.stride)
+        return {k: np.ascontiguousarray(raw[:, o : o + n]).view(np.float32) for k, (o, n) in zip(self.kinds, self.parts())}
+
     def split(self, raw, tables=None, first=0):
         """Bytes of consecutive bundles (the first one bundle `first`) -> {kind: float32 array
         [n, d_model]}; tables: {kind: (scales, biases)} of the layer, for column kinds."""

@@ -161,9 +161,13 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     tables = read_tables(folder, manifest, lay, config.verify)
     if config.mode == "dense":
         resident = _with_extra(resident, tables)
+        packed = packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held_ffn,
+                                 cpu_kernels() is not None)
+        if packed:  # a neuron costs its bundle's bytes, not its float32 values
+            neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds)
         plan = make_plan("dense", budget, resident.held_bytes, 0, neuron_bytes, n_layers, lay.n_neurons,
                          held_neuron_bytes=neuron_bytes // 2 if held_ffn else 0)
-        store = _dense_store(folder, manifest, dtype, config.verify, progress, held_ffn, tables)
+        store = _dense_store(folder, manifest, dtype, config.verify, progress, held_ffn, tables, packed)
     else:
         if config.verify:
             for e in manifest.ffn_files:
@@ -249,13 +253,14 @@ def _with_extra(resident, *arrays):
                            resident.parameter_bytes - base + extra, resident.quantized, extra)
 
 
-def _dense_store(folder, manifest, dtype, verify, progress, held, tables):
+def _dense_store(folder, manifest, dtype, verify, progress, held, tables, packed):
     from tqdm import tqdm
 
     from .stores.dense import DenseStore
 
     bar = tqdm(total=len(manifest.ffn_files), desc="load ffn", disable=not progress, leave=False)
-    store = DenseStore(folder, manifest, dtype, verify=verify, progress=bar, held=held, tables=tables)
+    store = DenseStore(folder, manifest, dtype, verify=verify, progress=bar, held=held, tables=tables,
+                       packed=packed)
     bar.close()
     return store
 

@@ -54,7 +54,7 @@ class FlashConfig:
     ffn_rows: str | None = _opt(
         None, "a quantized model's FFN rows in DRAM (caches, streaming buffers): 'quantized' keeps "
         "them at their bits as read (1/7 of float32's DRAM, computed on by the native kernels on the "
-        "CPU), float32 dequantizes them as they are read; default: quantized for naive / hybrid and the "
+        "CPU), float32 dequantizes them as they are read; default: quantized for dense / naive / hybrid and the "
         "DIP store (dip, calibrated) where the kernels run (the CPU, float32 compute, no --resident-dtype float16), else float32 (flash "
         "mode's few active rows fall in many groups of the down scales: at its bits its compute was "
         "measured 741-985 vs 733-796 ms per OPT-6.7B token, benchmark paper)",
@@ -153,7 +153,7 @@ def packed_ffn_rows(config, quantized_layout, float32_compute, held, kernels, di
         raise FlashError("--ffn-rows quantized needs a quantized model, float32 compute and the native "
                          "kernels on the CPU" + ("" if kernels else " (not built, or not on the CPU)"))
     if config.ffn_rows is None:
-        return possible and (dip or config.mode in ("naive", "hybrid"))
+        return possible and (dip or config.mode in ("dense", "naive", "hybrid"))
     return possible and config.ffn_rows == "quantized"
 
 

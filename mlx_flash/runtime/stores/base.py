@@ -38,9 +38,8 @@ def cpu_kernels():
     return kernels_module()[0]
 
 
-def read_layer_file(folder, entry, layout, verify=True, tables=None):
-    """One layer's FFN file, read whole -> {kind: float32 numpy [n_neurons, d_model]}
-    (tables: the layer's scale tables, for a quantized layout's column kinds)."""
+def read_layer_bytes(folder, entry, verify=True):
+    """One layer's FFN file, read whole (its sha256 checked unless verify=False) -> bytearray."""
     check_file(folder, entry, checksum=False)
     path = folder / entry["file"]
     buf = bytearray(entry["size"])
@@ -50,7 +49,13 @@ def read_layer_file(folder, entry, layout, verify=True, tables=None):
         raise FlashError(f"{path}: short read ({got} of {len(buf)} bytes)")
     if verify and hashlib.sha256(buf).hexdigest() != entry["sha256"]:
         raise FlashError(f"{path}: sha256 differs from the manifest (file changed since conversion)")
-    return layout.split(buf, tables)
+    return buf
+
+
+def read_layer_file(folder, entry, layout, verify=True, tables=None):
+    """One layer's FFN file, read whole -> {kind: float32 numpy [n_neurons, d_model]}
+    (tables: the layer's scale tables, for a quantized layout's column kinds)."""
+    return layout.split(read_layer_bytes(folder, entry, verify), tables)
 
 
 def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None, crc=None, where="",

@@ -5,43 +5,68 @@ import numpy as np
 
 import mlx.core as mx
 
-from ...models.ffn import FFNRows
-from .base import Store, read_layer_file
+from ...errors import FlashError
+from ...models.ffn import FFNRows, PackedRows
+from .base import Store, cpu_kernels, read_layer_bytes
 
 
 class DenseStore(Store):
     """Every FFN row of every layer in DRAM, as contiguous [n, d] matrices per kind.
 
     held=True: every row at float16 (as on flash), one layer at a time converted to float32
-    through an arena just before use (models/half.py): exact, half the DRAM."""
+    through an arena just before use (models/half.py): exact, half the DRAM.
+    packed=True: a quantized layout's rows at their bits, as on flash (packed values, inline
+    scales; the down columns' scales in `tables`), computed on in place by the native CPU
+    kernels (models/ffn.py FlashFFN._packed): a 4-bit model's FFN takes ~1/7 of its float32
+    DRAM."""
 
-    def __init__(self, folder, manifest, dtype, verify=True, progress=None, held=False, tables=None):
+    def __init__(self, folder, manifest, dtype, verify=True, progress=None, held=False, tables=None,
+                 packed=False):
         self.layers = []
         self.arena = None
-        layout = manifest.layout
+        self.layout = layout = manifest.layout
+        self.tables = tables
+        self.kernels = cpu_kernels() if packed else None
+        self.packed = {k: layout.kind_bytes(k) for k in layout.kinds} if packed else None
+        if packed and (layout.quant is None or "down" not in layout.columns or self.kernels is None or held):
+            raise FlashError("packed FFN rows need a quantized layout (down stored as columns), float32 "
+                             "compute and the native kernels on the CPU")
         if held:
             from ...models.half import Arena
 
             self.arena = Arena(layout.n_neurons * layout.d_model * len(layout.kinds))
         for layer, entry in enumerate(manifest.ffn_files):
-            rows = read_layer_file(folder, entry, layout, verify, tables[layer] if tables else None)
-            if held:  # numpy float16 rows: what the arena converts from
-                self.layers.append({k: v.astype(np.float16) for k, v in rows.items()})
+            raw = read_layer_bytes(folder, entry, verify)
+            if packed:  # each kind's bundle part as it is: [n, kind_bytes / 4] float32 containers
+                self.layers.append(layout.raw_parts(raw))
             else:
-                arrays = {k: mx.array(v).astype(dtype) for k, v in rows.items()}
-                mx.eval(list(arrays.values()))
-                self.layers.append(FFNRows(**arrays))
+                rows = layout.split(raw, tables[layer] if tables else None)
+                if held:  # numpy float16 rows: what the arena converts from
+                    self.layers.append({k: v.astype(np.float16) for k, v in rows.items()})
+                else:
+                    arrays = {k: mx.array(v).astype(dtype) for k, v in rows.items()}
+                    mx.eval(list(arrays.values()))
+                    self.layers.append(FFNRows(**arrays))
             if progress is not None:
                 progress.update(1)
-        self._bytes = (sum(a.nbytes for r in self.layers for a in r.values()) + self.arena.nbytes
-                       if held else sum(a.nbytes for r in self.layers
-                                        for a in (r.up, r.down, r.gate) if a is not None))
+        if packed or held:
+            self._bytes = sum(a.nbytes for r in self.layers for a in r.values())
+            self._bytes += self.arena.nbytes if held else 0
+        else:
+            self._bytes = sum(a.nbytes for r in self.layers for a in (r.up, r.down, r.gate) if a is not None)
+        n = layout.n_neurons
+        self._all = np.arange(n, dtype=np.int64)
+        self._all_mx = mx.array(self._all)
 
     @property
     def weights_bytes(self):
         return self._bytes
 
     def rows(self, layer, x):
+        if self.packed is not None:
+            return FFNRows(up=None, down=None, ids=self._all_mx,
+                           packed=PackedRows(self.layers[layer], self._all, self._all, self.layout,
+                                             self.tables[layer], self.kernels))
         if self.arena is None:
             return self.layers[layer]
         mx.eval(x)  # every earlier reader of the arena is an ancestor of x

@@ -5,7 +5,9 @@ resident weights, build the runtime from the config (runtime/build.py).
 """
 
 import json
+import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,10 +18,10 @@ from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
+from .runtime.memory import MLX_CACHE_LIMIT, model_shape, plan_memory
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
 
-BUDGET_CACHE_LIMIT = 32 << 20  # MLX buffer cache under --memory-budget (bytes)
 
 
 def default_home():
@@ -58,8 +60,9 @@ def load(path_or_repo, progress=False, config=None, **options):
     config = config or make_config(options)
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)
-    model, tokenizer, resident = _build_model(folder, manifest, config)
+    model, tokenizer, resident, config, memory = _build_model(folder, manifest, config)
     build_runtime(model, folder, manifest, config, resident, progress=progress)
+    model.runtime.memory = memory
     model.eval()
     return model, tokenizer
 
@@ -85,6 +88,12 @@ def _build_model(folder, manifest, config: FlashConfig):
     release_heap()
     model = family.Model(args)
     quantize_resident(model, model_config.get("quantization"), folder)
+    memory = None
+    if config.memory_limit is not None:  # what the process holds besides weights, off the limit
+        shape = model_shape(model, manifest.layout.d_model, manifest.layout.n_neurons)
+        memory = plan_memory(config.memory_limit, shape, DTYPES[dtype].size, config.ctx_size)
+        logging.getLogger("mlx_flash").warning("%s", memory.describe())
+        config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     check_file(folder, manifest.resident, checksum=config.verify)
     check_resident_fits(folder, manifest, config)
     try:
@@ -140,10 +149,10 @@ def _build_model(folder, manifest, config: FlashConfig):
     # a memory limit leaves for activations, the KV cache and this cache).
     mx.clear_cache()
     if config.memory_budget is not None:
-        mx.set_cache_limit(BUDGET_CACHE_LIMIT)
+        mx.set_cache_limit(MLX_CACHE_LIMIT)
     parameters = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return model, tokenizer, ResidentWeights(sum(v.nbytes for v in weights.values()), compute_bytes, parameters,
-                                             quantized)
+    resident = ResidentWeights(sum(v.nbytes for v in weights.values()), compute_bytes, parameters, quantized)
+    return model, tokenizer, resident, config, memory
 
 
 def quantize_resident(model, quantization, folder):

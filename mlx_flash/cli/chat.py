@@ -24,6 +24,7 @@ def main(argv=None):
         from mlx_lm.models.cache import make_prompt_cache
 
         from .. import stream_generate
+        from ..generate import context_used
 
         if args.seed is not None:
             mx.random.seed(args.seed)
@@ -53,6 +54,12 @@ def main(argv=None):
                 messages.append({"role": "system", "content": args.system_prompt})
             messages.append({"role": "user", "content": query})
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            memory = model.runtime.memory
+            if memory is not None and context_used(cache) + len(prompt) + args.max_tokens > memory.context:
+                # the KV cache the --memory-limit plan holds is full: start the conversation again
+                print(f"[mlx_flash] the conversation reached the {memory.context} tokens of context the "
+                      "memory limit plans for (--ctx-size): starting a new one", file=sys.stderr)
+                cache = make_prompt_cache(model)
             first = False
             for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                         prompt_cache=cache, **sampling_kwargs(args)):

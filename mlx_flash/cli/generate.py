@@ -33,7 +33,9 @@ def sampling_kwargs(args):
     return kw
 
 
-def load_for_cli(args):
+def load_for_cli(args, ctx_size=None):
+    """ctx_size: the context a --memory-limit plan holds a KV cache for, when the user gave
+    no --ctx-size (generate: what its prompt and --max-tokens can take)."""
     from .. import load
     from ..blas import blas_info
     from ..runtime import from_cli
@@ -41,7 +43,10 @@ def load_for_cli(args):
     model_name = check_model_arg(args.model or default_model())
     use_device(args.device)
     t0 = time.perf_counter()
-    model, tokenizer = load(model_name, progress=True, config=from_cli(args))
+    overrides = {}
+    if ctx_size is not None and args.memory_limit is not None and args.ctx_size is None:
+        overrides["ctx_size"] = ctx_size
+    model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides))
     dt = time.perf_counter() - t0
     rt = model.runtime
     m = rt.manifest
@@ -85,10 +90,14 @@ def main(argv=None):
 
         if args.seed is not None:
             mx.random.seed(args.seed)
-        model, tokenizer = load_for_cli(args)
+        prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        # under --memory-limit, a KV cache for this prompt (a token is at least a byte of its
+        # text, a chat template adds a few) and --max-tokens, in steps of 256
+        ctx = -(-(len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128
+                  + args.max_tokens) // 256) * 256
+        model, tokenizer = load_for_cli(args, ctx_size=ctx)
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)
-        prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
         prompt = build_prompt(tokenizer, prompt_text, args.system_prompt, args.ignore_chat_template)
         times, last, resp = [], time.perf_counter(), None
         for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
@@ -115,6 +124,13 @@ def main(argv=None):
         report = model.runtime.stats()
         if args.stats:
             s = report["summary"]
+            if "memory_limit" in s:
+                m = s["memory_limit"]
+                print(f"Memory limit {m['limit_bytes'] / 1e6:.0f} MB: weights {m['weights_bytes'] / 1e6:.0f}, "
+                      f"runtime {m['runtime_bytes'] / 1e6:.0f}, KV {m['kv_bytes'] / 1e6:.0f} ({m['ctx_size']} "
+                      f"tokens), activations {m['activation_bytes'] / 1e6:.0f}, MLX cache "
+                      f"{m['mlx_cache_bytes'] / 1e6:.0f}, margin {m['margin_bytes'] / 1e6:.0f} MB; peak RSS "
+                      f"{s['peak_rss_bytes'] / 1e6:.0f} MB")
             print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "
                   f"all weights in DRAM {s['weights_in_dram_bytes'] / 1e6:.1f} MB, "
                   + (f"budget {s['memory_budget_bytes'] / 1e6:.0f} MB" if s["memory_budget_bytes"] else "no budget"))

@@ -57,6 +57,7 @@ class Runtime:
     sparsity: str | None = None
     density: float | None = None
     ffns: list = field(default_factory=list, repr=False)  # the FlashFFNs the store is attached to
+    memory: object = None  # memory.MemoryPlan under --memory-limit (set by load())
 
     @property
     def mode(self):
@@ -76,6 +77,12 @@ class Runtime:
                    "ffn_dram_bytes": store.weights_bytes,
                    "weights_in_dram_bytes": self.resident.parameter_bytes + source + store.weights_bytes,
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if self.memory is not None:
+            m = self.memory
+            summary["memory_limit"] = {"limit_bytes": m.limit, "weights_bytes": m.weights,
+                                       "runtime_bytes": m.baseline, "kv_bytes": m.kv, "ctx_size": m.context,
+                                       "activation_bytes": m.activations, "prefill_step": m.prefill_step,
+                                       "mlx_cache_bytes": m.mlx_cache, "margin_bytes": m.margin}
         rows = []
         if store.stats is not None:
             store.stats.end()
@@ -205,7 +212,9 @@ def rebuild_runtime(model, config, source=None):
     (the paper benchmark runs many configurations on one loaded model)."""
     old = model.runtime
     old.close()
-    return build_runtime(model, old.folder, old.manifest, config, old.resident, source=source)
+    runtime = build_runtime(model, old.folder, old.manifest, config, old.resident, source=source)
+    runtime.memory = old.memory if config.memory_budget == old.config.memory_budget else None
+    return runtime
 
 
 def _checksums(folder, manifest, config, part):

@@ -42,7 +42,14 @@ class FlashConfig:
     eviction: str = _opt("lfu", "DIP caches' eviction policy", "--eviction", ("lru", "lfu"))
     density: float = _opt(1.0, "kept fraction of neurons (top-k sources); of the FFN's weights per token, on "
                             "average (dip, calibrated)", "--density")
-    memory_budget: str | None = _opt(None, "weights in DRAM: '50%%' of the model or '4GB'", "--memory-budget")
+    memory_budget: str | None = _opt(None, "weights in DRAM: '50%%' of the model or '4GB' (the paper's "
+                                     "weights-only budget; --memory-limit counts the whole process)",
+                                     "--memory-budget")
+    memory_limit: str | None = _opt(None, "the whole process's memory: '8GB' or '50%%' of this machine's RAM; "
+                                    "the runtime, KV cache, activations and MLX's cache are measured or "
+                                    "computed and the weights get the rest (runtime/memory.py)", "--memory-limit")
+    ctx_size: int | None = _opt(None, "with --memory-limit: the tokens of context (prompt + generated) the "
+                                "KV cache is planned for (default 2048; llama.cpp's name)", "--ctx-size")
     window: int | None = _opt(4, "tokens whose neurons stay cached (flash)", "--window")
     threads: int = _opt(READ_THREADS, "reader threads", "--threads")
     resident_dtype: str | None = _opt(
@@ -93,6 +100,12 @@ class FlashConfig:
             bad(f"--window must be 0 or more, got {self.window}")
         if not 1 <= self.threads <= 1024:
             bad(f"--threads must be in 1..1024, got {self.threads}")
+        if self.memory_limit is not None and self.memory_budget is not None:
+            bad("--memory-limit (the whole process) and --memory-budget (weights only) contradict each "
+                "other: give one")
+        if self.ctx_size is not None and self.memory_limit is None:
+            bad("--ctx-size sizes the KV cache that --memory-limit plans for; without --memory-limit it "
+                "changes nothing")
         if self.cache_writes not in (None, "host", "staged"):
             bad(f"unknown cache writes '{self.cache_writes}' (choose from host, staged)")
         if self.cache_writes is not None and self.mode == "dense":

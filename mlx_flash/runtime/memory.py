@@ -1,0 +1,182 @@
+"""--memory-limit: the whole process's memory -> the weights budget the planner fills.
+
+A user knows one number, how much memory the model may take. The planner's budget
+(budget.py) counts weights only; everything else a process holds is measured or
+computed here and taken off the limit first:
+
+  baseline     the process's resident set when the weights are about to load
+               (interpreter, imports, MLX, the tokenizer): measured, not guessed
+  KV cache     every layer's keys and values for `context` tokens at the compute
+               dtype, plus one growth step of mlx_lm's cache (it grows by
+               concatenation, so old and new live together for a moment)
+  activations  the largest prompt chunk's temporaries (FFN hidden states, the
+               attention scores, the chunk's logits); the prompt is fed in chunks
+               of `prefill_step` tokens, chosen here so that this stays small
+  MLX cache    the buffer cache MLX keeps for reuse, capped under a limit
+  margin       allocator slack, streaming temporaries, threads' stacks
+
+weights budget = limit - all of the above. A limit that leaves nothing for the
+weights is a clear error naming each part. The prompt plus the tokens to generate
+must fit `context` (generate / stream_generate check it before they start).
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import FlashError
+from ..sizes import parse_share
+
+MLX_CACHE_LIMIT = 32 << 20  # MLX's buffer cache under a limit or a budget (bytes)
+MARGIN_FIXED = 24 << 20  # allocator slack, reader / kernel temporaries, thread stacks
+MARGIN_SHARE = 0.04  # ... and this share of the limit
+KV_STEP = 256  # mlx_lm's KVCache grows by this many positions
+DEFAULT_CONTEXT = 2048
+PREFILL_STEPS = (512, 256, 128, 64, 32)  # the prompt chunk: the largest whose temporaries fit
+
+
+def physical_memory():
+    """The machine's RAM in bytes (Linux and macOS)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        raise FlashError("cannot read this machine's RAM size: give --memory-limit in bytes (e.g. 8GB)")
+
+
+def cgroup_limit():
+    """The memory limit of this process's cgroup (Linux, v1 or v2), or None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            f = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max"
+        elif "memory" in controllers.split(","):
+            f = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):
+            return int(text)
+    return None
+
+
+def process_rss():
+    """This process's resident set now, in bytes (macOS: its peak, which is not less)."""
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def parse_limit(text):
+    """'8GB' / '512MiB' / bytes, or '50%' of the machine's RAM -> bytes."""
+    kind, v = parse_share(text, "--memory-limit")
+    return int(physical_memory() * v) if kind == "fraction" else int(v)
+
+
+@dataclass
+class Shape:
+    """What the non-weight memory depends on (from the built model)."""
+
+    n_layers: int
+    d_model: int
+    n_ff: int
+    n_heads: int
+    kv_per_token: int  # keys + values of every layer for one position, in values
+    vocab: int
+
+
+def model_shape(model, d_model, n_ff):
+    """Shape of an mlx_flash model (its layers' key / value projections give the KV width)."""
+    attn = [getattr(layer, "self_attn", None) for layer in model.layers]
+    if any(a is None or not hasattr(a, "k_proj") for a in attn):
+        raise FlashError(f"{type(model).__name__}: cannot size its KV cache for --memory-limit")
+    kv = sum(a.k_proj.weight.shape[0] + a.v_proj.weight.shape[0] for a in attn)
+    heads = getattr(attn[0], "n_heads", None) or getattr(attn[0], "num_heads", None) or 1
+    return Shape(len(attn), d_model, n_ff, heads, kv, _vocab(model))
+
+
+def _vocab(model):
+    for path in ("lm_head", "model.embed_tokens", "model.decoder.embed_tokens", "embed_tokens"):
+        m = model
+        for part in path.split("."):
+            m = getattr(m, part, None)
+            if m is None:
+                break
+        if m is not None and hasattr(m, "weight"):
+            return m.weight.shape[0]
+    raise FlashError(f"{type(model).__name__}: cannot find its vocabulary size for --memory-limit")
+
+
+@dataclass
+class MemoryPlan:
+    limit: int
+    baseline: int
+    kv: int
+    activations: int
+    mlx_cache: int
+    margin: int
+    context: int
+    prefill_step: int
+    source: str  # where the limit came from, for the log line
+
+    @property
+    def other(self):
+        return self.baseline + self.kv + self.activations + self.mlx_cache + self.margin
+
+    @property
+    def weights(self):
+        return self.limit - self.other
+
+    def describe(self):
+        mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
+        return (f"memory limit {mb(self.limit)} ({self.source}): weights {mb(self.weights)}; besides them "
+                f"runtime {mb(self.baseline)} (measured), KV cache {mb(self.kv)} ({self.context} tokens), "
+                f"activations {mb(self.activations)} (prompt chunks of {self.prefill_step}), MLX cache "
+                f"{mb(self.mlx_cache)}, margin {mb(self.margin)}")
+
+
+def activation_bytes(shape, chunk, context, itemsize):
+    """Temporaries of one prompt chunk: the FFN's hidden states (3 live at once), a few
+    d_model-wide tensors, every head's attention scores over the context, the logits."""
+    per = 3 * shape.n_ff + 8 * shape.d_model + 2 * shape.n_heads * context + shape.vocab
+    return chunk * per * itemsize
+
+
+def plan_memory(text, shape, itemsize, context=None, baseline=None):
+    """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget)."""
+    limit = parse_limit(text)
+    source = "of this machine's RAM" if parse_share(text, "--memory-limit")[0] == "fraction" else "given"
+    cg = cgroup_limit()
+    if cg is not None and cg < limit:
+        print(f"[mlx_flash] --memory-limit {limit / 1e6:.0f} MB is above this process's cgroup limit "
+              f"({cg / 1e6:.0f} MB): planning for the cgroup's", file=sys.stderr)
+        limit, source = cg, "the cgroup's limit"
+    context = DEFAULT_CONTEXT if context is None else context
+    if context < 1:
+        raise FlashError(f"--ctx-size must be at least 1 token, got {context}")
+    baseline = process_rss() if baseline is None else baseline
+    kv = (context + KV_STEP) * shape.kv_per_token * itemsize
+    margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
+    room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
+    step = PREFILL_STEPS[-1]
+    for s in PREFILL_STEPS:  # the largest chunk whose temporaries take at most a quarter of what is left
+        if activation_bytes(shape, s, context, itemsize) <= max(room, 0) // 4:
+            step = s
+            break
+    plan = MemoryPlan(limit, baseline, kv, activation_bytes(shape, step, context, itemsize),
+                      MLX_CACHE_LIMIT, margin, context, step, source)
+    if plan.weights <= 0:
+        raise FlashError(plan.describe().replace("weights", "nothing left for the weights", 1)
+                         + ": raise --memory-limit" + (" or lower --ctx-size" if kv > plan.limit // 4 else ""))
+    return plan

@@ -1,0 +1,112 @@
+"""--memory-limit: the whole process under one number (runtime/memory.py): the plan's parts,
+its errors, the context check of generate, and real runs under a memory cgroup of that size."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+import mlx_flash
+from mlx_flash.errors import FlashError
+from mlx_flash.runtime import memory
+from mlx_flash.runtime.memory import Shape, plan_memory
+
+MB = 10**6
+SHAPE = Shape(n_layers=30, d_model=576, n_ff=1536, n_heads=9, kv_per_token=30 * 384, vocab=49152)
+
+
+def test_plan_takes_every_part_off_the_limit(monkeypatch):
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
+    p = plan_memory("400MB", SHAPE, 4, context=1024, baseline=100 * MB)
+    assert p.limit == 400 * MB and p.baseline == 100 * MB and p.context == 1024
+    assert p.kv == (1024 + memory.KV_STEP) * SHAPE.kv_per_token * 4
+    assert p.weights == p.limit - p.baseline - p.kv - p.activations - p.mlx_cache - p.margin > 0
+    # the prompt chunk: the largest whose temporaries take at most a quarter of what is left
+    room = p.limit - p.baseline - p.kv - p.mlx_cache - p.margin
+    assert p.activations <= room // 4
+    bigger = [s for s in memory.PREFILL_STEPS if s > p.prefill_step]
+    assert all(memory.activation_bytes(SHAPE, s, 1024, 4) > room // 4 for s in bigger)
+    # a longer context: a larger KV cache, fewer weights
+    assert plan_memory("400MB", SHAPE, 4, context=2048, baseline=100 * MB).weights < p.weights
+    assert "KV cache" in p.describe() and "1024 tokens" in p.describe()
+
+
+def test_plan_errors_name_the_parts(monkeypatch):
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
+    with pytest.raises(FlashError, match="nothing left for the weights.*runtime 150 MB.*raise --memory-limit"):
+        plan_memory("200MB", SHAPE, 4, context=256, baseline=150 * MB)
+    with pytest.raises(FlashError, match="lower --ctx-size"):
+        plan_memory("300MB", SHAPE, 4, context=100_000, baseline=50 * MB)
+    with pytest.raises(FlashError, match="--memory-limit"):
+        plan_memory("lots", SHAPE, 4)
+    with pytest.raises(FlashError, match="--ctx-size must be at least 1"):
+        plan_memory("1GB", SHAPE, 4, context=0)
+
+
+def test_a_share_is_of_the_machine_and_a_cgroup_caps_it(monkeypatch, capsys):
+    monkeypatch.setattr(memory, "physical_memory", lambda: 8000 * MB)
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
+    assert plan_memory("25%", SHAPE, 4, baseline=100 * MB).limit == 2000 * MB
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: 1000 * MB)
+    p = plan_memory("25%", SHAPE, 4, baseline=100 * MB)
+    assert p.limit == 1000 * MB and "cgroup" in capsys.readouterr().err
+
+
+def test_contradicting_options_are_refused(smollm2):
+    with pytest.raises(FlashError, match="contradict each other"):
+        mlx_flash.load(smollm2, memory_limit="1GB", memory_budget="50%")
+    with pytest.raises(FlashError, match="without --memory-limit it changes nothing"):
+        mlx_flash.load(smollm2, ctx_size=512)
+
+
+def test_load_plans_the_budget_and_generate_checks_the_context(smollm2):
+    model, tok = mlx_flash.load(smollm2, mode="hybrid", memory_limit="400MB", ctx_size=64)
+    rt = model.runtime
+    m = rt.memory
+    assert m is not None and m.context == 64 and rt.budget_bytes == m.weights
+    assert rt.plan.weights_bytes <= m.weights
+    s = rt.stats()["summary"]["memory_limit"]
+    assert s["limit_bytes"] == 400 * MB and s["weights_bytes"] == m.weights
+    assert mlx_flash.generate(model, tok, "Hello", max_tokens=4)  # fits: runs
+    with pytest.raises(FlashError, match="exceed the 64 tokens of context"):
+        mlx_flash.generate(model, tok, "word " * 80, max_tokens=4)
+    rt.close()
+
+
+def _cgroup_runner():
+    from mlx_flash.bench import peers
+
+    version, why = peers.cgroup_support()
+    if version is None:
+        pytest.skip(f"memory cgroups not usable here: {why}")
+    return peers.MemoryCgroupRunner(name=f"mlx_flash_limit_{__import__('os').getpid()}")
+
+
+@pytest.mark.parametrize("mode, limit_mb", [("dense", 380), ("hybrid", 300), ("naive", 300), ("flash", 300)])
+def test_generate_under_a_cgroup_of_the_limit(smollm2, tmp_path, mode, limit_mb):
+    """The process, started inside a memory cgroup of exactly --memory-limit (its imports
+    counted from the first byte), finishes without being OOM-killed, and its peak RSS (which
+    also counts the shared libraries other processes loaded first) stays under the limit."""
+    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--mode", mode,
+           "--memory-limit", f"{limit_mb}MB", "--prompt", "Tell me about the sea.", "--max-tokens", "16",
+           "--stats"]
+    if mode == "flash":
+        cmd += ["--sparsity", "dip-ca", "--density", "0.5"]
+    log = tmp_path / "out.txt"
+    with _cgroup_runner() as runner, open(log, "w") as out:
+        r = runner.run(cmd, limit_bytes=limit_mb * MB, timeout=600, stdout=out, stderr=subprocess.STDOUT)
+    text = log.read_text()
+    assert not r.oom_killed and r.returncode == 0, (r, text[-2000:])
+    assert r.peak_bytes <= limit_mb * MB
+    peak = re.search(r"peak RSS (\d+) MB", text)
+    assert peak and int(peak.group(1)) <= limit_mb, text[-2000:]
+
+
+def test_a_limit_too_small_is_a_clear_error_not_a_kill(smollm2):
+    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--mode", "hybrid",
+           "--memory-limit", "150MB", "--prompt", "Hi", "--max-tokens", "4"]
+    with _cgroup_runner() as runner:
+        r = runner.run(cmd, limit_bytes=150 * MB, timeout=600, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+    assert not r.oom_killed and r.returncode == 2, r

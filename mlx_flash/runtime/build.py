@@ -66,7 +66,7 @@ class Runtime:
     def stats(self):
         """{"tokens": per-pass rows, "summary": ...}: the paper's Table 3 columns, the budget,
         the weights in DRAM, the peak RSS. What --stats, eval and the benchmarks show."""
-        import resource
+        from .memory import peak_rss
 
         store = self.store
         source = getattr(self.source, "resident_bytes", 0) or 0
@@ -76,7 +76,7 @@ class Runtime:
                    "plan_weights_bytes": self.plan.weights_bytes,
                    "ffn_dram_bytes": store.weights_bytes,
                    "weights_in_dram_bytes": self.resident.parameter_bytes + source + store.weights_bytes,
-                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                   "peak_rss_bytes": peak_rss()}
         if self.memory is not None:
             m = self.memory
             summary["memory_limit"] = {"limit_bytes": m.limit, "weights_bytes": m.weights,

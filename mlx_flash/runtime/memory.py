@@ -72,6 +72,18 @@ def process_rss():
     if sys.platform.startswith("linux"):
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return peak_rss()
+
+
+def peak_rss():
+    """This process's peak resident set, in bytes. On Linux from /proc (VmHWM): getrusage's
+    ru_maxrss keeps the high-water mark of the process image before exec, so a child started
+    from a large parent (a test runner, a server) would report the parent's peak."""
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -158,10 +170,12 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None):
     limit = parse_limit(text)
     source = "of this machine's RAM" if parse_share(text, "--memory-limit")[0] == "fraction" else "given"
     cg = cgroup_limit()
-    if cg is not None and cg < limit:
+    if cg is not None and cg < limit - (1 << 20):  # (a cgroup's limit is the given one rounded to pages)
         print(f"[mlx_flash] --memory-limit {limit / 1e6:.0f} MB is above this process's cgroup limit "
               f"({cg / 1e6:.0f} MB): planning for the cgroup's", file=sys.stderr)
         limit, source = cg, "the cgroup's limit"
+    elif cg is not None:
+        limit = min(limit, cg)
     context = DEFAULT_CONTEXT if context is None else context
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")

@@ -236,7 +236,7 @@ def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOW
     from ..layout.format import add_manifest_section
     from .calibrate import token_sequences
 
-    model, tok = load(folder, mode="dense", resident_dtype="float32")
+    model, tok = load(folder, mode="dense", resident_dtype="float32", ffn_rows="float32")
     ffns = model.runtime.ffns
     if not ffns[0].gated or "up_bias" in ffns[0]:
         raise FlashError(f"{folder}: calibrated thresholds are for gated (SwiGLU) FFNs without biases")

@@ -126,7 +126,7 @@ def calibrate(folder, data="c4", tokens=4096, seq_len=256, rank=128, max_rank=51
     from ..models.ffn import layer_ffn
 
     folder = Path(folder)
-    model, tok = load(folder, mode="naive")
+    model, tok = load(folder, mode="naive", ffn_rows="float32")  # the recorder computes on float rows
     ffns = [layer_ffn(layer) for layer in model.layers]
     act_name = getattr(model.args, "hidden_act", None) or getattr(model.args, "activation_function", "relu")
     target = "relu" if act_name in SPARSE_ACTS else "topk"

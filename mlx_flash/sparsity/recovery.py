@@ -90,7 +90,7 @@ def train_recovery(folder, density=0.5, rank=32, steps=200, seq_len=256, lr=1e-3
     if not 0 < density < 1:
         raise FlashError(f"--recover-density must be in (0, 1), got {density}")
     alloc = allocation(section, density)
-    model, tok = load(folder, mode="dense", resident_dtype="float32")
+    model, tok = load(folder, mode="dense", resident_dtype="float32", ffn_rows="float32")
     rt = model.runtime
     ffns = rt.ffns
     d_model = ffns[0].d_model

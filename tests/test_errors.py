@@ -145,3 +145,20 @@ def test_budget_too_small_for_a_mode(folders):
     _, _, flash = folders
     fails_cleanly(gen_cmd(flash) + ["--mode", "dense", "--memory-budget", "10%"], "over the budget")
     fails_cleanly(gen_cmd(flash) + ["--mode", "flash", "--memory-budget", "12 parsecs"], "cannot read")
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--sparsity", "dip"], "--sparsity only applies to --mode flash"),
+    (["--mode", "hybrid", "--density", "0.5", "--window", "8"], "--density, --window only apply to --mode flash"),
+    (["--mode", "flash", "--sparsity", "dip", "--gamma", "0.5"], "--gamma re-weights what the cache holds"),
+    (["--mode", "flash", "--sparsity", "oracle", "--eviction", "lru"], "--eviction chooses"),
+    (["--no-prefetch"], "--mode dense reads none"),
+    (["--memory-limit", "1GB", "--memory-budget", "50%"], "contradict each other"),
+    (["--ctx-size", "512"], "without --memory-limit it changes nothing"),
+])
+def test_options_that_would_be_ignored_are_refused(folders, flags, expect):
+    """Issue 13 item 7: a flag that changes nothing in this configuration is a clear error,
+    never silently ignored (before any weight is read)."""
+    _, _, flash = folders
+    fails_cleanly([f"{BIN}/mlx_flash.generate", "--model", str(flash), "--prompt", "hi", "--max-tokens", "2",
+                   *flags], expect)

@@ -76,8 +76,9 @@ def reference(llama16):
                                          ("hybrid", None)])
 def test_held_model_matches_float32(llama16, reference, mode, budget):
     # (2 layers: prefetch's second buffer would cost more than a 75 % budget leaves)
+    no_prefetch = {} if mode == "dense" else {"prefetch": False}  # (dense reads nothing: refused there)
     model, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget, resident_dtype="float16",
-                              prefetch=False)
+                              **no_prefetch)
     assert model.runtime.resident_dtype == "float16"
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, HalfLinear) and attn.q_proj.weight.dtype == mx.float16

@@ -100,6 +100,7 @@ class FlashConfig:
             bad(f"--window must be 0 or more, got {self.window}")
         if not 1 <= self.threads <= 1024:
             bad(f"--threads must be in 1..1024, got {self.threads}")
+        self._check_applies()
         if self.memory_limit is not None and self.memory_budget is not None:
             bad("--memory-limit (the whole process) and --memory-budget (weights only) contradict each "
                 "other: give one")
@@ -115,6 +116,35 @@ class FlashConfig:
         if self.resident_dtype is not None and self.resident_dtype not in RESIDENT_DTYPES:
             bad(f"unsupported resident dtype '{self.resident_dtype}' (choose from "
                 f"{', '.join(RESIDENT_DTYPES)})")
+
+    def _check_applies(self):
+        """Options that would change nothing in this configuration are refused, not ignored
+        (a value equal to the default cannot be told from no value, and changes nothing)."""
+        d = DEFAULTS_BY_NAME
+        if self.mode != "flash":
+            given = [flag for name, flag, ok in (
+                ("sparsity", "--sparsity", self.sparsity == d["sparsity"]),
+                ("density", "--density", self.density == d["density"]),
+                ("window", "--window", self.window in (d["window"], None)),
+                ("gamma", "--gamma", self.gamma == d["gamma"]),
+                ("eviction", "--eviction", self.eviction == d["eviction"])) if not ok]
+            if given:
+                raise FlashError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to --mode "
+                                 f"flash (the mode that reads only the neurons a sparsity source picks); "
+                                 f"--mode {self.mode} would ignore {'it' if len(given) == 1 else 'them'}")
+        elif self.sparsity in _sparsity_names():
+            from ..sparsity import source_class
+
+            cls = source_class(self.sparsity)
+            if self.gamma != d["gamma"] and not getattr(cls, "cache_aware", False):
+                raise FlashError(f"--gamma re-weights what the cache holds: only for the cache-aware sources "
+                                 f"(dip-ca, calibrated-ca), not --sparsity {self.sparsity}")
+            if self.eviction != d["eviction"] and getattr(cls, "store", "flash") != "dip":
+                raise FlashError(f"--eviction chooses what the DIP store's caches drop: only for dip, dip-ca "
+                                 f"and the calibrated sources, not --sparsity {self.sparsity}")
+        if not self.prefetch and self.mode == "dense":
+            raise FlashError("--no-prefetch changes how rows are read during a token: --mode dense reads "
+                             "none (every row is in DRAM)")
 
     @property
     def overlaps(self):
@@ -215,4 +245,5 @@ def make_config(options):
     return FlashConfig(**options)
 
 
+DEFAULTS_BY_NAME = {f.name: f.default for f in fields(FlashConfig)}
 DEFAULTS = FlashConfig()  # every default, for code that needs one outside a config

@@ -78,6 +78,7 @@ def test_parse_limit():
 
 def test_parse_flash_budget():
     assert peers.parse_flash_budget("auto") == ("auto", None)
+    assert peers.parse_flash_budget("limit") == ("limit", None)
     assert peers.parse_flash_budget("full") == ("full", None)
     assert peers.parse_flash_budget("40%") == ("fraction", 0.4)
     assert peers.parse_flash_budget("200MB") == ("bytes", 200 * 10**6)
@@ -201,7 +202,7 @@ def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):
     logs = []
     bench = peers.Peers(tiny_flash, "mlx_flash:naive,mlx_lm@none,llama.cpp-f32",
                         limit="200MB", prompt_tokens=120, tokens=4, rounds=1, cold=False,
-                        llama_python="/nonexistent/python", log=logs.append)
+                        llama_python="/nonexistent/python", flash_budget="auto", log=logs.append)
     res = bench.run()
     rows = {r["system"]: r for r in res["rows"]}
     assert rows["llama.cpp-f32"]["status"] == "skipped"
@@ -230,3 +231,21 @@ def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):
     assert "| mlx_flash:naive |" in md and "baselines" in md
     peers.write_csv(res, tmp_path / "p.csv")
     assert (tmp_path / "p.csv").read_text().count("\n") == 4
+
+
+def test_flash_budget_limit_hands_mlx_flash_the_cgroup_limit(tiny_flash, tmp_path, monkeypatch):
+    """--flash-budget limit (the default): no sizing run; mlx_flash gets the cgroup's limit as its
+    own --memory-limit and plans within it."""
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    logs = []
+    bench = peers.Peers(tiny_flash, "mlx_flash:naive", limit="250MB", prompt_tokens=40, tokens=4, rounds=1,
+                        cold=False, log=logs.append)
+    res = bench.run()
+    row = res["rows"][0]
+    assert row["status"] == "ok", (row, logs)
+    assert not res["info"]["calibration"]
+    if res["info"]["cgroup"] != "none":
+        run = res["runs"][0]
+        # the cgroup's limit: the given one rounded down to pages
+        assert 250 * 10**6 - 65536 < run["extra"]["memory_limit_bytes"] <= 250 * 10**6
+        assert 0 < run["extra"]["memory_budget_bytes"] < 250 * 10**6 - run["extra"]["runtime_bytes"]

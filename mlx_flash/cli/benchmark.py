@@ -232,10 +232,11 @@ def add_peers_parser(sub):
     s.add_argument("--rounds", type=int, default=3, help="rounds, alternating the order (default 3)")
     s.add_argument("--reference", default=None,
                    help="system the speeds are compared to (default mlx_flash:dense@none if given, else the first)")
-    s.add_argument("--flash-budget", default="auto",
-                   help="mlx_flash's memory_budget (weights only) under a limit: auto = the limit minus "
+    s.add_argument("--flash-budget", default="limit",
+                   help="how mlx_flash fits a limit: limit = its own --memory-limit set to the cgroup's limit "
+                        "(it measures and plans what is not weights); or a memory_budget (weights only): auto = the limit minus "
                         "what one unconstrained run of the system needs besides its weights, minus 5%%; "
-                        "full = limit - baseline; or N%% of the float32 model, or a size (default auto)")
+                        "full = limit - baseline; or N%% of the float32 model, or a size (default limit)")
     s.add_argument("--gguf", default=None, help="source GGUF for the llama.cpp systems "
                    "(default: the one the model was converted from)")
     s.add_argument("--llama-python", default=None,

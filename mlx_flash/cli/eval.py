@@ -207,11 +207,17 @@ def main(argv=None):
         if args.context < 1:
             raise FlashError(f"--context must be at least 1, not {args.context}")
         loaded = load_task(args.task, args.split, args.data_dir)  # data errors before the model loads
-        model, tokenizer = load_for_cli(args)
+        model, tokenizer = load_for_cli(args, ctx_size=args.context)
         if args.mode == "dense":
             incremental = args.token_by_token
         else:
             incremental = not args.batch_prefill
+        if args.memory_limit is not None and not incremental:
+            # a whole window at once holds its logits (--context x vocabulary floats) and every
+            # layer's temporaries for it: more than a --memory-limit plan sets aside
+            print("[mlx_flash] --memory-limit: evaluating token by token (a whole window's logits and "
+                  "temporaries are not in the plan; --batch-prefill is for runs without a limit)", file=sys.stderr)
+            incremental = True
         t0 = time.perf_counter()
         res = evaluate(model, tokenizer, args.task, args.split, args.limit, args.context, incremental,
                        args.data_dir, progress=not args.no_progress, loaded=loaded)

@@ -85,9 +85,15 @@ class MLXFlashRuntime:
         self.model, self.tok = self.mlx_flash.load(
             cfg["path"], mode=cfg["mode"], sparsity=cfg.get("sparsity") or "oracle",
             density=cfg.get("density") or 1.0, memory_budget=cfg.get("memory_budget"),
+            memory_limit=cfg.get("memory_limit"), ctx_size=cfg.get("ctx_size"),
             resident_dtype=cfg.get("resident_dtype"), progress=False)
         rt = self.model.runtime
-        return {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes}
+        out = {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes}
+        if rt.memory is not None:  # --memory-limit's plan: what it set aside besides the weights
+            m = rt.memory
+            out |= {"memory_limit_bytes": m.limit, "runtime_bytes": m.baseline, "kv_bytes": m.kv,
+                    "activation_bytes": m.activations}
+        return out
 
     def stream_generate(self):
         return self.mlx_flash.stream_generate

@@ -57,6 +57,8 @@ def _flash_budget_text(fb):
                 "the full budget - 5% of the limit")
     if how == "full":
         return "full: limit - the runtime's baseline"
+    if how == "limit":
+        return "limit: mlx_flash's own --memory-limit set to the cgroup's limit (it plans what is not weights)"
     return f"{v * 100:g}% of the float32 model" if how == "fraction" else f"{v / MB:.0f} MB"
 
 

@@ -119,7 +119,8 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
         rec.extra = {k: v for k, v in d.items() if k.startswith(("lib_", "mlx_", "flash_"))}
     if "loaded" in ev:
         rec.extra.update({k: v for k, v in ev["loaded"].items()
-                          if k in ("memory_budget_bytes", "plan_weights_bytes", "threads", "mmap")})
+                          if k in ("memory_budget_bytes", "plan_weights_bytes", "threads", "mmap",
+                                   "memory_limit_bytes", "runtime_bytes", "kv_bytes", "activation_bytes")})
     if res.oom_killed:
         rec.status = "oom"
         rec.message = f"OOM-killed while {_doing(last)}"
@@ -172,7 +173,7 @@ class Peers:
 
     def __init__(self, model, systems, limit="50%", prompt_tokens=160, tokens=128, rounds=3,
                  gguf=None, llama_python=None, timeout=1800, cold=True, reference=None,
-                 flash_budget="auto", log=print):
+                 flash_budget="limit", log=print):
         self.model = Path(model)
         if not (self.model / "manifest.json").is_file():
             raise FlashError(f"{model}: not a converted mlx_flash folder (build the default one with `make model`)")
@@ -256,9 +257,15 @@ class Peers:
             self.log(f"[peers] warning: {msg}")
             return UnconstrainedRunner(str(e))
 
-    def _config(self, system, workdir, probe=False, budget=None):
+    def _config(self, system, workdir, probe=False, budget=None, limit=None):
+        # --flash-budget limit: mlx_flash gets the cgroup's limit as its --memory-limit, and a KV
+        # cache for the prompt and the decoded tokens
+        memory_limit = (limit if limit is not None and system.runtime == "mlx_flash"
+                        and self.flash_budget[0] == "limit" else None)
         cfg = {"runtime": system.runtime, "path": self.paths.get(system.spec), "mode": system.mode,
                "sparsity": system.sparsity, "density": system.density, "memory_budget": budget,
+               "memory_limit": memory_limit,
+               "ctx_size": len(self.prompt or ()) + self.tokens + 16 if memory_limit else None,
                "resident_dtype": system.resident_dtype,
                "prompt_ids": self.prompt, "tokens": self.tokens, "suppress_ids": self.suppress,
                "probe": probe, "threads": os.cpu_count(), "blas_module": str(BLAS_MODULE),
@@ -269,7 +276,7 @@ class Peers:
     def _launch(self, runner, system, limit=None, budget=None, probe=False):
         with tempfile.TemporaryDirectory(prefix="mlx_flash_peers_") as tmp:
             tmp = Path(tmp)
-            cfg = self._config(system, tmp, probe=probe, budget=budget)
+            cfg = self._config(system, tmp, probe=probe, budget=budget, limit=limit)
             if self.cold and not drop_caches() and "drop" not in " ".join(self.notes):
                 self.notes.append("could not drop the page cache (not root): runs are not cold")
             with open(tmp / "log.txt", "wb") as logf:
@@ -313,6 +320,8 @@ class Peers:
                 budget = int(v * self.f32_bytes)
             elif how == "bytes":
                 budget = int(v)
+            elif how == "limit":  # the product's own --memory-limit: mlx_flash plans within it
+                return limit, None
             elif how == "auto" and system.spec in self.calibration:
                 budget = self.calibration[system.spec]["budget_bytes"]
             else:  # full, or auto without a calibration: the weights get what the runtime leaves

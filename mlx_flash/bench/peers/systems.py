@@ -122,11 +122,11 @@ def parse_limit(text, what="--limit"):
 
 
 def parse_flash_budget(text):
-    """--flash-budget: auto | full | N% (of the float32 model) | a size."""
+    """--flash-budget: limit | auto | full | N% (of the float32 model) | a size."""
     t = str(text).strip().lower()
-    if t in ("auto", "full"):
+    if t in ("limit", "auto", "full"):
         return (t, None)
     kind, v = parse_limit(text, what="--flash-budget")
     if kind == "none":
-        raise FlashError("--flash-budget: none is not a budget (auto, full, 40%, 200MB)")
+        raise FlashError("--flash-budget: none is not a budget (limit, auto, full, 40%, 200MB)")
     return (kind, v)

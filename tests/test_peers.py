@@ -1,6 +1,7 @@
 """mlx_flash.benchmark peers: system specs, the memory cgroup runner, skipping llama.cpp,
 the F32/F16 GGUFs, and one tiny end-to-end run through real child processes."""
 
+import json
 import subprocess
 import sys
 
@@ -195,6 +196,23 @@ def test_several_limits_expand_every_system_without_its_own(tiny_flash):
         peers.Peers(tiny_flash, "mlx_lm", limit="50%,lots")
     with pytest.raises(FlashError, match="--reference"):
         peers.Peers(tiny_flash, "mlx_lm", reference="llama.cpp-f32")
+
+
+def test_limit_of_stored_is_a_share_of_the_files(tiny_flash, tmp_path, monkeypatch):
+    """--limit-of stored: N% of the weights as stored (a quantized model's own bytes), not of
+    the float32 weights; files only, no run."""
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
+    with pytest.raises(FlashError, match="--limit-of"):
+        peers.Peers(tiny_flash, "mlx_lm", limit_of="float16")
+    man = json.loads((tiny_flash / "manifest.json").read_text())
+    stored = (tiny_flash / man["resident"]["file"]).stat().st_size + sum(f["size"] for f in man["ffn_files"])
+    for of, share in (("float32", None), ("stored", stored)):
+        bench = peers.Peers(tiny_flash, "mlx_flash:naive", limit="50%", limit_of=of, log=lambda m: None)
+        bench.prepare()
+        assert bench.stored_bytes == stored and bench.f32_bytes > 1.5 * stored  # float16 on flash
+        bench.baselines = {"mlx_flash": {"rss_bytes": 100 * 10**6}}
+        limit, budget = bench.limits(bench.systems[0])
+        assert limit == 100 * 10**6 + int(0.5 * (share or bench.f32_bytes)) and budget is None
 
 
 def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):

@@ -225,6 +225,9 @@ def add_peers_parser(sub):
                    help="memory limit: N%% = each runtime's baseline RSS + N%% of the model's float32 "
                         "weights (default 50%%), or a size for every system (400MB), or none; "
                         "several, comma-separated (50%%,75%%), run every system at each")
+    s.add_argument("--limit-of", default="float32", choices=["float32", "stored"],
+                   help="what --limit N%% is a share of: the model's float32 weights (default), or its "
+                        "weights as stored (a 4-bit model's own bytes: the protocol for quantized models)")
     s.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated: {SPEC_HELP} "
                    f"(default {DEFAULT_SYSTEMS})")
     s.add_argument("--prompt-tokens", type=int, default=160, help="prompt length in tokens (default 160)")
@@ -253,7 +256,7 @@ def peers_main(args, argv):
     bench = peers.Peers(args.model, args.systems, limit=args.limit, prompt_tokens=args.prompt_tokens,
                         tokens=args.tokens, rounds=args.rounds, gguf=args.gguf,
                         llama_python=args.llama_python, timeout=args.timeout, cold=not args.warm,
-                        reference=args.reference, flash_budget=args.flash_budget,
+                        reference=args.reference, flash_budget=args.flash_budget, limit_of=args.limit_of,
                         log=lambda msg: print(msg, flush=True))
     res = bench.run()
     res["info"]["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])

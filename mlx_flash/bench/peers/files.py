@@ -18,6 +18,16 @@ REPO = Path(__file__).resolve().parents[3]
 # --- the model and what each peer needs ---
 
 
+def model_stored_bytes(folder):
+    """The model's weights as stored (quantized or not): the resident file plus every FFN
+    layer file, without the optional DIP / predictor files."""
+    from ...layout.format import read_manifest
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    return (folder / manifest.resident["file"]).stat().st_size + sum(f["size"] for f in manifest.ffn_files)
+
+
 def model_float32_bytes(folder):
     """The model's weights in float32: resident tensors plus every FFN neuron (what dense holds)."""
     from ...layout.format import read_manifest

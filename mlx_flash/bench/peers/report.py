@@ -41,12 +41,13 @@ def _mb(n):
     return "none" if n is None else f"{n / MB:.0f} MB"
 
 
-def _limit_text(limit):
+def _limit_text(limit, of="float32"):
     kind, v = limit
     if kind == "none":
         return "none"
     if kind == "fraction":
-        return f"each runtime's baseline RSS + {v * 100:g}% of the model's float32 weights"
+        what = "float32 weights" if of == "float32" else "weights as stored (its files' bytes)"
+        return f"each runtime's baseline RSS + {v * 100:g}% of the model's {what}"
     return f"{v / MB:.0f} MB for every system"
 
 
@@ -116,7 +117,8 @@ def markdown(res):
                      + " ".join(f"{k}={v}" for k, v in (ll.get("env") or {}).items())
                      + f" ({ll['system_info']})")
     lines += [
-        f"- model: {i['model']} ({i['model_float32_bytes'] / MB:.0f} MB of float32 weights)",
+        f"- model: {i['model']} ({i['model_float32_bytes'] / MB:.0f} MB of float32 weights"
+        + (f", {i['model_stored_bytes'] / MB:.0f} MB as stored)" if i.get("model_stored_bytes") else ")"),
         f"- dtype: {i['dtype']}",
         f"- limit: {i['limit']} (memory cgroup {i['cgroup']}, page cache counted)",
         f"- mlx_flash's memory_budget (weights only): {i['flash_budget']}",

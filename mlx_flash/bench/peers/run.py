@@ -21,6 +21,7 @@ from .files import (
     ensure_hf_export,
     llama_cpp_python,
     model_float32_bytes,
+    model_stored_bytes,
     peers_home,
     prompt_ids,
     source_gguf,
@@ -35,7 +36,7 @@ from .report import (
     _status,
     _summary_line,
 )
-from .systems import MB, RUNTIMES, System, parse_flash_budget, parse_limit, parse_systems
+from .systems import LIMIT_OF, MB, RUNTIMES, System, parse_flash_budget, parse_limit, parse_systems
 
 CHILD = Path(__file__).with_name("child.py")
 BLAS_MODULE = Path(__file__).resolve().parents[2] / "blas.py"
@@ -173,7 +174,7 @@ class Peers:
 
     def __init__(self, model, systems, limit="50%", prompt_tokens=160, tokens=128, rounds=3,
                  gguf=None, llama_python=None, timeout=1800, cold=True, reference=None,
-                 flash_budget="limit", log=print):
+                 flash_budget="limit", limit_of="float32", log=print):
         self.model = Path(model)
         if not (self.model / "manifest.json").is_file():
             raise FlashError(f"{model}: not a converted mlx_flash folder (build the default one with `make model`)")
@@ -188,6 +189,9 @@ class Peers:
                        for s in systems for t in (self.limit_texts if not s.limit else [None])]
             systems = list({s.spec: s for s in systems}.values())
         self.systems = systems
+        if limit_of not in LIMIT_OF:
+            raise FlashError(f"--limit-of: '{limit_of}' is not one of {', '.join(LIMIT_OF)}")
+        self.limit_of = limit_of
         self.flash_budget = parse_flash_budget(flash_budget)
         self.calibration = {}  # spec -> the unconstrained run that sized mlx_flash's budget
         self.prompt_tokens, self.tokens, self.rounds = prompt_tokens, tokens, rounds
@@ -212,6 +216,8 @@ class Peers:
         self.home = peers_home(self.model)
         self.home.mkdir(parents=True, exist_ok=True)
         self.f32_bytes = model_float32_bytes(self.model)
+        self.stored_bytes = model_stored_bytes(self.model)
+        self.share_bytes = self.f32_bytes if self.limit_of == "float32" else self.stored_bytes
         self.prompt, self.prompt_text, self.suppress = prompt_ids(self.model, self.prompt_tokens)
         self.log(f"[peers] model {self.model}: {self.f32_bytes / MB:.0f} MB of float32 weights; "
                  f"prompt {len(self.prompt)} tokens, {self.tokens} decode tokens, {self.rounds} rounds")
@@ -312,7 +318,7 @@ class Peers:
         if kind == "none":
             return None, None
         base = self.baselines[system.runtime]["rss_bytes"]
-        limit = int(base + value * self.f32_bytes) if kind == "fraction" else int(value)
+        limit = int(base + value * self.share_bytes) if kind == "fraction" else int(value)
         budget = None
         if system.runtime == "mlx_flash":
             how, v = self.flash_budget
@@ -436,8 +442,9 @@ class Peers:
                            "threads": os.cpu_count()}
                           if "llama.cpp" in self.baselines else None),
             "model": str(self.model), "model_float32_bytes": self.f32_bytes,
+            "model_stored_bytes": self.stored_bytes, "limit_of": self.limit_of,
             "dtype": _dtype_text(self.model),
-            "limit": "; ".join(_limit_text(parse_limit(t)) for t in self.limit_texts),
+            "limit": "; ".join(_limit_text(parse_limit(t), self.limit_of) for t in self.limit_texts),
             "cgroup": self.cgroup or "none",
             "flash_budget": _flash_budget_text(self.flash_budget), "calibration": self.calibration,
             "baselines": self.baselines, "prompt_tokens": len(self.prompt), "decode_tokens": self.tokens,

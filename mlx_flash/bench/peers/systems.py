@@ -111,6 +111,9 @@ def parse_systems(text):
     return systems
 
 
+LIMIT_OF = ("float32", "stored")  # what --limit N% is a share of: the float32 weights, or the files' bytes
+
+
 def parse_limit(text, what="--limit"):
     """'50%' -> ('fraction', 0.5); '400MB' -> ('bytes', 400e6); 'none' -> ('none', None)."""
     if str(text).strip().lower() == "none":

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
-from .runtime.memory import MLX_CACHE_LIMIT, model_shape, plan_memory
+from .runtime.memory import MLX_CACHE_LIMIT, kv_caches, model_shape, plan_memory
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
 
@@ -63,6 +64,8 @@ def load(path_or_repo, progress=False, config=None, **options):
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, config)
     build_runtime(model, folder, manifest, config, resident, progress=progress)
     model.runtime.memory = memory
+    if memory is not None:  # (mlx_lm's make_prompt_cache uses a model's make_cache)
+        model.make_cache = partial(kv_caches, len(model.layers), memory.context)
     model.eval()
     return model, tokenizer
 

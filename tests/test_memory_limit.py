@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 
 import mlx_flash
@@ -20,7 +21,7 @@ def test_plan_takes_every_part_off_the_limit(monkeypatch):
     monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
     p = plan_memory("400MB", SHAPE, 4, context=1024, baseline=100 * MB)
     assert p.limit == 400 * MB and p.baseline == 100 * MB and p.context == 1024
-    assert p.kv == (1024 + memory.KV_STEP) * SHAPE.kv_per_token * 4
+    assert p.kv == 1024 * SHAPE.kv_per_token * 4
     assert p.weights == p.limit - p.baseline - p.kv - p.activations - p.mlx_cache - p.margin > 0
     # the prompt chunk: the largest whose temporaries take at most a quarter of what is left
     room = p.limit - p.baseline - p.kv - p.mlx_cache - p.margin
@@ -72,6 +73,15 @@ def test_load_plans_the_budget_and_generate_checks_the_context(smollm2):
     s = rt.stats()["summary"]["memory_limit"]
     assert s["limit_bytes"] == limit and s["weights_bytes"] == m.weights
     assert mlx_flash.generate(model, tok, "Hello", max_tokens=4)  # fits: runs
+    # the KV caches: the planned context allocated once (what the plan counts), not grown
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    assert len(cache) == len(model.layers)
+    model(mx.array([[1] * 10]), cache=cache)
+    model(mx.array([[1] * 40]), cache=cache)
+    kv = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    assert all(c.keys.shape[2] == 64 and c.offset == 50 for c in cache) and kv == m.kv
     with pytest.raises(FlashError, match="exceed the 64 tokens of context"):
         mlx_flash.generate(model, tok, "word " * 80, max_tokens=4)
     rt.close()

@@ -31,7 +31,6 @@ from ..sizes import parse_share
 MLX_CACHE_LIMIT = 32 << 20  # MLX's buffer cache under a limit or a budget (bytes)
 MARGIN_FIXED = 24 << 20  # allocator slack, reader / kernel temporaries, thread stacks
 MARGIN_SHARE = 0.04  # ... and this share of the limit
-KV_STEP = 256  # mlx_lm's KVCache grows by this many positions
 DEFAULT_CONTEXT = 2048
 PREFILL_STEPS = (512, 256, 128, 64, 32)  # the prompt chunk: the largest whose temporaries fit
 
@@ -180,7 +179,7 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None):
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")
     baseline = process_rss() if baseline is None else baseline
-    kv = (context + KV_STEP) * shape.kv_per_token * itemsize
+    kv = context * shape.kv_per_token * itemsize  # kv_caches: allocated once, never grown
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
     step = PREFILL_STEPS[-1]
@@ -194,3 +193,17 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None):
         raise FlashError(plan.describe().replace("weights", "nothing left for the weights", 1)
                          + ": raise --memory-limit" + (" or lower --ctx-size" if kv > plan.limit // 4 else ""))
     return plan
+
+
+def kv_caches(n_layers, context):
+    """mlx_lm KV caches for a planned context: each allocates the whole context at its first
+    update (step = context), where mlx_lm's default grows by 256 positions, holding old and
+    new buffers while it copies (up to twice the cache at a step) and up to 255 positions
+    unused. A conversation past the context grows by another context's worth: generate and
+    chat stop before it."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = [KVCache() for _ in range(n_layers)]
+    for c in caches:
+        c.step = context
+    return caches

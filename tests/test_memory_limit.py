@@ -31,6 +31,9 @@ def test_plan_takes_every_part_off_the_limit(monkeypatch):
     # a longer context: a larger KV cache, fewer weights
     assert plan_memory("400MB", SHAPE, 4, context=2048, baseline=100 * MB).weights < p.weights
     assert "KV cache" in p.describe() and "1024 tokens" in p.describe()
+    # a context shorter than every chunk: the chunk is the context (a prompt is no longer)
+    short = plan_memory("4GB", SHAPE, 4, context=40, baseline=100 * MB)
+    assert short.prefill_step == 40 and short.activations == memory.activation_bytes(SHAPE, 40, 40, 4)
 
 
 def test_plan_errors_name_the_parts(monkeypatch):

@@ -182,8 +182,9 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None):
     kv = context * shape.kv_per_token * itemsize  # kv_caches: allocated once, never grown
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
-    step = PREFILL_STEPS[-1]
-    for s in PREFILL_STEPS:  # the largest chunk whose temporaries take at most a quarter of what is left
+    steps = sorted({min(s, context) for s in PREFILL_STEPS}, reverse=True)  # (no chunk is longer than the context)
+    step = steps[-1]
+    for s in steps:  # the largest chunk whose temporaries take at most a quarter of what is left
         if activation_bytes(shape, s, context, itemsize) <= max(room, 0) // 4:
             step = s
             break

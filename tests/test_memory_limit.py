@@ -109,11 +109,14 @@ def test_generate_under_a_cgroup_of_the_limit(smollm2, tmp_path, mode, limit_mb)
            "--stats"]
     if mode == "flash":
         cmd += ["--sparsity", "dip-ca", "--density", "0.5"]
+    if mode == "hybrid":  # the context given on the command line (an int option with no default)
+        cmd += ["--ctx-size", "96"]
     log = tmp_path / "out.txt"
     with _cgroup_runner() as runner, open(log, "w") as out:
         r = runner.run(cmd, limit_bytes=limit_mb * MB, timeout=600, stdout=out, stderr=subprocess.STDOUT)
     text = log.read_text()
     assert not r.oom_killed and r.returncode == 0, (r, text[-2000:])
+    assert mode != "hybrid" or "(96 tokens)" in text, text[-2000:]
     assert r.peak_bytes <= limit_mb * MB
     peak = re.search(r"peak RSS (\d+) MB", text)
     assert peak and int(peak.group(1)) <= limit_mb, text[-2000:]

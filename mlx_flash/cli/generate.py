@@ -92,9 +92,8 @@ def main(argv=None):
             mx.random.seed(args.seed)
         prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
         # under --memory-limit, a KV cache for this prompt (a token is at least a byte of its
-        # text, a chat template adds a few) and --max-tokens, in steps of 256
-        ctx = -(-(len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128
-                  + args.max_tokens) // 256) * 256
+        # text, a chat template adds a few) and --max-tokens
+        ctx = len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
         model, tokenizer = load_for_cli(args, ctx_size=ctx)
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)

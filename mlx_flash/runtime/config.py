@@ -215,6 +215,16 @@ def option_names():
     return [f.name for f in fields(FlashConfig)]
 
 
+def _value_type(f):
+    """int / float for a field of that type (its default, or its annotation where the default
+    is None, e.g. `int | None`), else None."""
+    kind = {int: int, float: float}.get(type(f.default))
+    if kind is None and f.default is None:
+        names = str(f.type).replace(" ", "").split("|")
+        kind = {"int": int, "float": float}.get(next((n for n in names if n != "None"), ""))
+    return kind
+
+
 def add_cli_args(parser):
     """The model options of every command that loads a model, from FlashConfig's fields."""
     for f in fields(FlashConfig):
@@ -225,7 +235,7 @@ def add_cli_args(parser):
             parser.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
             continue
         choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
-        kind = {int: int, float: float}.get(type(f.default))  # None: a string (or a choice)
+        kind = _value_type(f)  # None: a string (or a choice)
         parser.add_argument(meta["flag"], dest=f.name, default=f.default, type=kind, choices=choices,
                             help=meta["help"])
 

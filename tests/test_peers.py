@@ -256,14 +256,18 @@ def test_flash_budget_limit_hands_mlx_flash_the_cgroup_limit(tiny_flash, tmp_pat
     own --memory-limit and plans within it."""
     monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
     logs = []
-    bench = peers.Peers(tiny_flash, "mlx_flash:naive", limit="250MB", prompt_tokens=40, tokens=4, rounds=1,
-                        cold=False, log=logs.append)
+    bench = peers.Peers(tiny_flash, "mlx_flash:hybrid@100MB,mlx_flash:naive", limit="250MB", prompt_tokens=40,
+                        tokens=4, rounds=1, cold=False, reference="mlx_flash:hybrid@100MB", log=logs.append)
     res = bench.run()
-    row = res["rows"][0]
+    refused, row = res["rows"]
+    assert refused["status"] == "refused" and "nothing left for the weights" in refused["message"], refused
     assert row["status"] == "ok", (row, logs)
+    # the reference never ran: speeds are compared to the first system that did, and a note says so
+    assert res["info"]["reference"] == "mlx_flash:naive" and row["decode_vs_reference"] == 1.0
+    assert any("never ran to the end" in n for n in res["info"]["notes"])
     assert not res["info"]["calibration"]
     if res["info"]["cgroup"] != "none":
-        run = res["runs"][0]
+        run = res["runs"][1]
         # the cgroup's limit: the given one rounded down to pages
         assert 250 * 10**6 - 65536 < run["extra"]["memory_limit_bytes"] <= 250 * 10**6
         assert 0 < run["extra"]["memory_budget_bytes"] < 250 * 10**6 - run["extra"]["runtime_bytes"]

@@ -65,7 +65,7 @@ def _flash_budget_text(fb):
 
 def _summary_line(r):
     if r.status == "ok":
-        return (f"decode {r.decode_tps:.1f} tok/s, prompt {r.prompt_tps:.0f} tok/s, load {r.load_s:.1f} s, "
+        return (f"decode {r.decode_tps:.3g} tok/s, prompt {r.prompt_tps:.3g} tok/s, load {r.load_s:.1f} s, "
                 f"cgroup peak {_mb(r.cgroup_peak_bytes)}, RSS peak {_mb(r.rss_peak_bytes)}, "
                 f"read {_mb(r.read_per_token_bytes)}/token")
     return f"{r.status.upper()}: {r.message} (cgroup peak {_mb(r.cgroup_peak_bytes)})"
@@ -78,9 +78,9 @@ COLUMNS = [
     ("limit_bytes", "limit MB", "mb"),
     ("memory_budget_bytes", "budget MB", "mb"),
     ("status", "status", None),
-    ("decode_tps", "decode tok/s", "1"),
+    ("decode_tps", "decode tok/s", "3g"),
     ("decode_vs_reference", "vs ref", "2"),
-    ("prompt_tps", "prompt tok/s", "0"),
+    ("prompt_tps", "prompt tok/s", "3g"),
     ("load_s", "load s", "1"),
     ("cgroup_peak_bytes", "cgroup peak MB", "mb"),
     ("rss_peak_bytes", "RSS peak MB", "mb"),
@@ -99,6 +99,8 @@ def _fmt(v, how):
         return f"{v / MB:.1f}"
     if how in ("0", "1", "2"):
         return f"{v:.{how}f}"
+    if how == "3g":  # three significant digits: 0.447 tok/s (a 7B from flash) as well as 153
+        return f"{v:.3g}"
     return str(v)
 
 

@@ -404,6 +404,11 @@ class Peers:
     # the report
 
     def report(self, runs, started):
+        ok_specs = [s.spec for s in self.systems if any(r.system == s.spec and r.status == "ok" for r in runs)]
+        if self.reference not in ok_specs and ok_specs:  # (e.g. refused: too little memory)
+            self.notes.append(f"the reference {self.reference} never ran to the end: speeds are compared "
+                              f"to {ok_specs[0]}")
+            self.reference = ok_specs[0]
         ref_runs = {r.round: r for r in runs if r.system == self.reference and r.status == "ok"}
         rows = []
         for s in self.systems:

@@ -19,7 +19,7 @@ from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
-from .runtime.memory import MLX_CACHE_LIMIT, kv_caches, model_shape, plan_memory
+from .runtime.memory import MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, model_shape, plan_memory
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
 
@@ -83,6 +83,8 @@ def _build_model(folder, manifest, config: FlashConfig):
     family, args = model_args(model_config)
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
+    if config.memory_limit is not None:  # (a limit too small: an error here, not a kill while loading)
+        check_limit_before_loading(config.memory_limit, (folder / manifest.resident["file"]).stat().st_size)
     # The tokenizer first: its load peaks ~30 MB above what it keeps, before the weights arrive.
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))

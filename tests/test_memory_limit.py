@@ -122,10 +122,11 @@ def test_generate_under_a_cgroup_of_the_limit(smollm2, tmp_path, mode, limit_mb)
     assert peak and int(peak.group(1)) <= limit_mb, text[-2000:]
 
 
-def test_a_limit_too_small_is_a_clear_error_not_a_kill(smollm2):
+@pytest.mark.parametrize("limit_mb", [150, 132])  # (132: the peers' runtime + 50 % of the 4-bit model)
+def test_a_limit_too_small_is_a_clear_error_not_a_kill(smollm2, limit_mb):
     cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--mode", "hybrid",
-           "--memory-limit", "150MB", "--prompt", "Hi", "--max-tokens", "4"]
+           "--memory-limit", f"{limit_mb}MB", "--prompt", "Hi", "--max-tokens", "4"]
     with _cgroup_runner() as runner:
-        r = runner.run(cmd, limit_bytes=150 * MB, timeout=600, stdout=subprocess.PIPE,
+        r = runner.run(cmd, limit_bytes=limit_mb * MB, timeout=600, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
     assert not r.oom_killed and r.returncode == 2, r

@@ -208,3 +208,22 @@ def kv_caches(n_layers, context):
     for c in caches:
         c.step = context
     return caches
+
+
+TOKENIZER_PEAK = 32 << 20  # a tokenizer's load peaks ~30 MB above what it keeps (measured on SmolLM2)
+
+
+def check_limit_before_loading(text, resident_file_bytes):
+    """Before the tokenizer and the resident weights load: a limit that cannot hold the
+    runtime, the tokenizer's load and the resident file is a clear error now, not a kill
+    by the memory cgroup while loading."""
+    limit = parse_limit(text)
+    cg = cgroup_limit()
+    if cg is not None:
+        limit = min(limit, cg)
+    need = process_rss() + TOKENIZER_PEAK + resident_file_bytes
+    if need > limit:
+        raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB: nothing left for the weights: the runtime takes "
+                         f"{process_rss() / 1e6:.0f} MB (measured), loading the tokenizer ~{TOKENIZER_PEAK / 1e6:.0f} MB "
+                         f"and the resident weights {resident_file_bytes / 1e6:.0f} MB before any FFN row: raise "
+                         f"--memory-limit to at least {need / 1e6:.0f} MB")

@@ -122,12 +122,12 @@ class FlashConfig:
         (a value equal to the default cannot be told from no value, and changes nothing)."""
         d = DEFAULTS_BY_NAME
         if self.mode != "flash":
-            given = [flag for name, flag, ok in (
-                ("sparsity", "--sparsity", self.sparsity == d["sparsity"]),
-                ("density", "--density", self.density == d["density"]),
-                ("window", "--window", self.window in (d["window"], None)),
-                ("gamma", "--gamma", self.gamma == d["gamma"]),
-                ("eviction", "--eviction", self.eviction == d["eviction"])) if not ok]
+            given = [flag for flag, ok in (
+                ("--sparsity", self.sparsity == d["sparsity"]),
+                ("--density", self.density == d["density"]),
+                ("--window", self.window in (d["window"], None)),
+                ("--gamma", self.gamma == d["gamma"]),
+                ("--eviction", self.eviction == d["eviction"])) if not ok]
             if given:
                 raise FlashError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to --mode "
                                  f"flash (the mode that reads only the neurons a sparsity source picks); "

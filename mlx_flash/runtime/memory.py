@@ -164,17 +164,23 @@ def activation_bytes(shape, chunk, context, itemsize):
     return chunk * per * itemsize
 
 
-def plan_memory(text, shape, itemsize, context=None, baseline=None):
-    """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget)."""
+def effective_limit(text, warn=True):
+    """--memory-limit `text` -> (bytes, where it came from): the given limit, or this process's
+    cgroup limit where that is lower (said once, with `warn`)."""
     limit = parse_limit(text)
     source = "of this machine's RAM" if parse_share(text, "--memory-limit")[0] == "fraction" else "given"
     cg = cgroup_limit()
     if cg is not None and cg < limit - (1 << 20):  # (a cgroup's limit is the given one rounded to pages)
-        print(f"[mlx_flash] --memory-limit {limit / 1e6:.0f} MB is above this process's cgroup limit "
-              f"({cg / 1e6:.0f} MB): planning for the cgroup's", file=sys.stderr)
-        limit, source = cg, "the cgroup's limit"
-    elif cg is not None:
-        limit = min(limit, cg)
+        if warn:
+            print(f"[mlx_flash] --memory-limit {limit / 1e6:.0f} MB is above this process's cgroup limit "
+                  f"({cg / 1e6:.0f} MB): planning for the cgroup's", file=sys.stderr)
+        return cg, "the cgroup's limit"
+    return (limit if cg is None else min(limit, cg)), source
+
+
+def plan_memory(text, shape, itemsize, context=None, baseline=None):
+    """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget)."""
+    limit, source = effective_limit(text)
     context = DEFAULT_CONTEXT if context is None else context
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")
@@ -217,13 +223,11 @@ def check_limit_before_loading(text, resident_file_bytes):
     """Before the tokenizer and the resident weights load: a limit that cannot hold the
     runtime, the tokenizer's load and the resident file is a clear error now, not a kill
     by the memory cgroup while loading."""
-    limit = parse_limit(text)
-    cg = cgroup_limit()
-    if cg is not None:
-        limit = min(limit, cg)
-    need = process_rss() + TOKENIZER_PEAK + resident_file_bytes
+    limit, _ = effective_limit(text, warn=False)  # (plan_memory says it, after this check)
+    runtime = process_rss()
+    need = runtime + TOKENIZER_PEAK + resident_file_bytes
     if need > limit:
         raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB: nothing left for the weights: the runtime takes "
-                         f"{process_rss() / 1e6:.0f} MB (measured), loading the tokenizer ~{TOKENIZER_PEAK / 1e6:.0f} MB "
+                         f"{runtime / 1e6:.0f} MB (measured), loading the tokenizer ~{TOKENIZER_PEAK / 1e6:.0f} MB "
                          f"and the resident weights {resident_file_bytes / 1e6:.0f} MB before any FFN row: raise "
                          f"--memory-limit to at least {need / 1e6:.0f} MB")

@@ -85,7 +85,7 @@ class MLXFlashRuntime:
         self.model, self.tok = self.mlx_flash.load(
             cfg["path"], mode=cfg["mode"], sparsity=cfg.get("sparsity") or "oracle",
             density=cfg.get("density") or 1.0, memory_budget=cfg.get("memory_budget"),
-            memory_limit=cfg.get("memory_limit"), ctx_size=cfg.get("ctx_size"),
+            memory_limit=cfg.get("memory_limit"), ctx_size=cfg["context"] if cfg.get("memory_limit") else None,
             resident_dtype=cfg.get("resident_dtype"), progress=False)
         rt = self.model.runtime
         out = {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes}
@@ -178,7 +178,7 @@ class LlamaCppRuntime:
     def load(self, cfg):
         threads = cfg.get("threads") or os.cpu_count()
         self.llm = self.llama_cpp.Llama(
-            model_path=cfg["path"], n_ctx=len(cfg["prompt_ids"]) + cfg["tokens"] + 16,
+            model_path=cfg["path"], n_ctx=cfg["context"],
             n_batch=512, n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
         return {"threads": threads, "mmap": True}
 

@@ -217,7 +217,6 @@ class Peers:
         self.home.mkdir(parents=True, exist_ok=True)
         self.f32_bytes = model_float32_bytes(self.model)
         self.stored_bytes = model_stored_bytes(self.model)
-        self.share_bytes = self.f32_bytes if self.limit_of == "float32" else self.stored_bytes
         self.prompt, self.prompt_text, self.suppress = prompt_ids(self.model, self.prompt_tokens)
         self.log(f"[peers] model {self.model}: {self.f32_bytes / MB:.0f} MB of float32 weights; "
                  f"prompt {len(self.prompt)} tokens, {self.tokens} decode tokens, {self.rounds} rounds")
@@ -264,14 +263,13 @@ class Peers:
             return UnconstrainedRunner(str(e))
 
     def _config(self, system, workdir, probe=False, budget=None, limit=None):
-        # --flash-budget limit: mlx_flash gets the cgroup's limit as its --memory-limit, and a KV
-        # cache for the prompt and the decoded tokens
+        # --flash-budget limit: mlx_flash gets the cgroup's limit as its --memory-limit (its KV
+        # cache planned for `context`, the tokens llama.cpp's context holds too)
         memory_limit = (limit if limit is not None and system.runtime == "mlx_flash"
                         and self.flash_budget[0] == "limit" else None)
         cfg = {"runtime": system.runtime, "path": self.paths.get(system.spec), "mode": system.mode,
                "sparsity": system.sparsity, "density": system.density, "memory_budget": budget,
-               "memory_limit": memory_limit,
-               "ctx_size": len(self.prompt or ()) + self.tokens + 16 if memory_limit else None,
+               "memory_limit": memory_limit, "context": len(self.prompt or ()) + self.tokens + 16,
                "resident_dtype": system.resident_dtype,
                "prompt_ids": self.prompt, "tokens": self.tokens, "suppress_ids": self.suppress,
                "probe": probe, "threads": os.cpu_count(), "blas_module": str(BLAS_MODULE),
@@ -318,7 +316,8 @@ class Peers:
         if kind == "none":
             return None, None
         base = self.baselines[system.runtime]["rss_bytes"]
-        limit = int(base + value * self.share_bytes) if kind == "fraction" else int(value)
+        share = self.stored_bytes if self.limit_of == "stored" else self.f32_bytes
+        limit = int(base + value * share) if kind == "fraction" else int(value)
         budget = None
         if system.runtime == "mlx_flash":
             how, v = self.flash_budget

@@ -1,2 +1,12 @@
 class FlashError(Exception):
     """A user-facing error: one clear line, no traceback."""
+
+
+class BudgetTooSmall(FlashError):
+    """A weights budget that cannot hold what a plan needs: `needed` bytes against `budget`.
+    Under --memory-limit the loader restates it in the limit's terms (the budget is the
+    limit's share for weights, a number the user never gave)."""
+
+    def __init__(self, message, budget, needed, reason):
+        super().__init__(message)
+        self.budget, self.needed, self.reason = budget, needed, reason

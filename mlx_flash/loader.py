@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .errors import FlashError
+from .errors import BudgetTooSmall, FlashError
 from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
 from .kernels import kernels_module
@@ -62,7 +62,10 @@ def load(path_or_repo, progress=False, config=None, **options):
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, config)
-    build_runtime(model, folder, manifest, config, resident, progress=progress)
+    try:
+        build_runtime(model, folder, manifest, config, resident, progress=progress)
+    except BudgetTooSmall as e:
+        raise (e if memory is None else memory.restate(e)) from None
     model.runtime.memory = memory
     if memory is not None:  # (mlx_lm's make_prompt_cache uses a model's make_cache)
         model.make_cache = partial(kv_caches, len(model.layers), memory.context)
@@ -100,7 +103,10 @@ def _build_model(folder, manifest, config: FlashConfig):
         logging.getLogger("mlx_flash").warning("%s", memory.describe())
         config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     check_file(folder, manifest.resident, checksum=config.verify)
-    check_resident_fits(folder, manifest, config)
+    try:
+        check_resident_fits(folder, manifest, config)
+    except BudgetTooSmall as e:
+        raise (e if memory is None else memory.restate(e)) from None
     try:
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:

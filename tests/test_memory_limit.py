@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_flash
-from mlx_flash.errors import FlashError
+from mlx_flash.errors import BudgetTooSmall, FlashError
 from mlx_flash.runtime import memory
 from mlx_flash.runtime.memory import Shape, plan_memory
 
@@ -46,6 +46,34 @@ def test_plan_errors_name_the_parts(monkeypatch):
         plan_memory("lots", SHAPE, 4)
     with pytest.raises(FlashError, match="--ctx-size must be at least 1"):
         plan_memory("1GB", SHAPE, 4, context=0)
+
+
+def test_a_budget_too_small_is_restated_as_the_smallest_limit_that_holds_it(monkeypatch):
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
+    p = plan_memory("300MB", SHAPE, 4, context=256, baseline=100 * MB)
+    short = BudgetTooSmall("memory budget ...", p.weights, p.weights + 37 * MB, "the resident weights take X")
+    text = str(p.restate(short))
+    assert text.startswith(f"--memory-limit 300 MB leaves {p.weights / 1e6:.0f} MB for weights")
+    assert "the resident weights take X" in text and "memory budget" not in text
+    need = int(re.search(r"at least (\d+) MB", text).group(1)) * MB
+    at = lambda limit: plan_memory(str(limit), SHAPE, 4, context=256, baseline=100 * MB).weights  # noqa: E731
+    assert at(need) >= short.needed  # that limit holds it (its margin and chunks grew with it)
+    assert at(need - 2 * MB) < short.needed  # and it is within a MB or two of the smallest that does
+
+
+def test_a_limit_whose_share_cannot_hold_the_resident_weights_says_so_in_its_terms(smollm2):
+    def run(limit):
+        return subprocess.run([sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2),
+                               "--mode", "hybrid", "--memory-limit", limit, "--prompt", "Hi", "--max-tokens", "2"],
+                              capture_output=True, text=True, timeout=300)
+
+    r = run("230MB")  # past the check before loading, short of the resident weights
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--memory-limit 230 MB leaves" in r.stderr and "memory budget" not in r.stderr, r.stderr
+    need = re.search(r"resident weights alone .* take (\d+) MB: raise --memory-limit to at least (\d+) MB", r.stderr)
+    assert need, r.stderr
+    r = run(f"{need.group(2)}MB")  # the limit it names holds them (hybrid may still want more)
+    assert "resident weights alone" not in r.stderr, r.stderr
 
 
 def test_a_share_is_of_the_machine_and_a_cgroup_caps_it(monkeypatch, capsys):

@@ -14,7 +14,7 @@ overflow. With a window k, a layer whose cache is full shrinks its own window
 
 from dataclasses import dataclass
 
-from ..errors import FlashError
+from ..errors import BudgetTooSmall, FlashError
 from ..sizes import parse_share
 
 from .config import DEFAULTS, MODES
@@ -114,7 +114,7 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
             scratch = (k_in, k_out)
             frac = (budget_bytes - fixed - k_in * in_bytes - k_out * down_bytes) / n_layers / full
             if frac < 0:
-                raise FlashError(_too_small(budget_bytes, fixed + k_in * in_bytes + k_out * down_bytes))
+                raise budget_too_small(budget_bytes, fixed + k_in * in_bytes + k_out * down_bytes)
         frac = min(frac, 1.0)
         return Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
                     0, 0, window, (int(frac * d), int(frac * n_ff)), (in_bytes, down_bytes), scratch)
@@ -130,7 +130,7 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
             scratch = min(n, one_token)  # a token never needs more than cache + scratch
             rows = (budget_bytes - fixed) // neuron_bytes - scratch
             if rows < n_layers:
-                raise FlashError(_too_small(budget_bytes, fixed))
+                raise budget_too_small(budget_bytes, fixed)
             scale = min(1.0, rows / max(sum(req), 1))
             caps = [max(1, min(n, int(r * scale))) for r in req]
         plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
@@ -144,7 +144,7 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
             per = rows // (n_layers + 1)
             capacity, scratch = min(n, per), min(n, per)
             if per < 1:
-                raise FlashError(_too_small(budget_bytes, fixed))
+                raise budget_too_small(budget_bytes, fixed)
     plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
                 capacity, scratch, window, held_neuron_bytes=held_neuron_bytes, arena_rows=arena,
                 prefetch=prefetch and mode in ("naive", "hybrid"))
@@ -153,15 +153,15 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
 
 def _check(plan, budget_bytes, mode):
     if budget_bytes is not None and plan.weights_bytes > budget_bytes:
-        raise FlashError(
-            f"--mode {mode} needs {plan.weights_bytes / 1e6:.0f} MB of weights in DRAM, over the "
-            f"budget of {budget_bytes / 1e6:.0f} MB" + ("; try --mode flash" if mode != "flash" else "")
-        )
+        reason = f"--mode {mode} needs {plan.weights_bytes / 1e6:.0f} MB of weights in DRAM"
+        raise BudgetTooSmall(
+            f"{reason}, over the budget of {budget_bytes / 1e6:.0f} MB" + ("; try --mode flash" if mode != "flash" else ""),
+            budget_bytes, plan.weights_bytes, reason)
     return plan
 
 
-def _too_small(budget, fixed):
-    return (
-        f"memory budget {budget / 1e6:.0f} MB is too small: the resident weights alone "
-        f"(embeddings, attention, norms, sparsity source) take {fixed / 1e6:.0f} MB"
-    )
+def budget_too_small(budget, fixed):
+    """The error for a budget below what must stay resident (`fixed`, plus at least a row)."""
+    reason = (f"the resident weights alone (embeddings, attention, norms, sparsity source) take "
+              f"{fixed / 1e6:.0f} MB")
+    return BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget, fixed, reason)

@@ -19,7 +19,7 @@ from ..layout.format import check_file, read_checksums, read_tables
 from ..layout.quant import value_shapes
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
-from .budget import Plan, _too_small, make_plan, parse_budget
+from .budget import Plan, budget_too_small, make_plan, parse_budget
 from .config import FlashConfig, keep_quantized, packed_ffn_rows, staged_caches
 from .stores.base import cpu_kernels, read_layer_file
 
@@ -134,7 +134,7 @@ def check_resident_fits(folder, manifest, config):
     full = sum(size for size, _ in sizes) * itemsize  # what "50%" is of
     budget = parse_budget(config.memory_budget, full + _ffn_bytes(manifest, itemsize))
     if budget < resident:
-        raise FlashError(_too_small(budget, resident))
+        raise budget_too_small(budget, resident)
 
 
 def compute_dtype(config, manifest):

@@ -140,6 +140,8 @@ class MemoryPlan:
     context: int
     prefill_step: int
     source: str  # where the limit came from, for the log line
+    shape: "Shape"
+    itemsize: int
 
     @property
     def other(self):
@@ -149,12 +151,26 @@ class MemoryPlan:
     def weights(self):
         return self.limit - self.other
 
-    def describe(self):
+    def restate(self, e):
+        """A BudgetTooSmall from the planner (whose budget is this plan's `weights`) in the
+        limit's terms: what the limit leaves for weights, why that is short, and the limit
+        that would hold it (the smallest: the margin and the prompt chunks grow with the limit)."""
+        need = self.limit + (e.needed - e.budget)
+        while _plan_at(need, self.source, self.shape, self.itemsize, self.context, self.baseline).weights < e.needed:
+            need += 1 << 20
+        return FlashError(f"--memory-limit {self.limit / 1e6:.0f} MB leaves {self.weights / 1e6:.0f} MB for "
+                          f"weights (besides them {self.other / 1e6:.0f} MB: {self._besides()}), and {e.reason}: "
+                          f"raise --memory-limit to at least {-(-need // 10**6)} MB")
+
+    def _besides(self):
         mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
-        return (f"memory limit {mb(self.limit)} ({self.source}): weights {mb(self.weights)}; besides them "
-                f"runtime {mb(self.baseline)} (measured), KV cache {mb(self.kv)} ({self.context} tokens), "
+        return (f"runtime {mb(self.baseline)} (measured), KV cache {mb(self.kv)} ({self.context} tokens), "
                 f"activations {mb(self.activations)} (prompt chunks of {self.prefill_step}), MLX cache "
                 f"{mb(self.mlx_cache)}, margin {mb(self.margin)}")
+
+    def describe(self):
+        mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
+        return f"memory limit {mb(self.limit)} ({self.source}): weights {mb(self.weights)}; besides them {self._besides()}"
 
 
 def activation_bytes(shape, chunk, context, itemsize):
@@ -185,6 +201,16 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None):
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")
     baseline = process_rss() if baseline is None else baseline
+    plan = _plan_at(limit, source, shape, itemsize, context, baseline)
+    if plan.weights <= 0:
+        kv = plan.kv
+        raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB ({source}): nothing left for the weights: "
+                         f"besides them the process needs {plan.other / 1e6:.0f} MB ({plan._besides()}): raise "
+                         "--memory-limit" + (" or lower --ctx-size" if kv > plan.limit // 4 else ""))
+    return plan
+
+
+def _plan_at(limit, source, shape, itemsize, context, baseline):
     kv = context * shape.kv_per_token * itemsize  # kv_caches: allocated once, never grown
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
@@ -194,12 +220,8 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None):
         if activation_bytes(shape, s, context, itemsize) <= max(room, 0) // 4:
             step = s
             break
-    plan = MemoryPlan(limit, baseline, kv, activation_bytes(shape, step, context, itemsize),
-                      MLX_CACHE_LIMIT, margin, context, step, source)
-    if plan.weights <= 0:
-        raise FlashError(plan.describe().replace("weights", "nothing left for the weights", 1)
-                         + ": raise --memory-limit" + (" or lower --ctx-size" if kv > plan.limit // 4 else ""))
-    return plan
+    return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step, context, itemsize),
+                      MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize)
 
 
 def kv_caches(n_layers, context):

@@ -335,3 +335,40 @@ def test_a_budget_too_small_for_dequantized_residents_is_refused_before_loading(
         mlx_flash.load(smollm2, mode="naive", resident_dtype="float32", memory_budget="100MB")
     model, _ = mlx_flash.load(smollm2, mode="naive", memory_budget="100MB")  # held at their bits: fits
     assert model.runtime.resident_dtype == "quantized"
+
+
+def test_q_keep_holds_parts_float_per_layer_as_mlx_lm_predicate_does(tmp_path):
+    """--q-keep embed,attn:0-0: the embeddings and layer 0's attention stay float, the rest is
+    4-bit; the same values as mlx_lm.convert with the equivalent quant_predicate, and its logits."""
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=128)
+    keep = lambda path: "embed_tokens" in path or path.startswith("model.layers.0.self_attn")  # noqa: E731
+    ref_dir = tmp_path / "mlx-q4-mixed"
+    mlx_lm_convert(str(src), str(ref_dir), quantize=True, q_bits=4, q_group_size=64, dtype="float16",
+                   quant_predicate=lambda path, module, *_: not keep(path))
+    ours = convert(src, tmp_path / "flash", progress=False,
+                   quant=QuantOptions(quantize=True, bits=4, group_size=64, keep=("embed", "attn:0-0")))
+    a = mx.load(str(ours / "resident.safetensors"))
+    b = mx.load(str(convert(ref_dir, tmp_path / "flash-from-mlx", progress=False) / "resident.safetensors"))
+    assert a.keys() == b.keys()
+    assert "model.layers.0.self_attn.q_proj.scales" not in a and "model.layers.1.self_attn.q_proj.scales" in a
+    assert "model.embed_tokens.scales" not in a
+    for k in a:
+        assert mx.array_equal(a[k], b[k]), k
+    ref, _ = load_model(ref_dir)
+    ref.set_dtype(mx.float32)
+    x = mx.array([TOKENS])
+    for options in (dict(mode="dense"), dict(mode="hybrid")):
+        model, _ = mlx_flash.load(ours, **options)
+        diff = mx.abs(model(x) - ref(x)).max().item()
+        assert diff < 1e-4, f"{options}: max |logit diff| {diff}"
+        model.runtime.close()
+
+
+@pytest.mark.parametrize("keep, expect", [
+    (("ffn",), "unknown part"), (("embed:0-1",), "not per layer"), (("attn:2-1",), "A <= B"),
+    (("attn:x",), "A or A-B"), (("attn:0-9",), "layers 0-1")])
+def test_bad_q_keep_items_are_clear_errors(tmp_path, keep, expect):
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama", intermediate_size=128)
+    with pytest.raises(FlashError, match=expect):
+        convert(src, tmp_path / "flash", progress=False, quant=QuantOptions(quantize=True, keep=keep))
+    assert not (tmp_path / "flash").exists()

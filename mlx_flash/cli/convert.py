@@ -27,7 +27,8 @@ def build_parser():
     q.add_argument("--q-group-size", type=int, default=None,
                    help="values per scale: 32, 64, 128 (default: the source's, or 64)")
     q.add_argument("--q-keep", default="",
-                   help="parts kept float at --dtype, comma-separated: embed, lm_head, attn")
+                   help="parts kept float at --dtype, comma-separated: embed, lm_head, attn; attn:A-B "
+                        "only in layers A..B (e.g. attn:0-1,attn:30-31)")
     q.add_argument("--dequantize", action="store_true",
                    help="store every weight float at --dtype (4x the bytes of a 4-bit model)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")

@@ -252,6 +252,7 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     family, args = model_args(src.config)
     kinds = family.ffn_kinds(args)
     n_layers = args.num_hidden_layers
+    options.check_layers(n_layers)
     ffn_names = {}
     for layer in range(n_layers):
         for kind, (name, transposed) in family.ffn_tensors(args, layer).items():

@@ -10,11 +10,14 @@ Rules (one per tensor, printed when a value changes):
 - a float weight is quantized only with --quantize (as mlx_lm.convert -q does:
   mx.quantize of the weight at --dtype, so both give the same values);
 - --dequantize: every weight float at --dtype (the layout of version 1);
-- --q-keep embed,lm_head,attn: those parts stay float at --dtype.
+- --q-keep embed,lm_head,attn: those parts stay float at --dtype; attn:A-B (or attn:A) only
+  in layers A..B, repeatable (attn:0-1,attn:30-31: the first and last two layers, a common
+  choice for keeping quality at few bits).
 Only 2-D `.weight` tensors whose input dimension is a multiple of the group size
 are quantized (norms and biases stay float), like mlx_lm.
 """
 
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from ..errors import FlashError
 from ..layout.quant import QuantSpec, QuantTensor, check_quant, columns, pack, quantize, to_words, unpack
 
 KEEP_PARTS = ("embed", "lm_head", "attn")
+PER_LAYER_PARTS = ("attn",)  # parts a --q-keep item may restrict to layers (part:A-B)
 # GGUF types with no exact MLX form -> the bits they are re-quantized to by default
 LOSSY_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 
@@ -35,18 +39,55 @@ class QuantOptions:
     bits: int | None = None  # --q-bits
     group_size: int | None = None  # --q-group-size
     dequantize: bool = False  # --dequantize: everything float
-    keep: tuple = ()  # --q-keep: parts that stay float
+    keep: tuple = ()  # --q-keep: parts that stay float ("attn", or "attn:0-1" for some layers)
 
     def __post_init__(self):
         if self.dequantize and (self.quantize or self.bits or self.group_size):
             raise FlashError("--dequantize cannot be combined with --quantize / --q-bits / --q-group-size")
         check_quant(self.bits or 4, self.group_size or 64)
-        bad = [k for k in self.keep if k not in KEEP_PARTS]
-        if bad:
-            raise FlashError(f"--q-keep {bad[0]}: unknown part (choose from {', '.join(KEEP_PARTS)})")
+        for item in self.keep:
+            _keep_item(item)
+
+    def keeps(self, name):
+        """Does --q-keep hold the tensor `name` float?"""
+        part, layer = part_of(name), layer_of(name)
+        for item in self.keep:
+            p, layers = _keep_item(item)
+            if p == part and (layers is None or (layer is not None and layers[0] <= layer <= layers[1])):
+                return True
+        return False
+
+    def check_layers(self, n_layers):
+        """Every layer a --q-keep item names exists in this model."""
+        for item in self.keep:
+            _, layers = _keep_item(item)
+            if layers is not None and layers[1] >= n_layers:
+                raise FlashError(f"--q-keep {item}: the model has layers 0-{n_layers - 1}")
 
     def key(self):
         return [self.quantize, self.bits, self.group_size, self.dequantize, sorted(self.keep)]
+
+
+def _keep_item(item):
+    """'attn' -> ("attn", None); 'attn:2-5' -> ("attn", (2, 5)); 'attn:3' -> ("attn", (3, 3))."""
+    part, _, layers = item.partition(":")
+    if part not in KEEP_PARTS:
+        raise FlashError(f"--q-keep {item}: unknown part (choose from {', '.join(KEEP_PARTS)})")
+    if not layers:
+        return part, None
+    if part not in PER_LAYER_PARTS:
+        raise FlashError(f"--q-keep {item}: {part} is not per layer (only {', '.join(PER_LAYER_PARTS)} takes :A-B)")
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", layers)
+    if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+        raise FlashError(f"--q-keep {item}: layers as A or A-B with A <= B (e.g. {part}:0-1)")
+    first = int(m.group(1))
+    return part, (first, int(m.group(2)) if m.group(2) is not None else first)
+
+
+def layer_of(name):
+    """The layer index in a tensor's name (model.layers.3.…, model.decoder.layers.3.…), or None."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
 
 
 def part_of(name):
@@ -67,7 +108,7 @@ def target(src, name, shape, options, dtype, notes):
     # sources that hold float weights only (the benchmarks' random checkpoints) have no quant()
     exact = src.quant(name) if hasattr(src, "quant") else None
     lossy = src.lossy(name) if hasattr(src, "lossy") else None
-    if part_of(name) in options.keep:
+    if options.keeps(name):
         return "float", None
     if exact is not None and options.bits in (None, exact.bits) and options.group_size in (None, exact.group_size):
         return "keep", exact

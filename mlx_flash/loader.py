@@ -7,6 +7,7 @@ resident weights, build the runtime from the config (runtime/build.py).
 import json
 import logging
 import os
+import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,9 @@ from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
+from .plan.cost import resident_computed
+from .plan.explain import explain
+from .plan.profile import load_profile
 from .runtime.memory import MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, model_shape, plan_memory
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
@@ -59,14 +63,23 @@ def load(path_or_repo, progress=False, config=None, **options):
     The model carries its runtime as `model.runtime` (stats(), plan, store).
     """
     config = config or make_config(options)
+    # --explain's machine profile: measured now if none is cached, before anything loads (a
+    # probe's own memory must not add to the model's under a limit)
+    profile = load_profile() if config.explain else None
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, config)
     try:
-        build_runtime(model, folder, manifest, config, resident, progress=progress)
+        runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
     except BudgetTooSmall as e:
         raise (e if memory is None else memory.restate(e)) from None
-    model.runtime.memory = memory
+    runtime.memory = memory
+    runtime.resident_work = resident_computed(model)
+    if runtime.choice is not None and runtime.budget_bytes is not None and not config.explain:
+        # (no limit: dense, which --explain says; with it, its first line says this)
+        logging.getLogger("mlx_flash").warning("%s", runtime.choice.describe())
+    if config.explain:
+        print(explain(runtime, profile), file=sys.stderr)
     if memory is not None:  # (mlx_lm's make_prompt_cache uses a model's make_cache)
         model.make_cache = partial(kv_caches, len(model.layers), memory.context)
     model.eval()

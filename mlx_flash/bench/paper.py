@@ -46,6 +46,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 from ..io import READ_THREADS
+from ..plan.profile import disk_curve
 from .random_model import build_checkpoint, shape_config
 from .trace import TraceModel, TraceSource
 
@@ -100,26 +101,6 @@ def matvec_bandwidth(rows=16384, cols=4096, repeat=10):
     gbps = w.nbytes * repeat / (time.perf_counter() - t) / 1e9
     del w
     return gbps
-
-
-def disk_curve(files, chunks, threads=READ_THREADS, seconds=1.0, seed=0):
-    """{chunk bytes: GB/s} of uncached random reads of `chunks`-sized pieces of `files`."""
-    from ..io import FlashReader
-
-    rng = np.random.default_rng(seed)
-    out = {}
-    with FlashReader(threads=threads, direct=True, coalesce_gap=-1) as r:
-        fs = [r.open(p) for p in files]
-        for c in [c for c in chunks if c <= min(f.size for f in fs)]:
-            n_per = max(64, int(64 * MiB // c))
-            done, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                f = fs[rng.integers(len(fs))]
-                offs = rng.integers(0, f.size // c, n_per) * c
-                r.read_discard(f, offs, np.full(n_per, c))
-                done += n_per * c
-            out[c] = done / (time.perf_counter() - t0) / 1e9
-    return out
 
 
 def throughput_at(curve, size):

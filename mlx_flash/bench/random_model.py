@@ -35,6 +35,10 @@ SHAPES = {
     "llama-2-7b": dict(LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                        hidden_act="fatrelu", fatrelu_threshold=0.01),
+    # the machine profile's per-layer overhead probe (plan/profile.py), and tests
+    "tiny-llama": dict(LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=512, hidden_act="silu",
+                       max_position_embeddings=256),
     # for tests
     "tiny-opt": dict(OPT, hidden_size=64, ffn_dim=512, num_hidden_layers=2,
                      num_attention_heads=4, vocab_size=512, max_position_embeddings=256),

@@ -9,6 +9,9 @@
   peers     mlx_flash against mlx_lm and llama.cpp in one run, each system
             in its own process under the same memory cgroup limit; table
             (markdown, CSV, JSON) under --out.
+  profile   this machine's rates for the cost model (disk by read size,
+            compute by weight form, per-layer overhead by mode), cached in
+            $MLX_FLASH_HOME/profile.json for --mode auto, --explain and --stats.
 """
 
 import argparse
@@ -73,6 +76,7 @@ def build_parser():
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     add_paper_parser(sub)
     add_peers_parser(sub)
+    add_profile_parser(sub)
     return p
 
 
@@ -175,8 +179,30 @@ def mx_device():
     return mx.default_device()
 
 
+def add_profile_parser(sub):
+    s = sub.add_parser("profile", help="this machine's rates for the cost model (cached for --explain, --stats)")
+    s.add_argument("--file", default=None, help="a large file to read uncached for the disk curve (default: a "
+                   "256 MiB probe file of random bytes beside the profile, written once)")
+    s.add_argument("--quick", action="store_true", help="shorter runs (what a command does when none is cached)")
+    s.add_argument("--out", default=None, help="where to write it (default $MLX_FLASH_HOME/profile.json)")
+
+
+def profile_main(args):
+    from ..plan.profile import measure, save_profile
+
+    p = measure(quick=args.quick, file=args.file, progress=lambda msg: print(msg, flush=True))
+    path = save_profile(p, args.out)
+    print("disk GB/s (uncached, %d threads): %s" % (p.threads, ", ".join(
+        f"{c // 1024} KiB {v:.2f}" for c, v in sorted(p.disk.items()))))
+    print("compute GB/s of weights (one decode step): " + ", ".join(f"{k} {v:.1f}" for k, v in p.compute.items()))
+    print("per-layer overhead ms: " + ", ".join(f"{k} {v:.2f}" for k, v in p.layer_ms.items()))
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.what == "profile":
+        return run(lambda: profile_main(args), "mlx_flash.benchmark")
     if args.what == "peers":
         return run(lambda: peers_main(args, argv), "mlx_flash.benchmark")
     if args.what == "paper":

@@ -167,12 +167,13 @@ def summary_lines(res, args, stats):
         lines.append(f"  acc_norm        {fmt_metric(m['acc_norm'], m['acc_norm_stderr'])}   (log-likelihood / characters)")
         lines.append(f"  n               {res['n']} items of {res['available']} ({way})")
     budget = stats.get("memory_budget_bytes")
-    parts = [f"mode {args.mode}"]
-    if args.mode != "dense":
+    mode = stats.get("mode", args.mode)  # (what --mode auto chose)
+    parts = [f"mode {mode}"]
+    if mode == "flash":
         parts.append(f"sparsity {args.sparsity}, density {args.density:g}")
         if args.sparsity == "dip-ca":
             parts.append(f"gamma {args.gamma:g}, eviction {args.eviction}")
-        elif args.sparsity != "dip" and args.mode == "flash":
+        elif args.sparsity != "dip":
             parts.append(f"window {args.window}")
     lines.append("  " + ", ".join(parts) + "; " + (
         f"budget {budget / 1e6:.0f} MB ({args.memory_budget})" if budget and args.memory_budget
@@ -208,7 +209,7 @@ def main(argv=None):
             raise FlashError(f"--context must be at least 1, not {args.context}")
         loaded = load_task(args.task, args.split, args.data_dir)  # data errors before the model loads
         model, tokenizer = load_for_cli(args, ctx_size=args.context)
-        if args.mode == "dense":
+        if model.runtime.mode == "dense":
             incremental = args.token_by_token
         else:
             incremental = not args.batch_prefill

@@ -112,6 +112,7 @@ def main(argv=None):
         print(f"Prompt: {resp.prompt_tokens} tokens, {resp.prompt_tps:.1f} tokens-per-sec")
         print(f"Generation: {resp.generation_tokens} tokens, {resp.generation_tps:.1f} tokens-per-sec")
         print(f"Peak memory: {resp.peak_memory:.3f} GB")
+        report = model.runtime.stats()
         if args.stats and len(times) > 1:
             decode = sorted(times[1:])
             n = len(decode)
@@ -120,7 +121,11 @@ def main(argv=None):
                 f"p50 {1e3 * decode[n // 2]:.1f}, p90 {1e3 * decode[int(n * 0.9)]:.1f}, "
                 f"max {1e3 * decode[-1]:.1f}; first token {1e3 * times[0]:.1f} ms"
             )
-        report = model.runtime.stats()
+            p = report["summary"].get("predicted")
+            if p is not None:
+                print(f"Cost model: predicted {p['total_ms']:.1f} ms/token (I/O {p['io_ms']:.1f}, compute "
+                      f"{p['compute_ms']:.1f}), measured median {1e3 * decode[n // 2]:.1f}: "
+                      f"{decode[n // 2] * 1e3 / p['total_ms']:.2f}x")
         if args.stats:
             s = report["summary"]
             if "memory_limit" in s:

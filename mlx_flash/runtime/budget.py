@@ -65,7 +65,8 @@ class Plan:
 
 
 def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
-              n_neurons, window=DEFAULTS.window, dip=None, req=None, held_neuron_bytes=0, prefetch=False):
+              n_neurons, window=DEFAULTS.window, dip=None, req=None, held_neuron_bytes=0, prefetch=False,
+              hold_most=False):
     """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
     DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
     two caches of every layer get the same fraction of their rows from the rest.
@@ -74,7 +75,9 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
     float32 arena of one cache before use (two with prefetch); arena + scratch then
     cost one float32 layer (two), and every layer's cache its float16 rows.
     prefetch (naive, hybrid): the streamed rows of the next layer are read while this
-    layer computes, into a second streaming buffer (the scratch counts both)."""
+    layer computes, into a second streaming buffer (the scratch counts both).
+    hold_most (hybrid, --mode auto): as many of every layer's neurons resident as the budget
+    allows, up to all, where the paper's hybrid holds at most half."""
     if held_neuron_bytes and mode not in ("dense", "hybrid"):
         raise FlashError(f"float16 neuron caches are for --mode dense / hybrid, not {mode}")
     if mode not in MODES:
@@ -92,7 +95,7 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         # budget, the largest resident share it allows (the paper's hybrid holds
         # half of the model in DRAM)
         bufs = 2 if prefetch else 1
-        capacity = n // 2
+        capacity = n if hold_most else n // 2
         if budget_bytes is not None and held_neuron_bytes:
             # float16 caches: as much of every layer as the budget allows, up to all of it;
             # cost: L * cap float16 rows + bufs arenas of cap + bufs buffers of n - cap
@@ -153,9 +156,9 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
 
 def _check(plan, budget_bytes, mode):
     if budget_bytes is not None and plan.weights_bytes > budget_bytes:
-        reason = f"--mode {mode} needs {plan.weights_bytes / 1e6:.0f} MB of weights in DRAM"
+        reason = f"--mode {mode} needs {plan.weights_bytes / 1e6:.1f} MB of weights in DRAM"
         raise BudgetTooSmall(
-            f"{reason}, over the budget of {budget_bytes / 1e6:.0f} MB" + ("; try --mode flash" if mode != "flash" else ""),
+            f"{reason}, over the budget of {budget_bytes / 1e6:.1f} MB" + ("; try --mode flash" if mode != "flash" else ""),
             budget_bytes, plan.weights_bytes, reason)
     return plan
 

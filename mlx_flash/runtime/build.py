@@ -6,7 +6,7 @@ the store to every FlashFFN and the Runtime to `model.runtime`.
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,10 +58,31 @@ class Runtime:
     density: float | None = None
     ffns: list = field(default_factory=list, repr=False)  # the FlashFFNs the store is attached to
     memory: object = None  # memory.MemoryPlan under --memory-limit (set by load())
+    choice: object = None  # plan.choose.Choice: what --mode auto compared and chose
+    resident_work: dict = None  # {weight form: bytes} a token multiplies by outside the FFN (cost.py)
 
     @property
     def mode(self):
         return self.config.mode
+
+    def work(self, plan=None, packed=None):
+        """cost.Work of a decode token under `plan` (default this runtime's; an exact mode's),
+        or None (flash mode: its reads depend on the sparsity, not on the plan alone)."""
+        from ..io.reader import DEFAULT_MAX_READ
+        from ..plan.cost import exact_work
+
+        plan = plan or self.plan
+        if plan.mode == "flash" or self.resident_work is None:
+            return None
+        packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
+        return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ)
+
+    def predict(self, profile):
+        """The cost model's prediction for this runtime's plan (None in flash mode)."""
+        from ..plan.cost import predict
+
+        work = self.work()
+        return None if work is None else predict(work, profile)
 
     def stats(self):
         """{"tokens": per-pass rows, "summary": ...}: the paper's Table 3 columns, the budget,
@@ -83,6 +104,15 @@ class Runtime:
                                        "runtime_bytes": m.baseline, "kv_bytes": m.kv, "ctx_size": m.context,
                                        "activation_bytes": m.activations, "prefill_step": m.prefill_step,
                                        "mlx_cache_bytes": m.mlx_cache, "margin_bytes": m.margin}
+        from ..plan.profile import load_profile
+
+        profile = load_profile(probe=False)  # (a cached one: --stats never measures the machine)
+        try:
+            prediction = self.predict(profile) if profile is not None else None
+        except FlashError:  # (a profile without this weight form's rate: no prediction)
+            prediction = None
+        if prediction is not None:
+            summary["predicted"] = prediction.to_json()
         rows = []
         if store.stats is not None:
             store.stats.end()
@@ -166,14 +196,24 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     name, density = None, None
     # a quantized layout's column scales, per layer: in DRAM with the resident weights
     tables = read_tables(folder, manifest, lay, config.verify)
+    choice = None
+    if config.mode == "auto":
+        from ..plan.choose import choose_mode
+
+        crcs = []  # read once, for the modes that check their reads
+
+        def plan_of(mode):
+            if mode != "dense" and not crcs:
+                crcs.append(_checksums(folder, manifest, config, "ffn"))
+            extra = (tables,) if mode == "dense" else (tables, crcs[0])
+            return exact_plan(mode, manifest, config, dtype, _with_extra(resident, *extra), budget, held_ffn,
+                              hold_most=True)
+
+        choice = choose_mode(config, budget, plan_of)
+        config = replace(config, mode=choice.mode)
     if config.mode == "dense":
         resident = _with_extra(resident, tables)
-        packed = packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held_ffn,
-                                 cpu_kernels() is not None)
-        if packed:  # a neuron costs its bundle's bytes, not its float32 values
-            neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds)
-        plan = make_plan("dense", budget, resident.held_bytes, 0, neuron_bytes, n_layers, lay.n_neurons,
-                         held_neuron_bytes=neuron_bytes // 2 if held_ffn else 0)
+        plan, packed, _ = exact_plan("dense", manifest, config, dtype, resident, budget, held_ffn)
         store = _dense_store(folder, manifest, dtype, config.verify, progress, held_ffn, tables, packed)
     else:
         if config.verify:
@@ -197,12 +237,12 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
             crcs = _checksums(folder, manifest, config, "ffn")
             resident = _with_extra(resident, tables, crcs)
             plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
-                                        neuron_bytes, held_ffn and config.mode == "hybrid", tables, crcs)
+                                        held_ffn, tables, crcs, hold_most=choice is not None)
     for f in ffns:
         f.store = store
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
-                      budget, model_bytes, source, name, density, ffns)
+                      budget, model_bytes, source, name, density, ffns, choice=choice)
     model.runtime = runtime
     return runtime
 
@@ -293,20 +333,48 @@ def _make_source(folder, manifest, config, dtype, ffns, tables):
     return cls.build(ctx)
 
 
-def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neuron_bytes, held, tables, crcs):
+def exact_plan(mode, manifest, config, dtype, resident, budget, held_ffn, hold_most=False):
+    """-> (Plan, packed, staged) of an exact mode (dense, naive, hybrid): what build_runtime
+    builds, and what --mode auto compares (raises BudgetTooSmall where the mode does not fit).
+    held_ffn: a float16 model held at float16 (dense and hybrid hold their rows so).
+    hold_most: hybrid holds as many neurons as the budget allows, not at most half (auto)."""
+    lay = manifest.layout
+    held = held_ffn and mode in ("dense", "hybrid")
+    staged = mode != "dense" and _staged(config, held, dtype)
+    packed = not staged and packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held,
+                                            cpu_kernels() is not None, mode=mode)
+    # a neuron costs its bundle's bytes when its rows stay packed, else its values at the
+    # compute dtype (twice when staged: its rows on the device and their host staging copy)
+    neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds) if packed else \
+        len(lay.kinds) * lay.d_model * dtype.size * (2 if staged else 1)
+    plan = make_plan(mode, budget, resident.held_bytes, 0, neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
+                     held_neuron_bytes=neuron_bytes // 2 if held else 0,
+                     prefetch=config.prefetch and mode != "dense", hold_most=hold_most)
+    return plan, packed, staged
+
+
+def _neuron_store(folder, manifest, config, dtype, resident, budget, source, held_ffn, tables, crcs,
+                  hold_most=False):
     from .stores.flash import FlashStore
     from .stores.streamed import StreamedStore
 
     lay, mode, window = manifest.layout, config.mode, config.window
+    if mode != "flash":
+        plan, packed, staged = exact_plan(mode, manifest, config, dtype, resident, budget, held_ffn, hold_most)
+        reader = FlashReader(threads=config.threads, direct=True)
+        store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables,
+                              crcs=crcs, packed=packed, staged=staged)
+        return plan, store
+    neuron_bytes = len(lay.kinds) * lay.d_model * dtype.size
     req = manifest.calibration.get("req")
-    if req and mode == "flash":  # per-layer capacity from calibration: Req_i at this window
+    if req:  # per-layer capacity from calibration: Req_i at this window
         k = min(8 if window is None else max(window, 1), max(req["windows"]))
         req = ([r[req["windows"].index(k)] for r in req["per_layer"]],
                max(r[0] for r in req["per_layer"]))  # Req_i(k), and the most one token needs
     else:
         req = None
-    staged = _staged(config, held, dtype)
-    packed = not staged and packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held,
+    staged = _staged(config, False, dtype)
+    packed = not staged and packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, False,
                                             cpu_kernels() is not None)
     if packed:  # a neuron costs its bundle's bytes, not its float32 values
         neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds)
@@ -314,15 +382,10 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, neu
         neuron_bytes *= 2
     plan = make_plan(mode, budget, resident.held_bytes, source.resident_bytes if source else 0,
                      neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
-                     window=10**9 if window is None else window, req=req,
-                     held_neuron_bytes=neuron_bytes // 2 if held else 0, prefetch=config.prefetch)
+                     window=10**9 if window is None else window, req=req, prefetch=config.prefetch)
     reader = FlashReader(threads=config.threads, direct=True)
-    if mode == "flash":
-        store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
-                           overlap=config.overlaps, tables=tables, crcs=crcs, packed=packed, staged=staged)
-    else:
-        store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables,
-                              crcs=crcs, packed=packed, staged=staged)
+    store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
+                       overlap=config.overlaps, tables=tables, crcs=crcs, packed=packed, staged=staged)
     return plan, store
 
 

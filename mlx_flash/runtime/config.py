@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, fields
 from ..errors import FlashError
 from ..io.reader import READ_THREADS
 
-MODES = ("dense", "naive", "hybrid", "flash")
+MODES = ("dense", "naive", "hybrid", "flash")  # what a runtime runs
+CONFIG_MODES = ("auto",) + MODES  # what a user may ask for (auto: plan/choose.py picks one of MODES)
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 HELD_DTYPES = ("float16", "bfloat16")  # what resident weights may be held at, converted before use
 RESIDENT_DTYPES = COMPUTE_DTYPES + ("quantized",)  # quantized: a quantized model's, at their bits
@@ -33,9 +34,13 @@ class FlashConfig:
     dtype: str | None = _opt(None, "compute dtype (default float32 on the CPU, the flash dtype on a GPU)",
                              "--dtype", COMPUTE_DTYPES)
     verify: bool = _opt(True, "skip sha256 checks at load", "--no-verify", negate=True)
-    mode: str = _opt("dense", "dense: all FFN rows in DRAM; naive: all read every token; hybrid: half "
-                     "resident; flash: only the needed neurons, windowed cache (default dense)",
-                     "--mode", MODES)
+    mode: str = _opt("auto", "auto: dense when the model fits the memory limit or budget, else the exact "
+                     "mode that reads least (hybrid, else naive), or flash when a sparsity option is given; "
+                     "dense: all FFN rows in DRAM; naive: all read every token; hybrid: as many resident as "
+                     "the budget allows, the rest read; flash: only the needed neurons, windowed cache "
+                     "(default auto)", "--mode", CONFIG_MODES)
+    explain: bool = _opt(False, "print the plan before running: with --mode auto every mode it compared "
+                         "(the weights each needs, the cost model's predicted time per token)", "--explain")
     sparsity: str = _opt("oracle", "flash mode's sparsity source (dip / dip-ca need a model converted "
                          "with --dip; predictor a calibrated one)", "--sparsity", _sparsity_names)
     gamma: float = _opt(0.2, "DIP-CA re-weighting of uncached entries", "--gamma")
@@ -86,15 +91,15 @@ class FlashConfig:
         def bad(what):
             raise FlashError(what)
 
-        if self.mode not in MODES:
-            bad(f"unknown mode '{self.mode}' (choose from {', '.join(MODES)})")
+        if self.mode not in CONFIG_MODES:
+            bad(f"unknown mode '{self.mode}' (choose from {', '.join(CONFIG_MODES)})")
         if self.dtype is not None and self.dtype not in COMPUTE_DTYPES:
             bad(f"unsupported compute dtype '{self.dtype}' (choose from {', '.join(COMPUTE_DTYPES)})")
         if not isinstance(self.sparsity, str):
             bad("sparsity is a source's name (a source object goes to build_runtime(source=...))")
         if self.mode != "dense" and self.sparsity not in _sparsity_names():
             bad(f"unknown sparsity source '{self.sparsity}' (available: {', '.join(_sparsity_names())})")
-        if self.mode == "flash" and not 0 < self.density <= 1:
+        if self.mode in ("flash", "auto") and not 0 < self.density <= 1:
             bad(f"--density must be in (0, 1], got {self.density}")
         if self.window is not None and self.window < 0:
             bad(f"--window must be 0 or more, got {self.window}")
@@ -121,7 +126,7 @@ class FlashConfig:
         """Options that would change nothing in this configuration are refused, not ignored
         (a value equal to the default cannot be told from no value, and changes nothing)."""
         d = DEFAULTS_BY_NAME
-        if self.mode != "flash":
+        if self.mode not in ("flash", "auto"):  # (auto with any of them is flash: sparse_options)
             given = [flag for flag, ok in (
                 ("--sparsity", self.sparsity == d["sparsity"]),
                 ("--density", self.density == d["density"]),
@@ -132,7 +137,7 @@ class FlashConfig:
                 raise FlashError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to --mode "
                                  f"flash (the mode that reads only the neurons a sparsity source picks); "
                                  f"--mode {self.mode} would ignore {'it' if len(given) == 1 else 'them'}")
-        elif self.sparsity in _sparsity_names():
+        elif self.sparsity in _sparsity_names() and (self.mode == "flash" or self.sparse_options):
             from ..sparsity import source_class
 
             cls = source_class(self.sparsity)
@@ -145,6 +150,15 @@ class FlashConfig:
         if not self.prefetch and self.mode == "dense":
             raise FlashError("--no-prefetch changes how rows are read during a token: --mode dense reads "
                              "none (every row is in DRAM)")
+
+    @property
+    def sparse_options(self):
+        """The flash-only options given (differing from their defaults): with --mode auto, they
+        ask for flash mode."""
+        d = DEFAULTS_BY_NAME
+        return [flag for flag, name in (("--sparsity", "sparsity"), ("--density", "density"),
+                                        ("--window", "window"), ("--gamma", "gamma"), ("--eviction", "eviction"))
+                if getattr(self, name) != d[name] and not (name == "window" and self.window is None)]
 
     @property
     def overlaps(self):
@@ -188,15 +202,16 @@ def keep_quantized(config, on_cpu):
     return config.resident_dtype == "quantized"
 
 
-def packed_ffn_rows(config, quantized_layout, float32_compute, held, kernels, dip=False):
+def packed_ffn_rows(config, quantized_layout, float32_compute, held, kernels, dip=False, mode=None):
     """Keep a quantized layout's FFN rows at their bits in the caches? (see ffn_rows; dip: the
-    DIP store's, whose default is quantized where the kernels run)"""
+    DIP store's, whose default is quantized where the kernels run; mode: the mode asked about,
+    default config.mode)"""
     possible = bool(quantized_layout and float32_compute and not held and kernels)
     if config.ffn_rows == "quantized" and not possible:
         raise FlashError("--ffn-rows quantized needs a quantized model, float32 compute and the native "
                          "kernels on the CPU" + ("" if kernels else " (not built, or not on the CPU)"))
     if config.ffn_rows is None:
-        return possible and (dip or config.mode in ("dense", "naive", "hybrid"))
+        return possible and (dip or (mode or config.mode) in ("dense", "naive", "hybrid"))
     return possible and config.ffn_rows == "quantized"
 
 
@@ -233,6 +248,9 @@ def add_cli_args(parser):
             continue
         if meta["negate"]:
             parser.add_argument(meta["flag"], dest=f.name, action="store_false", help=meta["help"])
+            continue
+        if f.default is False:  # a switch
+            parser.add_argument(meta["flag"], dest=f.name, action="store_true", help=meta["help"])
             continue
         choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
         kind = _value_type(f)  # None: a string (or a choice)

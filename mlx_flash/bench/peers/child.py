@@ -88,7 +88,14 @@ class MLXFlashRuntime:
             memory_limit=cfg.get("memory_limit"), ctx_size=cfg["context"] if cfg.get("memory_limit") else None,
             resident_dtype=cfg.get("resident_dtype"), progress=False)
         rt = self.model.runtime
-        out = {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes}
+        out = {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes,
+               "plan_mode": rt.mode}
+        from mlx_flash.plan.profile import load_profile
+
+        profile = load_profile(probe=False)  # the cost model's, where this machine was profiled
+        prediction = rt.predict(profile) if profile is not None else None
+        if prediction is not None:
+            out["predicted_ms"] = prediction.total_ms
         if rt.memory is not None:  # --memory-limit's plan: what it set aside besides the weights
             m = rt.memory
             out |= {"memory_limit_bytes": m.limit, "runtime_bytes": m.baseline, "kv_bytes": m.kv,

@@ -121,7 +121,8 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
     if "loaded" in ev:
         rec.extra.update({k: v for k, v in ev["loaded"].items()
                           if k in ("memory_budget_bytes", "plan_weights_bytes", "threads", "mmap",
-                                   "memory_limit_bytes", "runtime_bytes", "kv_bytes", "activation_bytes")})
+                                   "memory_limit_bytes", "runtime_bytes", "kv_bytes", "activation_bytes",
+                                   "plan_mode", "predicted_ms")})
     if res.oom_killed:
         rec.status = "oom"
         rec.message = f"OOM-killed while {_doing(last)}"
@@ -433,6 +434,13 @@ class Peers:
             ratios = [r.decode_tps / ref_runs[r.round].decode_tps for r in ok
                       if r.round in ref_runs and r.decode_tps and ref_runs[r.round].decode_tps]
             row["decode_vs_reference"] = _median(ratios)
+            modes = sorted({r.extra["plan_mode"] for r in ok if r.extra.get("plan_mode")})
+            row["plan_mode"] = ",".join(modes) or None
+            # the cost model against the measured decode (ms per token), per run, then the median
+            errs = [1e3 / r.decode_tps / r.extra["predicted_ms"] for r in ok
+                    if r.decode_tps and r.extra.get("predicted_ms")]
+            row["predicted_ms"] = _median([r.extra.get("predicted_ms") for r in ok if r.extra.get("predicted_ms")])
+            row["measured_over_predicted"] = _median(errs)
             if ok and ref_runs:
                 ref_tokens = next(iter(ref_runs.values())).tokens
                 row["same_tokens_as_reference"] = _common_prefix(ok[0].tokens, ref_tokens)

@@ -9,7 +9,7 @@ from ...sizes import MiB, parse_share
 
 MB = 1e6
 RUNTIMES = ("mlx_flash", "mlx_lm", "llama.cpp")
-MLX_FLASH_MODES = ("dense", "naive", "hybrid", "flash")
+MLX_FLASH_MODES = ("auto", "dense", "naive", "hybrid", "flash")
 SPARSITIES = ("oracle", "threshold", "dip", "dip-ca", "predictor")
 GGUF_TYPES = ("f32", "f16", "q4_1")
 # the default model is 4-bit: under a limit its resident weights are held at their bits
@@ -17,7 +17,7 @@ DEFAULT_SYSTEMS = ("mlx_flash:dense@none,mlx_flash:hybrid,mlx_flash:naive,mlx_fl
                    "mlx_lm,llama.cpp-q4_1,llama.cpp-f16")
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 
-SPEC_HELP = ("mlx_flash:dense, mlx_flash:naive, mlx_flash:hybrid, mlx_flash:flash:<sparsity>:<density> "
+SPEC_HELP = ("mlx_flash:auto (the mode --mode auto chooses), mlx_flash:dense, mlx_flash:naive, mlx_flash:hybrid, mlx_flash:flash:<sparsity>:<density> "
              "(e.g. mlx_flash:flash:dip:0.5), each with ':f16' to hold the weights at float16 in DRAM "
              "(e.g. mlx_flash:hybrid:f16), mlx_lm, llama.cpp-f32, llama.cpp-f16, llama.cpp-q4_1; "
              "append @none for no memory limit or @<size> (e.g. @400MB) for a limit of its own")

@@ -1,8 +1,8 @@
 """naive and hybrid (the paper's baselines): the same neurons streamed every token.
 
 `naive` caches nothing and reads every neuron of every layer every token; `hybrid`
-keeps the first half of each layer's neurons resident (a model held at float16
-keeps as many as the budget allows, at float16) and reads the other half.
+keeps the first half of each layer's neurons resident (a model held at float16, or
+one --mode auto chose hybrid for, keeps as many as the budget allows) and reads the rest.
 """
 
 import time

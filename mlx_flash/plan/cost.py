@@ -1,0 +1,114 @@
+"""The cost model: one decode token's time under a plan, from this machine's profile.
+
+    I/O      = bytes read from flash / the disk's uncached throughput at the read size
+    compute  = sum over the forms weights are held in of bytes consumed / that form's rate
+    layers   = the layers x the mode's fixed cost per layer (MLX's dispatch, the store's syncs
+               and reads: the profile's tiny model, whose bytes take no time)
+    total    = I/O + compute + layers, or with prefetch (the next layer read while this one
+               computes) max(I/O, compute + layers) + the smaller of the two over the layers
+               (the first layer's read, or the last layer's compute, that nothing hides)
+
+Weights consumed per token: every resident matrix a token multiplies by (attention,
+lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every
+FFN row, each at the rate of the form it is held in (plan/profile.py). FlexGen (§4.3) models
+the same three terms per layer; here they are per token, as `--stats` measures them.
+"""
+
+from dataclasses import dataclass
+
+import mlx.nn as nn
+
+
+@dataclass
+class Work:
+    """What one decode token does under a plan."""
+
+    read_bytes: int  # from flash
+    read_size: int  # bytes per read (contiguous streams coalesce up to the reader's max read)
+    computed: dict  # weight form (profile.compute's keys) -> bytes the compute consumes
+    overlapped: bool  # reads run while the previous layer computes (prefetch)
+    n_layers: int
+    mode: str  # whose per-layer overhead applies
+
+
+@dataclass
+class Prediction:
+    io_ms: float
+    compute_ms: float  # the weights' bytes and the per-layer overhead
+    total_ms: float
+
+    def describe(self):
+        return f"{self.total_ms:.0f} ms/token (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f})"
+
+    def to_json(self):
+        return {"io_ms": self.io_ms, "compute_ms": self.compute_ms, "total_ms": self.total_ms}
+
+
+def predict(work, profile):
+    io = 1e3 * work.read_bytes / (profile.disk_gbs(work.read_size) * 1e9) if work.read_bytes else 0.0
+    compute = sum(1e3 * b / (profile.compute_gbs(form) * 1e9) for form, b in work.computed.items() if b)
+    compute += work.n_layers * profile.layer_ms.get(work.mode, profile.layer_ms["dense"])
+    if work.overlapped:
+        total = max(io, compute) + min(io, compute) / max(work.n_layers, 1)
+    else:
+        total = io + compute
+    return Prediction(io, compute, total)
+
+
+def resident_computed(model):
+    """{form: bytes} of the resident matrices one token multiplies by (FFNs excluded)."""
+    from ..models.ffn import FlashFFN
+    from ..models.half import HalfEmbedding, HalfLinear
+    from ..models.quantized import NativeQuantizedEmbedding, NativeQuantizedLinear
+
+    tied = not any(name.endswith("lm_head") for name, _ in model.named_modules())
+    out = {}
+
+    def add(form, nbytes):
+        out[form] = out.get(form, 0) + nbytes
+
+    def walk(m):
+        if isinstance(m, FlashFFN):
+            return
+        quantized = isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, NativeQuantizedLinear,
+                                   NativeQuantizedEmbedding))
+        embedding = isinstance(m, (nn.Embedding, nn.QuantizedEmbedding, HalfEmbedding, NativeQuantizedEmbedding))
+        if quantized or isinstance(m, (nn.Linear, HalfLinear)) or embedding:
+            if embedding and not tied:
+                return  # one row per token
+            w = m.weight
+            if quantized:
+                add(f"q{m.bits}", w.nbytes + m.scales.nbytes + m.biases.nbytes)
+            else:
+                add(str(w.dtype).replace("mlx.core.", ""), w.nbytes)
+            return
+        for child in m.children().values():
+            for c in (child if isinstance(child, list) else [child]):
+                if isinstance(c, nn.Module):
+                    walk(c)
+
+    walk(model)
+    return out
+
+
+def exact_work(plan, layout, packed, resident, max_read):
+    """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
+    holds read every token, as one contiguous stream per layer. packed: rows at their bits
+    (form q<bits>), else float32, and a float16-held cache's rows at float16."""
+    L, n = plan.n_layers, plan.n_neurons
+    held = plan.layer_capacity(0) if plan.mode != "naive" else 0
+    streamed = n - held
+    values = len(layout.kinds) * layout.d_model
+    computed = dict(resident)
+
+    def add(form, nbytes):
+        computed[form] = computed.get(form, 0) + nbytes
+
+    if packed:
+        add(f"q{layout.quant.bits}", L * n * layout.bundle_bytes)
+    else:
+        add("float16" if plan.held_neuron_bytes else "float32",
+            L * held * values * (2 if plan.held_neuron_bytes else 4))
+        add("float32", L * streamed * values * 4)
+    return Work(L * streamed * layout.stride, min(max_read, max(streamed * layout.stride, 1)), computed,
+                plan.prefetch, L, plan.mode)

@@ -1,0 +1,40 @@
+"""--explain: the plan a run is about to use, and with --mode auto every mode it compared,
+each with the weights it holds, the bytes it reads and the cost model's predicted time."""
+
+from .profile import load_profile
+
+
+def explain(runtime, profile=None):
+    profile = profile or load_profile()
+    choice, plan = runtime.choice, runtime.plan
+    lines = ["[mlx_flash] plan: " + (choice.describe() if choice is not None else f"--mode {runtime.mode}")]
+    rows = [("mode", "weights in DRAM", "read per token", "predicted per token")]
+    candidates = choice.candidates if choice is not None and choice.candidates else []
+    if candidates:
+        for c in candidates:
+            if c.plan is None:
+                rows.append((c.mode, "does not fit: " + c.error, "", ""))
+                continue
+            rows.append(_row(runtime, profile, c.mode, c.plan, c.packed, c.mode == runtime.mode))
+    else:
+        rows.append(_row(runtime, profile, runtime.mode, plan, None, True))
+    widths = [max(len(r[i]) for r in rows if r[2] or i == 0) for i in range(4)]
+    for r in rows:
+        if not r[2] and r[1].startswith("does not fit"):
+            lines.append(f"  {r[0]:<{widths[0]}}  {r[1]}")
+        else:
+            lines.append("  " + "  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip())
+    lines.append(f"  (cost model: plan/cost.py; profile of {profile.machine}, measured {profile.measured}"
+                 f"{', quick probe' if profile.quick else ''}: mlx_flash.benchmark profile measures it again)")
+    return "\n".join(lines)
+
+
+def _row(runtime, profile, mode, plan, packed, chosen):
+    work = runtime.work(plan, packed)
+    weights = f"{plan.weights_bytes / 1e6:.0f} MB" + (" <- chosen" if chosen else "")
+    if work is None:
+        return mode, weights, "depends on the sparsity", "not modelled (flash mode)"
+    from .cost import predict
+
+    p = predict(work, profile)
+    return mode, weights, f"{work.read_bytes / 1e6:.1f} MB", p.describe()

@@ -148,7 +148,8 @@ def test_budget_too_small_for_a_mode(folders):
 
 
 @pytest.mark.parametrize("flags, expect", [
-    (["--sparsity", "dip"], "--sparsity only applies to --mode flash"),
+    (["--mode", "dense", "--sparsity", "dip"], "--sparsity only applies to --mode flash"),
+    (["--sparsity", "dip"], "no DIP orientation"),  # --mode auto with a sparsity option: flash
     (["--mode", "hybrid", "--density", "0.5", "--window", "8"], "--density, --window only apply to --mode flash"),
     (["--mode", "flash", "--sparsity", "dip", "--gamma", "0.5"], "--gamma re-weights what the cache holds"),
     (["--mode", "flash", "--sparsity", "oracle", "--eviction", "lru"], "--eviction chooses"),

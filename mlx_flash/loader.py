@@ -6,7 +6,6 @@ resident weights, build the runtime from the config (runtime/build.py).
 
 import json
 import logging
-import os
 import sys
 from dataclasses import replace
 from functools import partial
@@ -16,6 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .errors import BudgetTooSmall, FlashError
+from .home import default_home
 from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
 from .kernels import kernels_module
@@ -27,10 +27,6 @@ from .runtime.memory import MLX_CACHE_LIMIT, check_limit_before_loading, kv_cach
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
 
-
-
-def default_home():
-    return Path(os.environ.get("MLX_FLASH_HOME", Path.home() / ".cache" / "mlx_flash"))
 
 
 def resolve_model_path(path_or_repo, convert_dtype="float16", progress=True):
@@ -63,8 +59,8 @@ def load(path_or_repo, progress=False, config=None, **options):
     The model carries its runtime as `model.runtime` (stats(), plan, store).
     """
     config = config or make_config(options)
-    # --explain's machine profile: measured now if none is cached, before anything loads (a
-    # probe's own memory must not add to the model's under a limit)
+    # --explain's machine profile, the cached one (generate --explain measures it first when
+    # none is: cli/generate.py; `mlx_flash.benchmark profile` from Python)
     profile = load_profile() if config.explain else None
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)

@@ -10,6 +10,7 @@ import pytest
 
 import mlx_flash
 from mlx_flash.errors import BudgetTooSmall, FlashError
+from mlx_flash.bench import profile as bench_profile
 from mlx_flash.plan import profile as profile_mod
 from mlx_flash.plan.choose import choose_mode
 from mlx_flash.plan.cost import Work, predict
@@ -87,17 +88,18 @@ def test_auto_under_a_budget_holds_what_fits_and_stays_exact(smollm2):
 def test_profile_is_cached_per_machine_and_probed_when_missing(tmp_path, monkeypatch, capsys):
     path = tmp_path / "profile.json"
     measured = []
-    monkeypatch.setattr(profile_mod, "measure", lambda quick=False, **kw: measured.append(quick) or _profile())
-    assert load_profile(path, probe=False) is None
-    p = load_profile(path)  # none cached: a quick probe, said, then cached
+    monkeypatch.setattr(bench_profile, "measure", lambda quick=False, **kw: measured.append(quick) or _profile())
+    assert load_profile(path) is None  # (the runtime's layers only read the cache)
+    p = bench_profile.ensure_profile(path)  # none cached: a quick probe, said, then cached
     assert measured == [True] and "quick probe" in capsys.readouterr().err
     assert json.loads(path.read_text())["layer_ms"] == p.layer_ms
-    assert load_profile(path).compute == p.compute and measured == [True]  # read, not measured again
+    assert bench_profile.ensure_profile(path).compute == p.compute and measured == [True]  # read, not measured again
     save_profile(_profile(machine="another machine"), path)
-    load_profile(path)
+    assert load_profile(path) is None
+    bench_profile.ensure_profile(path)
     assert measured == [True, True] and "another machine" in capsys.readouterr().err
     path.write_text("{not json")
-    load_profile(path)
+    bench_profile.ensure_profile(path)
     assert measured == [True, True, True] and "unreadable" in capsys.readouterr().err
 
 
@@ -122,7 +124,7 @@ def test_benchmark_profile_writes_one(tmp_path, smollm2):
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "benchmark", "profile", "--quick", "--file", str(ffn)],
                        capture_output=True, text=True, timeout=300, env=_env(home))
     assert r.returncode == 0, r.stderr
-    p = load_profile(home / "profile.json", probe=False)
+    p = load_profile(home / "profile.json")
     assert p is not None and p.quick and set(p.layer_ms) == {"dense", "hybrid", "naive"}
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
 
@@ -131,3 +133,14 @@ def _env(home):
     import os
 
     return os.environ | {"MLX_FLASH_HOME": str(home)}
+
+
+def test_explain_without_a_profile_says_so(smollm2, tmp_path, monkeypatch, capsys):
+    """load(explain=True) from Python never measures the machine: with none cached it lists the
+    modes, what each holds and reads, and says where predicted times come from."""
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "empty"))
+    model, _ = mlx_flash.load(smollm2, memory_budget="60MB", explain=True, progress=False)
+    err = capsys.readouterr().err
+    assert "plan: --mode auto: hybrid" in err and "(no profile)" in err and "no machine profile is cached" in err
+    assert not (tmp_path / "empty" / "profile.json").exists()
+    model.runtime.close()

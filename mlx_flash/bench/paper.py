@@ -46,7 +46,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 from ..io import READ_THREADS
-from ..plan.profile import disk_curve
+from .profile import disk_curve
 from .random_model import build_checkpoint, shape_config
 from .trace import TraceModel, TraceSource
 

@@ -140,7 +140,7 @@ def write_byte_tokenizer(folder, vocab_size):
 
 
 def checkpoint_dir(shape, dtype, home=None):
-    from ..loader import default_home
+    from ..home import default_home
 
     return Path(home or default_home()) / "bench" / f"{shape}-{dtype}"
 

@@ -188,7 +188,8 @@ def add_profile_parser(sub):
 
 
 def profile_main(args):
-    from ..plan.profile import measure, save_profile
+    from ..bench.profile import measure
+    from ..plan.profile import save_profile
 
     p = measure(quick=args.quick, file=args.file, progress=lambda msg: print(msg, flush=True))
     path = save_profile(p, args.out)

@@ -229,12 +229,12 @@ def main(argv=None):
             from pathlib import Path
 
             out = {k: v for k, v in res.items() if k != "nll"}
-            out.update(
-                model=str(model.runtime.folder),
-                config={k: getattr(args, k) for k in (
-                    "mode", "sparsity", "density", "memory_budget", "window", "gamma", "eviction",
-                    "dtype", "context", "batch_prefill", "token_by_token", "split", "limit")},
-                compute_dtype=model.runtime.compute_dtype, wall_seconds=wall, stats=stats)
+            config = {"mode": model.runtime.mode, "mode_asked": args.mode}  # (--mode auto: what it chose)
+            config.update({k: getattr(args, k) for k in (
+                "sparsity", "density", "memory_budget", "window", "gamma", "eviction",
+                "dtype", "context", "batch_prefill", "token_by_token", "split", "limit")})
+            out.update(model=str(model.runtime.folder), config=config,
+                       compute_dtype=model.runtime.compute_dtype, wall_seconds=wall, stats=stats)
             if res["kind"] == "perplexity":
                 nll = res["nll"]
                 out["window_mean_nll"] = [float(nll[s: s + res["context"]].mean())

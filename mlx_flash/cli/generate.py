@@ -46,6 +46,10 @@ def load_for_cli(args, ctx_size=None):
     overrides = {}
     if ctx_size is not None and args.memory_limit is not None and args.ctx_size is None:
         overrides["ctx_size"] = ctx_size
+    if getattr(args, "explain", False):
+        from ..bench.profile import ensure_profile
+
+        ensure_profile()  # measured before anything loads: a probe's memory must not add to the model's
     model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides))
     dt = time.perf_counter() - t0
     rt = model.runtime

@@ -40,7 +40,7 @@ class Prediction:
     def describe(self):
         return f"{self.total_ms:.0f} ms/token (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f})"
 
-    def to_json(self):
+    def as_dict(self):
         return {"io_ms": self.io_ms, "compute_ms": self.compute_ms, "total_ms": self.total_ms}
 
 

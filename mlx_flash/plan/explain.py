@@ -5,6 +5,8 @@ from .profile import load_profile
 
 
 def explain(runtime, profile=None):
+    """profile: the machine's (plan/profile.py); without one (none cached) the table says what
+    each mode holds and reads, and no time."""
     profile = profile or load_profile()
     choice, plan = runtime.choice, runtime.plan
     lines = ["[mlx_flash] plan: " + (choice.describe() if choice is not None else f"--mode {runtime.mode}")]
@@ -24,8 +26,12 @@ def explain(runtime, profile=None):
             lines.append(f"  {r[0]:<{widths[0]}}  {r[1]}")
         else:
             lines.append("  " + "  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip())
-    lines.append(f"  (cost model: plan/cost.py; profile of {profile.machine}, measured {profile.measured}"
-                 f"{', quick probe' if profile.quick else ''}: mlx_flash.benchmark profile measures it again)")
+    if profile is None:
+        lines.append("  (no machine profile is cached, so no predicted times: `mlx_flash.benchmark profile` "
+                     "measures one; generate --explain does it by itself)")
+    else:
+        lines.append(f"  (cost model: plan/cost.py; profile of {profile.machine}, measured {profile.measured}"
+                     f"{', quick probe' if profile.quick else ''}: mlx_flash.benchmark profile measures it again)")
     return "\n".join(lines)
 
 
@@ -34,6 +40,8 @@ def _row(runtime, profile, mode, plan, packed, chosen):
     weights = f"{plan.weights_bytes / 1e6:.0f} MB" + (" <- chosen" if chosen else "")
     if work is None:
         return mode, weights, "depends on the sparsity", "not modelled (flash mode)"
+    if profile is None:
+        return mode, weights, f"{work.read_bytes / 1e6:.1f} MB", "(no profile)"
     from .cost import predict
 
     p = predict(work, profile)

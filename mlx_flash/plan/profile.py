@@ -10,17 +10,17 @@
   float32 arena, then BLAS: models/half.py) and 4-/8-bit quantized (the native kernels
   on the CPU, MLX's quantized matmul elsewhere: models/quantized.py).
 
-`mlx_flash.benchmark profile` measures it into $MLX_FLASH_HOME/profile.json; load_profile()
-reads that, and runs a quick probe (a few seconds, said on stderr) when it is missing or
-was measured on another machine or MLX.
+Here: the profile and its cache. bench/profile.py measures it (it decodes a model through the
+runtime, which this layer sits below); `mlx_flash.benchmark profile` writes it into
+$MLX_FLASH_HOME/profile.json; load_profile() reads that, and the commands that need it
+(generate --explain) run bench/profile.py's quick probe (a few seconds, said on stderr) when
+it is missing or was measured on another machine or MLX.
 """
 
 import json
 import os
 import platform
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,11 +29,9 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import FlashError
+from ..home import default_home
 
 VERSION = 1
-KiB, MiB = 1024, 1024 * 1024
-CHUNKS = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB)
-PROBE_FILE_BYTES = 256 * MiB  # the disk probe's file (its own, written once, then read uncached)
 
 
 @dataclass
@@ -61,13 +59,13 @@ class Profile:
                              f"(it has {', '.join(self.compute)}): run mlx_flash.benchmark profile")
         return self.compute[form]
 
-    def to_json(self):
+    def as_dict(self):
         d = asdict(self)
         d["disk"] = {str(k): v for k, v in self.disk.items()}
         return d
 
     @classmethod
-    def from_json(cls, d):
+    def from_dict(cls, d):
         d = dict(d)
         d["disk"] = {int(k): float(v) for k, v in d["disk"].items()}
         return cls(**d)
@@ -87,8 +85,6 @@ def machine_key():
 
 
 def profile_path():
-    from ..loader import default_home
-
     return default_home() / "profile.json"
 
 
@@ -96,11 +92,13 @@ def _device():
     return "cpu" if mx.default_device() == mx.cpu else "gpu"
 
 
-def load_profile(path=None, probe=True, log=None):
-    """The cached profile of this machine, or (probe) a quick one measured now and cached."""
+def load_profile(path=None, measure=None, log=None):
+    """The cached profile of this machine; when none is cached (or it was measured on another
+    machine, MLX or device): None, or with `measure` (bench/profile.py's) a quick one measured
+    now, said on stderr, and cached."""
     path = Path(path or profile_path())
     try:
-        p = Profile.from_json(json.loads(path.read_text()))
+        p = Profile.from_dict(json.loads(path.read_text()))
         if p.version == VERSION and p.machine == machine_key() and p.mlx == mx.__version__ \
                 and p.device == _device():
             return p
@@ -109,7 +107,7 @@ def load_profile(path=None, probe=True, log=None):
         why = "none is cached"
     except (OSError, ValueError, TypeError, KeyError) as e:
         why = f"{path} is unreadable ({e})"
-    if not probe:
+    if measure is None:
         return None
     (log or _say)(f"machine profile: {why}; a quick probe now (a few seconds; "
                   "`mlx_flash.benchmark profile` measures it fully)")
@@ -122,136 +120,10 @@ def save_profile(p, path=None):
     path = Path(path or profile_path())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(p.to_json(), indent=1))
+    tmp.write_text(json.dumps(p.as_dict(), indent=1))
     tmp.replace(path)  # never a half-written profile
     return path
 
 
 def _say(text):
     print(f"[mlx_flash] {text}", file=sys.stderr)
-
-
-def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
-    """Measure this machine: the disk on `file` (else a probe file of our own, kept beside
-    the profile) and the compute rates. quick: fewer repeats and shorter disk runs."""
-    from ..io.reader import READ_THREADS
-
-    threads = threads or READ_THREADS
-    seconds = seconds or (0.3 if quick else 1.5)
-    say = progress or (lambda _: None)
-    notes = []
-    if file is None:
-        file = _probe_file()
-    say(f"disk: uncached random reads of {file}, {threads} threads")
-    disk = disk_curve([file], CHUNKS, threads, seconds)
-    say("compute: one decode step's matrix-vector products, by weight form")
-    compute = compute_rates(repeat=3 if quick else 10)
-    say("per-layer overhead: a tiny 4-bit model decoded through the runtime, by mode")
-    layer_ms = layer_overheads(tokens=8 if quick else 32)
-    return Profile(disk, threads, compute, layer_ms, machine_key(), mx.__version__, _device(),
-                   time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
-
-
-def _probe_file():
-    """A file of random bytes for the disk probe (written once; reads of it bypass the cache)."""
-    path = profile_path().parent / "disk-probe.bin"
-    if path.exists() and path.stat().st_size == PROBE_FILE_BYTES:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".disk-probe")
-    rng = np.random.default_rng(0)
-    with os.fdopen(fd, "wb") as f:
-        for _ in range(PROBE_FILE_BYTES // (16 * MiB)):
-            f.write(rng.integers(0, 256, 16 * MiB, dtype=np.uint8).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
-
-def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0):
-    """{read size: GB/s} of uncached random reads of `chunks`-sized pieces of `files`."""
-    from ..io import FlashReader
-    from ..io.reader import READ_THREADS
-
-    threads = threads or READ_THREADS
-    rng = np.random.default_rng(seed)
-    out = {}
-    with FlashReader(threads=threads, direct=True, coalesce_gap=-1) as r:
-        fs = [r.open(p) for p in files]
-        for c in [c for c in chunks if c <= min(f.size for f in fs)]:
-            n_per = max(64, int(64 * MiB // c))
-            done, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                f = fs[rng.integers(len(fs))]
-                offs = rng.integers(0, f.size // c, n_per) * c
-                r.read_discard(f, offs, np.full(n_per, c))
-                done += n_per * c
-            out[c] = done / (time.perf_counter() - t0) / 1e9
-    return out
-
-
-def compute_rates(rows=11008, cols=4096, repeat=10):
-    """GB/s of weights consumed by x @ W.T for one position (a decode step), for each form the
-    runtime holds weights in, through the very modules it uses (a 7B FFN matrix's size)."""
-    import mlx.nn as nn
-
-    from ..kernels import kernels_module
-    from ..models.half import Arena, HalfLinear
-    from ..models.quantized import NativeQuantizedLinear
-
-    def rate(f, nbytes):
-        x = mx.random.normal((1, 1, cols))
-        mx.eval(f(x))  # warm
-        t = time.perf_counter()
-        for _ in range(repeat):
-            mx.eval(f(x))
-        return nbytes * repeat / (time.perf_counter() - t) / 1e9
-
-    w = mx.random.normal((rows, cols)) * 0.02
-    mx.eval(w)
-    out = {"float32": rate(lambda x: x @ w.T, w.nbytes)}
-    on_cpu = mx.default_device() == mx.cpu
-    arena = Arena()
-    for name, dt in (("float16", mx.float16), ("bfloat16", mx.bfloat16)):
-        w16 = w.astype(dt)
-        mx.eval(w16)
-        # on the CPU held weights go through the float32 arena (models/half.py); elsewhere MLX
-        # multiplies them as they are
-        product = HalfLinear(w16, None, arena) if on_cpu else (lambda x, w16=w16: x @ w16.T)
-        out[name] = rate(product, w16.nbytes)
-    kernels, _ = kernels_module()
-    for bits in (4, 8):
-        q = nn.QuantizedLinear(cols, rows, bias=False, group_size=64, bits=bits)
-        q.weight, q.scales, q.biases = mx.quantize(w, group_size=64, bits=bits)
-        mx.eval(q.parameters())
-        nbytes = q.weight.nbytes + q.scales.nbytes + q.biases.nbytes
-        m = NativeQuantizedLinear(q, kernels, arena) if on_cpu and kernels is not None else q
-        out[f"q{bits}"] = rate(m, nbytes)
-    return out
-
-
-def layer_overheads(tokens=32):
-    """{mode: ms per layer per decode token} of a tiny model, whose weights take no time to
-    read or multiply: what each layer costs whatever its size."""
-    import mlx_flash
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from ..bench.random_model import build_checkpoint
-
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="mlx-flash-probe") as home:
-        folder = build_checkpoint("tiny-llama", "q4", home=home, progress=False)
-        for mode in ("dense", "hybrid", "naive"):
-            model, _ = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else "60%",
-                                      progress=False)
-            cache = make_prompt_cache(model)
-            x = mx.array([[1]])
-            times = []
-            for i in range(tokens + 2):
-                t = time.perf_counter()
-                mx.eval(model(x, cache=cache))
-                times.append(time.perf_counter() - t)
-            model.runtime.close()
-            out[mode] = 1e3 * float(np.median(times[2:])) / len(model.layers)
-    return out

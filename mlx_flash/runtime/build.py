@@ -106,13 +106,13 @@ class Runtime:
                                        "mlx_cache_bytes": m.mlx_cache, "margin_bytes": m.margin}
         from ..plan.profile import load_profile
 
-        profile = load_profile(probe=False)  # (a cached one: --stats never measures the machine)
+        profile = load_profile()  # (a cached one: --stats never measures the machine)
         try:
             prediction = self.predict(profile) if profile is not None else None
         except FlashError:  # (a profile without this weight form's rate: no prediction)
             prediction = None
         if prediction is not None:
-            summary["predicted"] = prediction.to_json()
+            summary["predicted"] = prediction.as_dict()
         rows = []
         if store.stats is not None:
             store.stats.end()

@@ -92,7 +92,7 @@ class MLXFlashRuntime:
                "plan_mode": rt.mode}
         from mlx_flash.plan.profile import load_profile
 
-        profile = load_profile(probe=False)  # the cost model's, where this machine was profiled
+        profile = load_profile()  # the cost model's, where this machine was profiled
         prediction = rt.predict(profile) if profile is not None else None
         if prediction is not None:
             out["predicted_ms"] = prediction.total_ms

@@ -55,7 +55,7 @@ def _prod(shape):
 def peers_home(folder):
     """Where the exported HF folder and GGUFs of a model are kept ($MLX_FLASH_HOME/peers/...)."""
     from ...layout.format import read_manifest
-    from ...loader import default_home
+    from ...home import default_home
 
     m = read_manifest(folder)
     tag = (m.resident.get("sha256") or "nosha")[:10]

@@ -4,6 +4,8 @@ Generation itself is mlx_lm's: our models are mlx_lm-compatible modules, so
 sampling, stop tokens, prompt caches and speculative decoding behave the same.
 """
 
+from dataclasses import dataclass
+
 from mlx_lm.generate import generate as _lm_generate
 from mlx_lm.generate import stream_generate as _lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -58,3 +60,72 @@ def generate(model, tokenizer, prompt, verbose=False, max_tokens=256, **kwargs):
     """Return the generated text, like mlx_lm.generate."""
     kwargs = _within_memory_limit(model, tokenizer, prompt, max_tokens, _split_sampling(kwargs))
     return _lm_generate(model, tokenizer, prompt, verbose=verbose, max_tokens=max_tokens, **kwargs)
+
+
+@dataclass
+class BatchResult:
+    """What batch_generate returns: per prompt its text and tokens (in the prompts' order), and
+    the run's counts and times (prompt processing and decoding apart)."""
+
+    texts: list
+    tokens: list
+    finish_reasons: list
+    prompt_tokens: int
+    prompt_seconds: float
+    generation_tokens: int
+    decode_seconds: float
+    steps: int  # decode steps: each reads the rows of every layer once for the whole batch
+
+    @property
+    def decode_tps(self):
+        return self.generation_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwargs):
+    """Decode many prompts together (mlx_lm's BatchGenerator: left-padded, one batched KV cache):
+    every decode step runs all of them through each layer at once, so the FFN rows a step reads
+    from flash (or converts, or multiplies) serve every sequence — FlexGen's block schedule (§4.2)
+    with the whole batch as one block. prompts: strings or token lists. stop: end a sequence at
+    its end-of-sequence token (False: every one decodes max_tokens, as a benchmark wants).
+    Sampling keywords as generate's (temp, top_p, ...)."""
+    from mlx_lm.generate import BatchGenerator
+
+    from .errors import FlashError
+
+    if not prompts:
+        raise FlashError("batch_generate: no prompts")
+    runtime = getattr(model, "runtime", None)
+    if getattr(runtime, "memory", None) is not None:
+        # each sequence's cache is allocated to the plan's whole context, then merged into the
+        # batch's: a --memory-limit plan sized for one sequence cannot hold that
+        raise FlashError("a batch of prompts under --memory-limit is not planned yet (the plan holds one "
+                         "sequence's KV cache): use --memory-budget, which bounds the weights only")
+    kwargs = _split_sampling(kwargs)
+    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    for i, p in enumerate(ids):
+        if not p:
+            raise FlashError(f"batch_generate: prompt {i + 1} is empty")
+    n = len(ids)
+    stops = [[t] for t in tokenizer.eos_token_ids] if stop else None
+    gen = BatchGenerator(model, stop_tokens=stops, sampler=kwargs.get("sampler"),
+                         logits_processors=kwargs.get("logits_processors"),
+                         completion_batch_size=n, prefill_batch_size=n,
+                         prefill_step_size=kwargs.get("prefill_step_size", 2048))
+    try:
+        uids = gen.insert(ids, [max_tokens] * n)
+        out = {u: [] for u in uids}
+        reasons = {u: None for u in uids}
+        with gen.stats() as stats:
+            while responses := gen.next_generated():
+                for r in responses:
+                    if r.finish_reason != "stop":
+                        out[r.uid].append(r.token)
+                    if r.finish_reason is not None:
+                        reasons[r.uid] = r.finish_reason
+    finally:
+        gen.close()
+    tokens = [out[u] for u in uids]
+    return BatchResult(texts=[tokenizer.decode(t) for t in tokens], tokens=tokens,
+                       finish_reasons=[reasons[u] for u in uids], prompt_tokens=stats.prompt_tokens,
+                       prompt_seconds=stats.prompt_time, generation_tokens=stats.generation_tokens,
+                       decode_seconds=stats.decode_time, steps=stats.generation_steps)

@@ -9,6 +9,8 @@
   peers     mlx_flash against mlx_lm and llama.cpp in one run, each system
             in its own process under the same memory cgroup limit; table
             (markdown, CSV, JSON) under --out.
+  batch     decode throughput of a batch of prompts against one at a time
+            (FlexGen's block schedule) on a random checkpoint of a real shape.
   profile   this machine's rates for the cost model (disk by read size,
             compute by weight form, per-layer overhead by mode), cached in
             $MLX_FLASH_HOME/profile.json for --mode auto, --explain and --stats.
@@ -77,6 +79,7 @@ def build_parser():
     add_paper_parser(sub)
     add_peers_parser(sub)
     add_profile_parser(sub)
+    add_batch_parser(sub)
     return p
 
 
@@ -187,6 +190,39 @@ def add_profile_parser(sub):
     s.add_argument("--out", default=None, help="where to write it (default $MLX_FLASH_HOME/profile.json)")
 
 
+def add_batch_parser(sub):
+    from ..bench.random_model import SHAPES
+
+    s = sub.add_parser("batch", help="batch decode throughput against one at a time (FlexGen §4.2)")
+    s.add_argument("--shape", default="opt-6.7b", choices=sorted(SHAPES))
+    s.add_argument("--dtype", default="float16", choices=PAPER_DTYPES, help="the checkpoint's weights on flash")
+    s.add_argument("--mode", default="hybrid", choices=["hybrid", "naive", "dense"])
+    s.add_argument("--memory-budget", default="50%", help="weights in DRAM (the paper's protocol; default 50%%)")
+    s.add_argument("--batch", type=_list(int), default=[1, 16], help="batch sizes (1, one by one, is always run)")
+    s.add_argument("--tokens", type=int, default=4, help="decode tokens per sequence")
+    s.add_argument("--prompt-tokens", type=int, default=16)
+    s.add_argument("--rounds", type=int, default=2)
+    s.add_argument("--out", default="results/batch")
+
+
+def batch_main(args, argv):
+    from ..bench import batch
+    from ..errors import FlashError
+    from ..plan.profile import load_profile
+
+    if args.tokens < 1 or args.rounds < 1 or args.prompt_tokens < 1 or any(b < 1 for b in args.batch):
+        raise FlashError("--tokens, --rounds, --prompt-tokens and --batch must be positive")
+    res = batch.run_batch_bench(args.shape, args.dtype, args.mode, args.memory_budget, tuple(args.batch),
+                                args.tokens, args.prompt_tokens, args.rounds)
+    res["command"] = "mlx_flash.benchmark batch " + " ".join(argv if argv is not None else sys.argv[1:])
+    profile = load_profile()
+    disk = profile.disk_gbs(256 * 1024) if profile is not None else None
+    path = batch.write(res, args.out, disk)
+    print(path.read_text())
+    print(f"wrote {path} and {path.with_suffix('.json')}"
+          + ("" if disk else " (no machine profile cached: no floor column; mlx_flash.benchmark profile)"))
+
+
 def profile_main(args):
     from ..bench.profile import measure
     from ..plan.profile import save_profile
@@ -208,6 +244,8 @@ def main(argv=None):
         return run(lambda: peers_main(args, argv), "mlx_flash.benchmark")
     if args.what == "paper":
         return run(lambda: paper_main(args, argv), "mlx_flash.benchmark")
+    if args.what == "batch":
+        return run(lambda: batch_main(args, argv), "mlx_flash.benchmark")
 
     def body():
         from ..bench import storage

@@ -1,6 +1,7 @@
 """mlx_flash.generate: generate text from a prompt with a model loaded from flash."""
 
 import argparse
+import json
 import sys
 import time
 
@@ -63,17 +64,76 @@ def load_for_cli(args, ctx_size=None):
     return model, tokenizer
 
 
+DEFAULT_PROMPT = "Tell me a short story about a robot."
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="mlx_flash.generate", description=__doc__)
     add_model_args(p)
-    p.add_argument("--prompt", "-p", default="Tell me a short story about a robot.",
-                   help="the prompt ('-' reads stdin)")
+    p.add_argument("--prompt", "-p", default=None,
+                   help=f"the prompt ('-' reads stdin; default: {DEFAULT_PROMPT!r})")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
     add_sampling_args(p)
     p.add_argument("--stats", action="store_true", help="print per-token timings and the I/O breakdown")
     p.add_argument("--stats-json", default=None, help="write one row per token and a summary here")
+    p.add_argument("--batch-file", default=None, help="decode many prompts together: a JSONL file, each line a "
+                   "string or {\"prompt\": ...}; every decode step reads the rows once for all of them")
+    p.add_argument("--batch-out", default=None, help="with --batch-file: write one JSON line per prompt "
+                   "(prompt, text, tokens, finish reason) here instead of printing the answers")
     return p
+
+
+def read_batch_file(path):
+    """The prompts of a JSONL file: each line a JSON string or an object with "prompt"; blank
+    lines skipped. A bad line is a FlashError naming the file and the line."""
+    from pathlib import Path
+
+    from ..errors import FlashError
+
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FlashError(f"--batch-file {path}: cannot read it ({e})") from None
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FlashError(f"{path}:{i}: not JSON ({e.msg})") from None
+        if isinstance(item, dict):
+            item = item.get("prompt")
+        if not isinstance(item, str) or not item:
+            raise FlashError(f"{path}:{i}: expected a non-empty string or {{\"prompt\": \"...\"}}")
+        prompts.append(item)
+    if not prompts:
+        raise FlashError(f"--batch-file {path}: no prompts in it")
+    return prompts
+
+
+def run_batch(args, model, tokenizer, prompts):
+    from .. import batch_generate
+
+    texts = [build_prompt(tokenizer, p, args.system_prompt, args.ignore_chat_template) for p in prompts]
+    r = batch_generate(model, tokenizer, texts, max_tokens=args.max_tokens, **sampling_kwargs(args))
+    if args.batch_out:
+        with open(args.batch_out, "w") as f:
+            for p, text, toks, why in zip(prompts, r.texts, r.tokens, r.finish_reasons):
+                f.write(json.dumps({"prompt": p, "text": text, "tokens": len(toks), "finish_reason": why}) + "\n")
+    else:
+        for i, text in enumerate(r.texts, 1):
+            print(f"--- {i}\n{text.strip()}")
+    print("=" * 10)
+    print(f"Batch of {len(prompts)}: prompts {r.prompt_tokens} tokens in {r.prompt_seconds:.1f} s; generated "
+          f"{r.generation_tokens} tokens in {r.steps} steps, {r.decode_seconds:.1f} s: {r.decode_tps:.2f} tokens-per-sec"
+          + (f"; answers in {args.batch_out}" if args.batch_out else ""))
+    if args.stats:
+        s = model.runtime.stats()["summary"]
+        print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB"
+              + (f"; read {s['mean_bytes_read'] / 1e6:.2f} MB per step" if "mean_bytes_read" in s else ""))
 
 
 def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):
@@ -94,7 +154,17 @@ def main(argv=None):
 
         if args.seed is not None:
             mx.random.seed(args.seed)
-        prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        from ..errors import FlashError
+
+        if args.batch_file:
+            if args.prompt is not None:
+                raise FlashError("--prompt and --batch-file: give one (the batch file holds the prompts)")
+            if args.stats_json:
+                raise FlashError("--stats-json records one sequence's tokens: not with --batch-file")
+            prompts = read_batch_file(args.batch_file)  # its errors before the model loads
+            model, tokenizer = load_for_cli(args)
+            return run_batch(args, model, tokenizer, prompts)
+        prompt_text = sys.stdin.read() if args.prompt == "-" else (args.prompt or DEFAULT_PROMPT)
         # under --memory-limit, a KV cache for this prompt (a token is at least a byte of its
         # text, a chat template adds a few) and --max-tokens
         ctx = len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens

@@ -1,0 +1,88 @@
+"""Batch decode (FlexGen §4.2's block schedule, issue 13 item 6): many prompts decoded together
+through the flash runtime give each prompt the tokens it gets alone, and the CLI's batch file
+and the benchmark behave as a user expects."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import mlx_flash
+from mlx_flash.bench.random_model import build_checkpoint
+from mlx_flash.errors import FlashError
+from test_parity import greedy
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [42, 17], [300, 301, 302, 303, 5]]  # unequal: left padding
+
+
+@pytest.mark.parametrize("mode, budget", [("dense", None), ("hybrid", "300MB"), ("naive", "300MB")])
+def test_a_batch_decodes_what_each_prompt_decodes_alone(smollm2, mode, budget):
+    model, tok = mlx_flash.load(smollm2, mode=mode, memory_budget=budget, progress=False)
+    r = mlx_flash.batch_generate(model, tok, PROMPTS, max_tokens=6, stop=False)
+    assert r.tokens == [greedy(model, p, 6) for p in PROMPTS]
+    assert r.generation_tokens == 18 and r.steps == 6 and r.finish_reasons == ["length"] * 3
+    model.runtime.close()
+
+
+def test_batch_on_opt_positions_under_left_padding(tmp_path):
+    """OPT's learned positions start after each sequence's padding, not at the batch's start."""
+    folder = build_checkpoint("tiny-opt", "float32", home=tmp_path, progress=False)
+    model, tok = mlx_flash.load(folder, mode="hybrid", memory_budget="5MB", progress=False)
+    r = mlx_flash.batch_generate(model, tok, PROMPTS, max_tokens=5, stop=False)
+    assert r.tokens == [greedy(model, p, 5) for p in PROMPTS]
+    model.runtime.close()
+
+
+def test_batch_refusals(smollm2):
+    model, tok = mlx_flash.load(smollm2, progress=False)
+    with pytest.raises(FlashError, match="no prompts"):
+        mlx_flash.batch_generate(model, tok, [])
+    with pytest.raises(FlashError, match="prompt 2 is empty"):
+        mlx_flash.batch_generate(model, tok, [[1], []])
+    model.runtime.close()
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "mlx_flash", *args], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def test_cli_batch_file(smollm2, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text('"Name a colour."\n\n{"prompt": "Count to three."}\n')
+    out = tmp_path / "answers.jsonl"
+    r = _cli("generate", "--model", str(smollm2), "--batch-file", str(src), "--batch-out", str(out),
+             "--max-tokens", "6", "--mode", "hybrid", "--memory-budget", "300MB", "--stats")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == ["Name a colour.", "Count to three."]
+    assert all(0 < x["tokens"] <= 6 and x["finish_reason"] in ("length", "stop") for x in lines)
+    assert "Batch of 2:" in r.stdout and "tokens-per-sec" in r.stdout and "Mode hybrid" in r.stdout
+
+
+@pytest.mark.parametrize("content, extra, expect", [
+    ('"ok"\n{not json\n', [], "prompts.jsonl:2: not JSON"),
+    ('{"text": "no prompt key"}\n', [], "prompts.jsonl:1: expected a non-empty string"),
+    ("\n\n", [], "no prompts in it"),
+    ('"ok"\n', ["--prompt", "Hi"], "--prompt and --batch-file: give one"),
+    ('"ok"\n', ["--memory-limit", "2GB"], "a batch of prompts under --memory-limit is not planned yet"),
+])
+def test_cli_batch_file_errors(smollm2, tmp_path, content, extra, expect):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(content)
+    r = _cli("generate", "--model", str(smollm2), "--batch-file", str(src), "--max-tokens", "2", *extra)
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_benchmark_batch_writes_its_table(tmp_path):
+    import os
+
+    r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--dtype", "q4", "--batch", "3", "--tokens", "3",
+             "--rounds", "2", "--out", str(tmp_path / "out"), env=os.environ | {"MLX_FLASH_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "out" / "batch-tiny-llama-q4-hybrid.json").read_text())
+    assert [row["batch"] for row in res["rows"]] == [1, 3]  # one-by-one always in the same run
+    assert all(len(row["runs"]) == 2 and row["decode_tps"] > 0 for row in res["rows"])
+    assert res["rows"][1]["runs"][0]["generated"] == 9
+    assert "| 3 |" in (tmp_path / "out" / "batch-tiny-llama-q4-hybrid.md").read_text()

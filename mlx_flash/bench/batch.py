@@ -51,10 +51,12 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
                 rows = []
                 if rt.store is not None and rt.store.stats is not None:
                     rt.store.stats.end()
-                    rows = [x for x in rt.store.stats.rows[before:] if x["tokens"] == 1]
+                    # a decode step's pass computes b positions (one per sequence); the prompt's, b x its length
+                    rows = [x for x in rt.store.stats.rows[before:] if x["tokens"] == b]
                 runs[b].append({"decode_s": res.decode_seconds, "steps": res.steps,
                                 "generated": res.generation_tokens, "prompt_s": res.prompt_seconds, "wall_s": wall,
-                                "bytes_per_step": float(np.mean([x["bytes_read"] for x in rows])) if rows else 0.0})
+                                "bytes_per_step": float(np.mean([x["bytes_read"] for x in rows])) if rows else 0.0,
+                                "reads_per_step": float(np.mean([x["reads"] for x in rows])) if rows else 0.0})
                 if progress:
                     x = runs[b][-1]
                     print(f"round {r + 1} batch {b}: {x['generated']} tokens in {x['steps']} steps, "
@@ -67,7 +69,8 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
         tps = [x["generated"] / x["decode_s"] for x in runs[b]]
         step_ms = [1e3 * x["decode_s"] / x["steps"] for x in runs[b]]
         rows.append({"batch": b, "decode_tps": float(np.median(tps)), "step_ms": float(np.median(step_ms)),
-                     "bytes_per_step": float(np.median([x["bytes_per_step"] for x in runs[b]])), "runs": runs[b]})
+                     "bytes_per_step": float(np.median([x["bytes_per_step"] for x in runs[b]])),
+                     "reads_per_step": float(np.median([x["reads_per_step"] for x in runs[b]])), "runs": runs[b]})
     base = rows[0]["decode_tps"]
     for row in rows:
         row["vs_one_by_one"] = row["decode_tps"] / base
@@ -84,24 +87,35 @@ def batch_generate_warm(model, tok, rng, vocab, prompt_tokens):
                              max_tokens=2, stop=False)
 
 
-def report(res, disk_gbs=None):
+def read_size(row):
+    return row["bytes_per_step"] / row["reads_per_step"] if row["reads_per_step"] else 0
+
+
+def report(res, profile=None):
+    """profile: the machine's (plan/profile.py): the floor is each step's bytes at its disk rate
+    for the step's mean read size."""
     lines = [f"# Batch decode: {res['shape']} at {res['dtype']}, --mode {res['mode']}, "
              f"--memory-budget {res['memory_budget']}", "",
              f"{res['tokens']} decode tokens per sequence after a {res['prompt_tokens']}-token prompt of random ids; "
-             f"{res['rounds']} rounds, batch sizes alternating in order; medians. One-by-one = batch 1 in the same run.",
+             f"{res['rounds']} rounds, batch sizes alternating in order; medians. One-by-one = batch 1 in the same run. "
+             "Floor: the bytes a step reads at the machine profile's uncached rate for its mean read size"
+             + (f" ({profile.machine}, measured {profile.measured}{', quick probe' if profile.quick else ''})."
+                if profile else " (no machine profile cached: `mlx_flash.benchmark profile`)."),
              "", "| batch | decode tok/s | vs one-by-one | ms per step | read per step (GB) | floor per step (ms) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
-        floor = f"{1e3 * r['bytes_per_step'] / 1e9 / disk_gbs:.0f}" if disk_gbs else ""
+        floor = ""
+        if profile is not None and r["bytes_per_step"]:
+            floor = f"{1e3 * r['bytes_per_step'] / 1e9 / profile.disk_gbs(read_size(r)):.0f}"
         lines.append(f"| {r['batch']} | {r['decode_tps']:.3f} | {r['vs_one_by_one']:.2f}x | {r['step_ms']:.0f} | "
                      f"{r['bytes_per_step'] / 1e9:.3f} | {floor} |")
     return "\n".join(lines) + "\n"
 
 
-def write(res, out_dir, disk_gbs=None):
+def write(res, out_dir, profile=None):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"batch-{res['shape']}-{res['dtype']}-{res['mode']}"
-    (out / f"{stem}.json").write_text(json.dumps(res | {"disk_gbs": disk_gbs}, indent=1))
-    (out / f"{stem}.md").write_text(report(res, disk_gbs))
+    (out / f"{stem}.json").write_text(json.dumps(res | {"profile": profile.as_dict() if profile else None}, indent=1))
+    (out / f"{stem}.md").write_text(report(res, profile))
     return out / f"{stem}.md"

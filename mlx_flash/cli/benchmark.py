@@ -216,11 +216,9 @@ def batch_main(args, argv):
                                 args.tokens, args.prompt_tokens, args.rounds)
     res["command"] = "mlx_flash.benchmark batch " + " ".join(argv if argv is not None else sys.argv[1:])
     profile = load_profile()
-    disk = profile.disk_gbs(256 * 1024) if profile is not None else None
-    path = batch.write(res, args.out, disk)
+    path = batch.write(res, args.out, profile)
     print(path.read_text())
-    print(f"wrote {path} and {path.with_suffix('.json')}"
-          + ("" if disk else " (no machine profile cached: no floor column; mlx_flash.benchmark profile)"))
+    print(f"wrote {path} and {path.with_suffix('.json')}")
 
 
 def profile_main(args):

@@ -71,16 +71,20 @@ class Profile:
         return cls(**d)
 
 
-def machine_key():
-    """What a profile is valid for: this machine's CPU and the MLX that computes."""
-    cpu = platform.processor() or platform.machine()
-    try:  # Linux: the model name, which platform.processor() leaves empty
+def cpu_name():
+    """The CPU's model name (Linux: /proc/cpuinfo, which platform.processor() leaves empty)."""
+    try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or ""
+
+
+def machine_key():
+    """What a profile is valid for: this machine's CPU and the MLX that computes."""
+    cpu = cpu_name() or platform.machine()
     return f"{platform.system()} {platform.machine()} {cpu}, {os.cpu_count()} CPUs"
 
 

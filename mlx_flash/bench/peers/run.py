@@ -150,14 +150,9 @@ def _doing(phase):
 
 
 def machine_info():
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from ...plan.profile import cpu_name
+
+    cpu = cpu_name()
     mem = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -21,8 +21,13 @@ from test_parity import TOKENS, greedy
 MB = 10**6
 
 
+def _rates(**gbs):
+    """{form: {matrix elements: GB/s}}, one rate at every size."""
+    return {form: {10**6: v} for form, v in gbs.items()}
+
+
 def _profile(**kw):
-    base = dict(disk={4096: 0.5, 262144: 2.0}, threads=32, compute={"float32": 10.0, "q4": 20.0},
+    base = dict(disk={4096: 0.5, 262144: 2.0}, threads=32, compute=_rates(float32=10.0, q4=20.0),
                 layer_ms={"dense": 1.0, "hybrid": 2.0, "naive": 1.5}, machine=profile_mod.machine_key(),
                 mlx=mx.__version__, device="cpu", measured="now")
     return Profile(**(base | kw))
@@ -42,6 +47,13 @@ def test_cost_model_arithmetic():
     assert p.disk_gbs(65536) == pytest.approx(0.5 + (2.0 - 0.5) * 4 / 6)
     with pytest.raises(FlashError, match="no compute rate for q8"):
         predict(Work(0, 1, {"q8": 1}, False, 1, "dense"), p)
+    # compute rates by matrix size, interpolated on log(elements), the ends held beyond
+    p = _profile(compute={"q4": {10**6: 4.0, 10**8: 12.0}})
+    assert p.compute_gbs("q4", 10**7) == pytest.approx(8.0)
+    assert p.compute_gbs("q4", 10**5) == 4.0 and p.compute_gbs("q4", 10**9) == 12.0 and p.compute_gbs("q4") == 12.0
+    w = Work(0, 1, {"q4": 40 * MB}, False, 0, "dense", matrix_elements=10**7)
+    assert predict(w, p).compute_ms == pytest.approx(5.0)  # 40 MB at 8 GB/s
+    assert Profile.from_dict(p.as_dict()).compute == p.compute  # (JSON keys are strings)
 
 
 def test_choose_mode_takes_the_first_exact_mode_that_fits():
@@ -107,7 +119,7 @@ def test_explain_and_stats_show_the_plan_and_the_prediction(smollm2, tmp_path):
     """The CLI with a cached profile: --explain lists every mode compared, --stats puts the
     prediction beside the measured time."""
     home = tmp_path / "home"
-    save_profile(_profile(compute={"float32": 10.0, "q4": 20.0, "float16": 5.0, "bfloat16": 5.0, "q8": 20.0}),
+    save_profile(_profile(compute=_rates(float32=10.0, q4=20.0, float16=5.0, bfloat16=5.0, q8=20.0)),
                  home / "profile.json")
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--prompt", "Hi",
                         "--max-tokens", "4", "--memory-budget", "60MB", "--explain", "--stats"],
@@ -127,6 +139,7 @@ def test_benchmark_profile_writes_one(tmp_path, smollm2):
     p = load_profile(home / "profile.json")
     assert p is not None and p.quick and set(p.layer_ms) == {"dense", "hybrid", "naive"}
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
+    assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
 
 
 def _env(home):

@@ -229,7 +229,9 @@ def profile_main(args):
     path = save_profile(p, args.out)
     print("disk GB/s (uncached, %d threads): %s" % (p.threads, ", ".join(
         f"{c // 1024} KiB {v:.2f}" for c, v in sorted(p.disk.items()))))
-    print("compute GB/s of weights (one decode step): " + ", ".join(f"{k} {v:.1f}" for k, v in p.compute.items()))
+    for form, rates in p.compute.items():
+        print(f"compute GB/s of {form} weights (one decode step), by matrix: " + ", ".join(
+            f"{n / 1e6:.1f}M {v:.1f}" for n, v in sorted(rates.items())))
     print("per-layer overhead ms: " + ", ".join(f"{k} {v:.2f}" for k, v in p.layer_ms.items()))
     print(f"wrote {path}")
 

@@ -1,7 +1,8 @@
 """The cost model: one decode token's time under a plan, from this machine's profile.
 
     I/O      = bytes read from flash / the disk's uncached throughput at the read size
-    compute  = sum over the forms weights are held in of bytes consumed / that form's rate
+    compute  = sum over the forms weights are held in of bytes consumed / that form's rate at
+               the model's matrix size (one FFN matrix; small matrices run slower per byte)
     layers   = the layers x the mode's fixed cost per layer (MLX's dispatch, the store's syncs
                and reads: the profile's tiny model, whose bytes take no time)
     total    = I/O + compute + layers, or with prefetch (the next layer read while this one
@@ -29,6 +30,7 @@ class Work:
     overlapped: bool  # reads run while the previous layer computes (prefetch)
     n_layers: int
     mode: str  # whose per-layer overhead applies
+    matrix_elements: int = 0  # one FFN matrix's (d_model x d_ff): the size the compute rates are read at
 
 
 @dataclass
@@ -46,7 +48,8 @@ class Prediction:
 
 def predict(work, profile):
     io = 1e3 * work.read_bytes / (profile.disk_gbs(work.read_size) * 1e9) if work.read_bytes else 0.0
-    compute = sum(1e3 * b / (profile.compute_gbs(form) * 1e9) for form, b in work.computed.items() if b)
+    size = work.matrix_elements or None
+    compute = sum(1e3 * b / (profile.compute_gbs(form, size) * 1e9) for form, b in work.computed.items() if b)
     compute += work.n_layers * profile.layer_ms.get(work.mode, profile.layer_ms["dense"])
     if work.overlapped:
         total = max(io, compute) + min(io, compute) / max(work.n_layers, 1)
@@ -111,4 +114,4 @@ def exact_work(plan, layout, packed, resident, max_read):
             L * held * values * (2 if plan.held_neuron_bytes else 4))
         add("float32", L * streamed * values * 4)
     return Work(L * streamed * layout.stride, min(max_read, max(streamed * layout.stride, 1)), computed,
-                plan.prefetch, L, plan.mode)
+                plan.prefetch, L, plan.mode, layout.d_model * n)

@@ -31,14 +31,14 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..home import default_home
 
-VERSION = 1
+VERSION = 2  # 2: compute rates by matrix size
 
 
 @dataclass
 class Profile:
     disk: dict  # read size (bytes) -> GB/s, uncached, `threads` readers
     threads: int
-    compute: dict  # weight form ("float32", "float16", "bfloat16", "q4", "q8") -> GB/s consumed
+    compute: dict  # weight form ("float32", ..., "q4", "q8") -> {matrix elements: GB/s consumed}
     layer_ms: dict  # mode -> ms a decode token spends per layer besides its bytes (dispatch, syncs, store)
     machine: str
     mlx: str
@@ -53,21 +53,30 @@ class Profile:
         sizes = sorted(int(k) for k in self.disk)
         return float(np.interp(np.log(max(read_bytes, 1)), np.log(sizes), [self.disk[s] for s in sizes]))
 
-    def compute_gbs(self, form):
+    def compute_gbs(self, form, elements=None):
+        """GB/s of `form` weights consumed by a matrix of `elements` (rows x cols): interpolated on
+        log(elements) between the measured sizes (a small matrix's fixed costs weigh more:
+        576 x 1536 runs at a third of a 7B FFN matrix's rate here); None: the largest."""
         if form not in self.compute:
             raise FlashError(f"the machine profile has no compute rate for {form} weights "
                              f"(it has {', '.join(self.compute)}): run mlx_flash.benchmark profile")
-        return self.compute[form]
+        rates = self.compute[form]
+        sizes = sorted(rates)
+        if elements is None:
+            return rates[sizes[-1]]
+        return float(np.interp(np.log(max(elements, 1)), np.log(sizes), [rates[n] for n in sizes]))
 
     def as_dict(self):
         d = asdict(self)
         d["disk"] = {str(k): v for k, v in self.disk.items()}
+        d["compute"] = {f: {str(n): v for n, v in r.items()} for f, r in self.compute.items()}
         return d
 
     @classmethod
     def from_dict(cls, d):
         d = dict(d)
         d["disk"] = {int(k): float(v) for k, v in d["disk"].items()}
+        d["compute"] = {f: {int(n): float(v) for n, v in r.items()} for f, r in d["compute"].items()}
         return cls(**d)
 
 

@@ -28,7 +28,8 @@ def _rates(**gbs):
 
 def _profile(**kw):
     base = dict(disk={4096: 0.5, 262144: 2.0}, threads=32, compute=_rates(float32=10.0, q4=20.0),
-                layer_ms={"dense": 1.0, "hybrid": 2.0, "naive": 1.5}, machine=profile_mod.machine_key(),
+                layer_ms={"dense": {128: 1.0}, "hybrid": {128: 2.0}, "naive": {128: 1.5}},
+                machine=profile_mod.machine_key(),
                 mlx=mx.__version__, device="cpu", measured="now")
     return Profile(**(base | kw))
 
@@ -54,6 +55,13 @@ def test_cost_model_arithmetic():
     w = Work(0, 1, {"q4": 40 * MB}, False, 0, "dense", matrix_elements=10**7)
     assert predict(w, p).compute_ms == pytest.approx(5.0)  # 40 MB at 8 GB/s
     assert Profile.from_dict(p.as_dict()).compute == p.compute  # (JSON keys are strings)
+    # the per-layer overhead by model width, interpolated, the ends held beyond
+    p = _profile(layer_ms={"dense": {128: 1.0, 576: 2.0}})
+    assert p.layer_cost("dense", 352) == pytest.approx(1.5) and p.layer_cost("dense", 4096) == 2.0
+    assert p.layer_cost("naive", 64) == 1.0  # a mode not probed: dense's
+    w = Work(0, 1, {}, False, 10, "dense", d_model=352)
+    assert predict(w, p).compute_ms == pytest.approx(15.0)
+    assert Profile.from_dict(p.as_dict()).layer_ms == p.layer_ms
 
 
 def test_choose_mode_takes_the_first_exact_mode_that_fits():
@@ -104,7 +112,7 @@ def test_profile_is_cached_per_machine_and_probed_when_missing(tmp_path, monkeyp
     assert load_profile(path) is None  # (the runtime's layers only read the cache)
     p = bench_profile.ensure_profile(path)  # none cached: a quick probe, said, then cached
     assert measured == [True] and "quick probe" in capsys.readouterr().err
-    assert json.loads(path.read_text())["layer_ms"] == p.layer_ms
+    assert Profile.from_dict(json.loads(path.read_text())).layer_ms == p.layer_ms
     assert bench_profile.ensure_profile(path).compute == p.compute and measured == [True]  # read, not measured again
     save_profile(_profile(machine="another machine"), path)
     assert load_profile(path) is None
@@ -138,6 +146,7 @@ def test_benchmark_profile_writes_one(tmp_path, smollm2):
     assert r.returncode == 0, r.stderr
     p = load_profile(home / "profile.json")
     assert p is not None and p.quick and set(p.layer_ms) == {"dense", "hybrid", "naive"}
+    assert all(set(r) == {128, 576} and all(v >= 0 for v in r.values()) for r in p.layer_ms.values())
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
     assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
 

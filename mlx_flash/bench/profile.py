@@ -37,10 +37,11 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     disk = disk_curve([file], CHUNKS, threads, seconds)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10)
-    say("per-layer overhead: a tiny 4-bit model decoded through the runtime, by mode")
-    layer_ms = layer_overheads(tokens=8 if quick else 32)
-    return Profile(disk, threads, compute, layer_ms, machine_key(), mx.__version__, _device(),
-                   time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
+    say("per-layer overhead: 4-bit models of two widths decoded through the runtime, by mode")
+    p = Profile(disk, threads, compute, {m: {1: 0.0} for m in ("dense", "hybrid", "naive")}, machine_key(),
+                mx.__version__, _device(), time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
+    p.layer_ms = layer_overheads(p, tokens=8 if quick else 32)
+    return p
 
 
 def _probe_file():
@@ -138,27 +139,40 @@ def _rates_at(rows, cols, repeat):
     return out
 
 
-def layer_overheads(tokens=32):
-    """{mode: ms per layer per decode token} of a tiny model, whose weights take no time to
-    read or multiply: what each layer costs whatever its size."""
+PROBES = ("tiny-llama", "probe-576")  # 4-layer 4-bit models of width 128 and 576 (bench/random_model.py)
+
+
+def layer_overheads(rates, tokens=32):
+    """{mode: {d_model: ms}}: what a decode token costs per layer besides its bytes, by mode, at
+    the probes' widths: each probe decoded through the real runtime after a 64-token prompt,
+    less the cost model's time for its bytes (`rates`: a Profile of the disk and compute rates
+    just measured, no layer cost), over its layers. It grows with the width (more work per
+    MLX op), not only with the bytes."""
     import mlx_flash
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..bench.random_model import build_checkpoint
+    from ..plan.cost import predict
+    from .random_model import build_checkpoint
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="mlx-flash-probe") as home:
-        folder = build_checkpoint("tiny-llama", "q4", home=home, progress=False)
-        for mode in ("dense", "hybrid", "naive"):
-            model, _ = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else "60%",
-                                      progress=False)
-            cache = make_prompt_cache(model)
-            x = mx.array([[1]])
-            times = []
-            for i in range(tokens + 2):
-                t = time.perf_counter()
-                mx.eval(model(x, cache=cache))
-                times.append(time.perf_counter() - t)
-            model.runtime.close()
-            out[mode] = 1e3 * float(np.median(times[2:])) / len(model.layers)
+        for shape in PROBES:
+            folder = build_checkpoint(shape, "q4", home=home, progress=False)
+            for mode in ("dense", "hybrid", "naive"):
+                model, _ = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else "60%",
+                                          progress=False)
+                rt = model.runtime
+                cache = make_prompt_cache(model)
+                mx.eval(model(mx.array([list(range(1, 65))]), cache=cache))
+                x = mx.array([[1]])
+                times = []
+                for i in range(tokens + 2):
+                    t = time.perf_counter()
+                    mx.eval(model(x, cache=cache))
+                    times.append(time.perf_counter() - t)
+                bytes_ms = predict(rt.work(), rates).total_ms
+                rt.close()
+                L = len(model.layers)
+                out.setdefault(mode, {})[rt.manifest.layout.d_model] = max(
+                    0.0, (1e3 * float(np.median(times[2:])) - bytes_ms) / L)
     return out

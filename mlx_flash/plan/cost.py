@@ -3,8 +3,9 @@
     I/O      = bytes read from flash / the disk's uncached throughput at the read size
     compute  = sum over the forms weights are held in of bytes consumed / that form's rate at
                the model's matrix size (one FFN matrix; small matrices run slower per byte)
-    layers   = the layers x the mode's fixed cost per layer (MLX's dispatch, the store's syncs
-               and reads: the profile's tiny model, whose bytes take no time)
+    layers   = the layers x the mode's cost per layer besides its bytes (MLX's dispatch, the
+               store's syncs; the profile's probe models at two widths, less what this model
+               predicts for their bytes), at the model's width
     total    = I/O + compute + layers, or with prefetch (the next layer read while this one
                computes) max(I/O, compute + layers) + the smaller of the two over the layers
                (the first layer's read, or the last layer's compute, that nothing hides)
@@ -31,6 +32,7 @@ class Work:
     n_layers: int
     mode: str  # whose per-layer overhead applies
     matrix_elements: int = 0  # one FFN matrix's (d_model x d_ff): the size the compute rates are read at
+    d_model: int = 0  # the width the per-layer overhead is read at
 
 
 @dataclass
@@ -50,7 +52,7 @@ def predict(work, profile):
     io = 1e3 * work.read_bytes / (profile.disk_gbs(work.read_size) * 1e9) if work.read_bytes else 0.0
     size = work.matrix_elements or None
     compute = sum(1e3 * b / (profile.compute_gbs(form, size) * 1e9) for form, b in work.computed.items() if b)
-    compute += work.n_layers * profile.layer_ms.get(work.mode, profile.layer_ms["dense"])
+    compute += work.n_layers * profile.layer_cost(work.mode, work.d_model or None)
     if work.overlapped:
         total = max(io, compute) + min(io, compute) / max(work.n_layers, 1)
     else:
@@ -114,4 +116,4 @@ def exact_work(plan, layout, packed, resident, max_read):
             L * held * values * (2 if plan.held_neuron_bytes else 4))
         add("float32", L * streamed * values * 4)
     return Work(L * streamed * layout.stride, min(max_read, max(streamed * layout.stride, 1)), computed,
-                plan.prefetch, L, plan.mode, layout.d_model * n)
+                plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model)

@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..home import default_home
 
-VERSION = 2  # 2: compute rates by matrix size
+VERSION = 3  # 2: compute rates by matrix size; 3: per-layer overhead by model width
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Profile:
     disk: dict  # read size (bytes) -> GB/s, uncached, `threads` readers
     threads: int
     compute: dict  # weight form ("float32", ..., "q4", "q8") -> {matrix elements: GB/s consumed}
-    layer_ms: dict  # mode -> ms a decode token spends per layer besides its bytes (dispatch, syncs, store)
+    layer_ms: dict  # mode -> {d_model: ms a decode token spends per layer besides its bytes (dispatch, syncs, store)}
     machine: str
     mlx: str
     device: str
@@ -66,10 +66,20 @@ class Profile:
             return rates[sizes[-1]]
         return float(np.interp(np.log(max(elements, 1)), np.log(sizes), [rates[n] for n in sizes]))
 
+    def layer_cost(self, mode, d_model=None):
+        """ms per layer besides the bytes, for `mode` at a model width: interpolated between the
+        probed widths, the ends held beyond them (None: the widest probed)."""
+        costs = self.layer_ms.get(mode) or self.layer_ms["dense"]
+        widths = sorted(costs)
+        if d_model is None:
+            return costs[widths[-1]]
+        return float(np.interp(d_model, widths, [costs[w] for w in widths]))
+
     def as_dict(self):
         d = asdict(self)
         d["disk"] = {str(k): v for k, v in self.disk.items()}
         d["compute"] = {f: {str(n): v for n, v in r.items()} for f, r in self.compute.items()}
+        d["layer_ms"] = {m: {str(w): v for w, v in r.items()} for m, r in self.layer_ms.items()}
         return d
 
     @classmethod
@@ -77,6 +87,7 @@ class Profile:
         d = dict(d)
         d["disk"] = {int(k): float(v) for k, v in d["disk"].items()}
         d["compute"] = {f: {int(n): float(v) for n, v in r.items()} for f, r in d["compute"].items()}
+        d["layer_ms"] = {m: {int(w): float(v) for w, v in r.items()} for m, r in d["layer_ms"].items()}
         return cls(**d)
 
 

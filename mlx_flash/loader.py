@@ -23,7 +23,8 @@ from .models.quantized import dequantize_modules, quantized_modules, use_native_
 from .plan.cost import resident_computed
 from .plan.explain import explain
 from .plan.profile import load_profile
-from .runtime.memory import MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, model_shape, plan_memory
+from .runtime.memory import (MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, kv_value_bytes,
+                             model_shape, plan_memory, quantized_kv_caches)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
 
@@ -76,10 +77,23 @@ def load(path_or_repo, progress=False, config=None, **options):
         logging.getLogger("mlx_flash").warning("%s", runtime.choice.describe())
     if config.explain:
         print(explain(runtime, profile), file=sys.stderr)
-    if memory is not None:  # (mlx_lm's make_prompt_cache uses a model's make_cache)
+    # (mlx_lm's make_prompt_cache uses a model's make_cache)
+    if config.kv_bits is not None:
+        _check_kv_groups(model, config.kv_group_size)
+        model.make_cache = partial(quantized_kv_caches, len(model.layers), config.kv_bits, config.kv_group_size,
+                                   memory.context if memory is not None else None)
+    elif memory is not None:
         model.make_cache = partial(kv_caches, len(model.layers), memory.context)
     model.eval()
     return model, tokenizer
+
+
+def _check_kv_groups(model, group_size):
+    """--kv-bits quantizes each head's keys and values in groups along the head dimension."""
+    head_dim = getattr(getattr(model.layers[0], "self_attn", None), "head_dim", None)
+    if head_dim is not None and head_dim % group_size:
+        raise FlashError(f"--kv-group-size {group_size} does not divide the model's head dimension ({head_dim}): "
+                         "choose 32, 64 or 128 that does")
 
 
 def _build_model(folder, manifest, config: FlashConfig):
@@ -108,7 +122,8 @@ def _build_model(folder, manifest, config: FlashConfig):
     memory = None
     if config.memory_limit is not None:  # what the process holds besides weights, off the limit
         shape = model_shape(model, manifest.layout.d_model, manifest.layout.n_neurons)
-        memory = plan_memory(config.memory_limit, shape, DTYPES[dtype].size, config.ctx_size)
+        memory = plan_memory(config.memory_limit, shape, DTYPES[dtype].size, config.ctx_size,
+                             kv_itemsize=kv_value_bytes(DTYPES[dtype].size, config.kv_bits, config.kv_group_size))
         logging.getLogger("mlx_flash").warning("%s", memory.describe())
         config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     check_file(folder, manifest.resident, checksum=config.verify)

@@ -213,6 +213,11 @@ def main(argv=None):
             incremental = args.token_by_token
         else:
             incremental = not args.batch_prefill
+        if args.kv_bits is not None and not incremental:
+            # a whole-window forward runs without a KV cache: nothing would be quantized
+            print(f"[mlx_flash] --kv-bits {args.kv_bits}: evaluating token by token, through the quantized KV "
+                  "cache (a whole window at once holds no cache)", file=sys.stderr)
+            incremental = True
         if args.memory_limit is not None and not incremental:
             # a whole window at once holds its logits (--context x vocabulary floats) and every
             # layer's temporaries for it: more than a --memory-limit plan sets aside
@@ -231,7 +236,7 @@ def main(argv=None):
             out = {k: v for k, v in res.items() if k != "nll"}
             config = {"mode": model.runtime.mode, "mode_asked": args.mode}  # (--mode auto: what it chose)
             config.update({k: getattr(args, k) for k in (
-                "sparsity", "density", "memory_budget", "window", "gamma", "eviction",
+                "sparsity", "density", "memory_budget", "window", "gamma", "eviction", "kv_bits", "kv_group_size",
                 "dtype", "context", "batch_prefill", "token_by_token", "split", "limit")})
             out.update(model=str(model.runtime.folder), config=config,
                        compute_dtype=model.runtime.compute_dtype, wall_seconds=wall, stats=stats)

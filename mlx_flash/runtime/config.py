@@ -55,6 +55,11 @@ class FlashConfig:
                                     "computed and the weights get the rest (runtime/memory.py)", "--memory-limit")
     ctx_size: int | None = _opt(None, "with --memory-limit: the tokens of context (prompt + generated) the "
                                 "KV cache is planned for (default 2048; llama.cpp's name)", "--ctx-size")
+    kv_bits: int | None = _opt(None, "hold the KV cache quantized from the first token, group-wise at these "
+                               "bits (mlx_lm's QuantizedKVCache; --memory-limit plans it at that size)",
+                               "--kv-bits", (4, 8))
+    kv_group_size: int = _opt(64, "with --kv-bits: values per quantization group (mlx_lm's name)",
+                              "--kv-group-size", (32, 64, 128))
     window: int | None = _opt(4, "tokens whose neurons stay cached (flash)", "--window")
     threads: int = _opt(READ_THREADS, "reader threads", "--threads")
     resident_dtype: str | None = _opt(
@@ -109,6 +114,8 @@ class FlashConfig:
         if self.memory_limit is not None and self.memory_budget is not None:
             bad("--memory-limit (the whole process) and --memory-budget (weights only) contradict each "
                 "other: give one")
+        if self.kv_group_size != 64 and self.kv_bits is None:
+            bad("--kv-group-size sizes the groups of a quantized KV cache: give --kv-bits too")
         if self.ctx_size is not None and self.memory_limit is None:
             bad("--ctx-size sizes the KV cache that --memory-limit plans for; without --memory-limit it "
                 "changes nothing")

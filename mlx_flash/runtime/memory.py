@@ -142,6 +142,7 @@ class MemoryPlan:
     source: str  # where the limit came from, for the log line
     shape: "Shape"
     itemsize: int
+    kv_itemsize: float | None = None  # bytes per KV value when quantized (--kv-bits)
 
     @property
     def other(self):
@@ -156,7 +157,8 @@ class MemoryPlan:
         limit's terms: what the limit leaves for weights, why that is short, and the limit
         that would hold it (the smallest: the margin and the prompt chunks grow with the limit)."""
         need = self.limit + (e.needed - e.budget)
-        while _plan_at(need, self.source, self.shape, self.itemsize, self.context, self.baseline).weights < e.needed:
+        while _plan_at(need, self.source, self.shape, self.itemsize, self.context, self.baseline,
+                       self.kv_itemsize).weights < e.needed:
             need += 1 << 20
         return FlashError(f"--memory-limit {self.limit / 1e6:.0f} MB leaves {self.weights / 1e6:.0f} MB for "
                           f"weights (besides them {self.other / 1e6:.0f} MB: {self._besides()}), and {e.reason}: "
@@ -194,14 +196,21 @@ def effective_limit(text, warn=True):
     return (limit if cg is None else min(limit, cg)), source
 
 
-def plan_memory(text, shape, itemsize, context=None, baseline=None):
-    """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget)."""
+def kv_value_bytes(itemsize, kv_bits=None, group_size=64):
+    """Bytes a KV cache holds per key or value: the compute dtype's, or quantized: the packed
+    bits plus each group's scale and bias (in the compute dtype, as mlx_lm keeps them)."""
+    return itemsize if kv_bits is None else kv_bits / 8 + 2 * itemsize / group_size
+
+
+def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=None):
+    """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget). kv_itemsize:
+    bytes per KV value (kv_value_bytes; default the compute dtype's)."""
     limit, source = effective_limit(text)
     context = DEFAULT_CONTEXT if context is None else context
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")
     baseline = process_rss() if baseline is None else baseline
-    plan = _plan_at(limit, source, shape, itemsize, context, baseline)
+    plan = _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize)
     if plan.weights <= 0:
         kv = plan.kv
         raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB ({source}): nothing left for the weights: "
@@ -210,8 +219,9 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None):
     return plan
 
 
-def _plan_at(limit, source, shape, itemsize, context, baseline):
-    kv = context * shape.kv_per_token * itemsize  # kv_caches: allocated once, never grown
+def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None):
+    # kv_caches: allocated once, never grown
+    kv = int(context * shape.kv_per_token * (itemsize if kv_itemsize is None else kv_itemsize))
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
     steps = sorted({min(s, context) for s in PREFILL_STEPS}, reverse=True)  # (no chunk is longer than the context)
@@ -221,7 +231,7 @@ def _plan_at(limit, source, shape, itemsize, context, baseline):
             step = s
             break
     return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step, context, itemsize),
-                      MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize)
+                      MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize, kv_itemsize)
 
 
 def kv_caches(n_layers, context):
@@ -235,6 +245,19 @@ def kv_caches(n_layers, context):
     caches = [KVCache() for _ in range(n_layers)]
     for c in caches:
         c.step = context
+    return caches
+
+
+def quantized_kv_caches(n_layers, bits, group_size, context=None):
+    """mlx_lm QuantizedKVCaches, quantized from the first token (where mlx_lm's --kv-bits
+    converts a float cache after --quantized-kv-start tokens, holding both while it does).
+    context: allocate it at the first update, as kv_caches does (None: grow by 256)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    caches = [QuantizedKVCache(group_size=group_size, bits=bits) for _ in range(n_layers)]
+    if context is not None:
+        for c in caches:
+            c.step = context
     return caches
 
 

@@ -6,6 +6,8 @@ sampling, stop tokens, prompt caches and speculative decoding behave the same.
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from mlx_lm.generate import generate as _lm_generate
 from mlx_lm.generate import stream_generate as _lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -75,6 +77,8 @@ class BatchResult:
     generation_tokens: int
     decode_seconds: float
     steps: int  # decode steps: each reads the rows of every layer once for the whole batch
+    bytes_per_step: float = 0.0  # read from flash by a decode pass (the runtime's stats; 0: none read)
+    reads_per_step: float = 0.0
 
     @property
     def decode_tps(self):
@@ -111,6 +115,8 @@ def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwarg
                          logits_processors=kwargs.get("logits_processors"),
                          completion_batch_size=n, prefill_batch_size=n,
                          prefill_step_size=kwargs.get("prefill_step_size", 2048))
+    stats_rows = getattr(getattr(runtime, "store", None), "stats", None)
+    before = len(stats_rows.rows) if stats_rows is not None else 0
     try:
         uids = gen.insert(ids, [max_tokens] * n)
         out = {u: [] for u in uids}
@@ -125,7 +131,15 @@ def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwarg
     finally:
         gen.close()
     tokens = [out[u] for u in uids]
+    per_step = {}
+    if stats_rows is not None:
+        stats_rows.end()
+        # the decode passes: one position per sequence still running (a prompt's: its length each)
+        passes = [r for r in stats_rows.rows[before:] if r["tokens"] <= n]
+        if passes:
+            per_step = {"bytes_per_step": float(np.mean([r["bytes_read"] for r in passes])),
+                        "reads_per_step": float(np.mean([r["reads"] for r in passes]))}
     return BatchResult(texts=[tokenizer.decode(t) for t in tokens], tokens=tokens,
                        finish_reasons=[reasons[u] for u in uids], prompt_tokens=stats.prompt_tokens,
                        prompt_seconds=stats.prompt_time, generation_tokens=stats.generation_tokens,
-                       decode_seconds=stats.decode_time, steps=stats.generation_steps)
+                       decode_seconds=stats.decode_time, steps=stats.generation_steps, **per_step)

@@ -24,7 +24,7 @@ from .plan.cost import resident_computed
 from .plan.explain import explain
 from .plan.profile import load_profile
 from .runtime.memory import (MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, kv_value_bytes,
-                             model_shape, plan_memory, quantized_kv_caches)
+                             model_shape, plan_memory)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
                       keep_quantized, make_config)
 
@@ -77,13 +77,11 @@ def load(path_or_repo, progress=False, config=None, **options):
         logging.getLogger("mlx_flash").warning("%s", runtime.choice.describe())
     if config.explain:
         print(explain(runtime, profile), file=sys.stderr)
-    # (mlx_lm's make_prompt_cache uses a model's make_cache)
     if config.kv_bits is not None:
         _check_kv_groups(model, config.kv_group_size)
-        model.make_cache = partial(quantized_kv_caches, len(model.layers), config.kv_bits, config.kv_group_size,
-                                   memory.context if memory is not None else None)
-    elif memory is not None:
-        model.make_cache = partial(kv_caches, len(model.layers), memory.context)
+    if config.kv_bits is not None or memory is not None:  # (mlx_lm's make_prompt_cache uses it)
+        model.make_cache = partial(kv_caches, len(model.layers), memory.context if memory is not None else None,
+                                   config.kv_bits, config.kv_group_size)
     model.eval()
     return model, tokenizer
 

@@ -24,7 +24,7 @@ EXACT_MODES = ("naive", "hybrid", "dense")
 def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", batches=(1, 16), tokens=4,
                     prompt_tokens=16, rounds=2, seed=0, progress=True):
     import mlx_flash
-    from .random_model import build_checkpoint
+    from .random_model import build_checkpoint, shape_config
 
     if mode not in EXACT_MODES:
         raise FlashError(f"--mode {mode}: the batch benchmark runs the exact modes ({', '.join(EXACT_MODES)}); "
@@ -35,28 +35,23 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     model, tok = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else memory_budget,
                                 progress=False)
     rt = model.runtime
-    vocab = model.args.vocab_size if hasattr(model, "args") else 256
+    vocab = shape_config(shape)["vocab_size"]
     rng = np.random.default_rng(seed)
     runs = {b: [] for b in batches}
     try:
-        batch_generate_warm(model, tok, rng, vocab, prompt_tokens)
+        # one short batch of two, untimed: MLX's kernels and the store's buffers warmed
+        mlx_flash.batch_generate(model, tok, [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(2)],
+                                 max_tokens=2, stop=False)
         for r in range(rounds):
             order = list(batches) if r % 2 == 0 else list(reversed(batches))
             for b in order:
                 prompts = [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(b)]
-                before = len(rt.store.stats.rows) if rt.store is not None and rt.store.stats else 0
                 t = time.perf_counter()
                 res = mlx_flash.batch_generate(model, tok, prompts, max_tokens=tokens, stop=False)
-                wall = time.perf_counter() - t
-                rows = []
-                if rt.store is not None and rt.store.stats is not None:
-                    rt.store.stats.end()
-                    # a decode step's pass computes b positions (one per sequence); the prompt's, b x its length
-                    rows = [x for x in rt.store.stats.rows[before:] if x["tokens"] == b]
                 runs[b].append({"decode_s": res.decode_seconds, "steps": res.steps,
-                                "generated": res.generation_tokens, "prompt_s": res.prompt_seconds, "wall_s": wall,
-                                "bytes_per_step": float(np.mean([x["bytes_read"] for x in rows])) if rows else 0.0,
-                                "reads_per_step": float(np.mean([x["reads"] for x in rows])) if rows else 0.0})
+                                "generated": res.generation_tokens, "prompt_s": res.prompt_seconds,
+                                "wall_s": time.perf_counter() - t, "bytes_per_step": res.bytes_per_step,
+                                "reads_per_step": res.reads_per_step})
                 if progress:
                     x = runs[b][-1]
                     print(f"round {r + 1} batch {b}: {x['generated']} tokens in {x['steps']} steps, "
@@ -77,14 +72,6 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     return {"shape": shape, "dtype": dtype, "mode": mode, "memory_budget": memory_budget,
             "budget_bytes": rt.budget_bytes, "weights_bytes": rt.plan.weights_bytes if rt.plan is not None else None,
             "tokens": tokens, "prompt_tokens": prompt_tokens, "rounds": rounds, "rows": rows}
-
-
-def batch_generate_warm(model, tok, rng, vocab, prompt_tokens):
-    """One short batch of two, untimed: MLX's kernels and the store's buffers warmed."""
-    import mlx_flash
-
-    mlx_flash.batch_generate(model, tok, [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(2)],
-                             max_tokens=2, stop=False)
 
 
 def read_size(row):

@@ -132,8 +132,8 @@ def run_batch(args, model, tokenizer, prompts):
           + (f"; answers in {args.batch_out}" if args.batch_out else ""))
     if args.stats:
         s = model.runtime.stats()["summary"]
-        print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB"
-              + (f"; read {s['mean_bytes_read'] / 1e6:.2f} MB per step" if "mean_bytes_read" in s else ""))
+        print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB; read "
+              f"{r.bytes_per_step / 1e6:.2f} MB per decode step in {r.reads_per_step:.0f} reads")
 
 
 def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):

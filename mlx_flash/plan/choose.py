@@ -5,13 +5,13 @@
 - no --memory-limit or --memory-budget: dense, everything in DRAM;
 - else the first of dense, hybrid, naive whose plan fits.
 
-Why an order and not a search: the exact modes compute the same rows at the same precision
-and differ only in how many of them stay in DRAM. Holding a row costs DRAM and saves its
-read; so among those that fit, the one that holds the most (dense, then hybrid with the
-largest cache the budget allows, then naive) reads the fewest bytes and does the same
-compute: it is the cost model's minimum too, on any machine. The cost model (plan/cost.py)
-predicts each candidate's time for --explain and --stats; a search over the choices that
-trade DRAM against compute (the resident weights' precision, sparsity) is where it decides.
+Why an order and not a search over predicted times: the exact modes compute the same rows
+and differ in how many stay in DRAM, so the one that holds the most (dense, then hybrid with
+the largest cache the budget allows, then naive) reads the fewest bytes. That is not always
+the fastest: hybrid computes its held and streamed rows as two parts and costs more per
+layer, and on SmolLM2 at 35 % naive measured as fast (results/plan/). The cost model
+(plan/cost.py) predicts each candidate's time for --explain and --stats, but it does not yet
+model how much prefetch hides on this machine, so it does not decide.
 """
 
 from dataclasses import dataclass, field
@@ -27,7 +27,6 @@ class Candidate:
     plan: object = None  # runtime.budget.Plan, None where it does not fit
     packed: bool = False  # its FFN rows held at their bits
     error: str = ""  # why it does not fit
-    prediction: object = None  # cost.Prediction (--explain)
 
 
 @dataclass
@@ -60,7 +59,7 @@ def choose_mode(config, budget, plan_of):
     if not fits:
         raise last
     chosen = fits[0]
-    skipped = [c for c in candidates[: candidates.index(chosen)]]
+    skipped = candidates[: candidates.index(chosen)]
     why = "; ".join(f"{c.mode}: {c.error}" for c in skipped)
     reason = (f"it fits the {budget / 1e6:.0f} MB for weights" + (f" ({why})" if why else "")
               + ("" if chosen.mode == "dense" else

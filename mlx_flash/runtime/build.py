@@ -5,6 +5,7 @@ registry, or an object the benchmarks pass), the reader, the store; attaches
 the store to every FlashFFN and the Runtime to `model.runtime`.
 """
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -188,24 +189,21 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     # bfloat16 model's FFN rows stay at the compute dtype)
     held_ffn = held == "float16"
     lay, n_layers = manifest.layout, len(manifest.ffn_files)
-    neuron_bytes = len(lay.kinds) * lay.d_model * dtype.size
     # "50%" is of the model at the compute dtype, however its resident part is held
-    model_bytes = resident.compute_bytes + neuron_bytes * lay.n_neurons * n_layers
+    model_bytes = resident.compute_bytes + _neuron_bytes(lay, dtype, False, False) * lay.n_neurons * n_layers
     budget = parse_budget(config.memory_budget, model_bytes)
     ffns = [layer_ffn(layer) for layer in model.layers]
     name, density = None, None
     # a quantized layout's column scales, per layer: in DRAM with the resident weights
     tables = read_tables(folder, manifest, lay, config.verify)
+    # the FFN files' part checksums, read once (--mode auto's plans and the store count them)
+    ffn_crcs = functools.cache(lambda: _checksums(folder, manifest, config, "ffn"))
     choice = None
     if config.mode == "auto":
         from ..plan.choose import choose_mode
 
-        crcs = []  # read once, for the modes that check their reads
-
         def plan_of(mode):
-            if mode != "dense" and not crcs:
-                crcs.append(_checksums(folder, manifest, config, "ffn"))
-            extra = (tables,) if mode == "dense" else (tables, crcs[0])
+            extra = (tables,) if mode == "dense" else (tables, ffn_crcs())
             return exact_plan(mode, manifest, config, dtype, _with_extra(resident, *extra), budget, held_ffn,
                               hold_most=True)
 
@@ -234,7 +232,7 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
             plan, store = _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source,
                                      dip_tables, crcs)
         else:
-            crcs = _checksums(folder, manifest, config, "ffn")
+            crcs = ffn_crcs()
             resident = _with_extra(resident, tables, crcs)
             plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
                                         held_ffn, tables, crcs, hold_most=choice is not None)
@@ -343,10 +341,7 @@ def exact_plan(mode, manifest, config, dtype, resident, budget, held_ffn, hold_m
     staged = mode != "dense" and _staged(config, held, dtype)
     packed = not staged and packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, held,
                                             cpu_kernels() is not None, mode=mode)
-    # a neuron costs its bundle's bytes when its rows stay packed, else its values at the
-    # compute dtype (twice when staged: its rows on the device and their host staging copy)
-    neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds) if packed else \
-        len(lay.kinds) * lay.d_model * dtype.size * (2 if staged else 1)
+    neuron_bytes = _neuron_bytes(lay, dtype, packed, staged)
     plan = make_plan(mode, budget, resident.held_bytes, 0, neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
                      held_neuron_bytes=neuron_bytes // 2 if held else 0,
                      prefetch=config.prefetch and mode != "dense", hold_most=hold_most)
@@ -365,7 +360,6 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, hel
         store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables,
                               crcs=crcs, packed=packed, staged=staged)
         return plan, store
-    neuron_bytes = len(lay.kinds) * lay.d_model * dtype.size
     req = manifest.calibration.get("req")
     if req:  # per-layer capacity from calibration: Req_i at this window
         k = min(8 if window is None else max(window, 1), max(req["windows"]))
@@ -376,17 +370,22 @@ def _neuron_store(folder, manifest, config, dtype, resident, budget, source, hel
     staged = _staged(config, False, dtype)
     packed = not staged and packed_ffn_rows(config, lay.quant is not None, dtype == mx.float32, False,
                                             cpu_kernels() is not None)
-    if packed:  # a neuron costs its bundle's bytes, not its float32 values
-        neuron_bytes = sum(lay.kind_bytes(k) for k in lay.kinds)
-    if staged:  # its rows on the device and their host staging copy
-        neuron_bytes *= 2
     plan = make_plan(mode, budget, resident.held_bytes, source.resident_bytes if source else 0,
-                     neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
+                     _neuron_bytes(lay, dtype, packed, staged), len(manifest.ffn_files), lay.n_neurons,
                      window=10**9 if window is None else window, req=req, prefetch=config.prefetch)
     reader = FlashReader(threads=config.threads, direct=True)
     store = FlashStore(folder, manifest, plan, source, reader, dtype, bundled=config.bundled,
                        overlap=config.overlaps, tables=tables, crcs=crcs, packed=packed, staged=staged)
     return plan, store
+
+
+def _neuron_bytes(lay, dtype, packed, staged):
+    """What a neuron's rows cost in a cache: its bundle's bytes when they stay packed, else its
+    values at the compute dtype (twice when staged: its rows on the device and their host
+    staging copy)."""
+    if packed:
+        return sum(lay.kind_bytes(k) for k in lay.kinds)
+    return len(lay.kinds) * lay.d_model * dtype.size * (2 if staged else 1)
 
 
 def _staged(config, held, dtype):

@@ -234,27 +234,18 @@ def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None
                       MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize, kv_itemsize)
 
 
-def kv_caches(n_layers, context):
+def kv_caches(n_layers, context=None, bits=None, group_size=64):
     """mlx_lm KV caches for a planned context: each allocates the whole context at its first
     update (step = context), where mlx_lm's default grows by 256 positions, holding old and
     new buffers while it copies (up to twice the cache at a step) and up to 255 positions
     unused. A conversation past the context grows by another context's worth: generate and
-    chat stop before it."""
-    from mlx_lm.models.cache import KVCache
+    chat stop before it. context None: mlx_lm's growth (no plan). bits (--kv-bits):
+    QuantizedKVCaches, quantized from the first token (where mlx_lm's --kv-bits converts a
+    float cache after --quantized-kv-start tokens, holding both while it does)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    caches = [KVCache() for _ in range(n_layers)]
-    for c in caches:
-        c.step = context
-    return caches
-
-
-def quantized_kv_caches(n_layers, bits, group_size, context=None):
-    """mlx_lm QuantizedKVCaches, quantized from the first token (where mlx_lm's --kv-bits
-    converts a float cache after --quantized-kv-start tokens, holding both while it does).
-    context: allocate it at the first update, as kv_caches does (None: grow by 256)."""
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    caches = [QuantizedKVCache(group_size=group_size, bits=bits) for _ in range(n_layers)]
+    caches = [KVCache() if bits is None else QuantizedKVCache(group_size=group_size, bits=bits)
+              for _ in range(n_layers)]
     if context is not None:
         for c in caches:
             c.step = context

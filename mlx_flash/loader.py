@@ -20,7 +20,6 @@ from .layout.format import check_file, is_flash_folder, read_manifest
 from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
-from .plan.cost import resident_computed
 from .plan.explain import explain
 from .plan.profile import load_profile
 from .runtime.memory import (MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, kv_value_bytes,
@@ -71,7 +70,6 @@ def load(path_or_repo, progress=False, config=None, **options):
     except BudgetTooSmall as e:
         raise (e if memory is None else memory.restate(e)) from None
     runtime.memory = memory
-    runtime.resident_work = resident_computed(model)
     if runtime.choice is not None and runtime.budget_bytes is not None and not config.explain:
         # (no limit: dense, which --explain says; with it, its first line says this)
         logging.getLogger("mlx_flash").warning("%s", runtime.choice.describe())

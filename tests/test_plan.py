@@ -12,7 +12,7 @@ import mlx_flash
 from mlx_flash.errors import BudgetTooSmall, FlashError
 from mlx_flash.bench import profile as bench_profile
 from mlx_flash.plan import profile as profile_mod
-from mlx_flash.plan.choose import choose_mode
+from mlx_flash.plan.choose import choose_mode, variants
 from mlx_flash.plan.cost import Work, predict
 from mlx_flash.plan.profile import Profile, load_profile, save_profile
 from mlx_flash.runtime.config import FlashConfig
@@ -29,7 +29,7 @@ def _rates(**gbs):
 def _profile(**kw):
     base = dict(disk={4096: 0.5, 262144: 2.0}, threads=32, compute=_rates(float32=10.0, q4=20.0),
                 layer_ms={"dense": {128: 1.0}, "hybrid": {128: 2.0}, "naive": {128: 1.5}},
-                machine=profile_mod.machine_key(),
+                token_ms={"dense": {128: 0.0}}, overlap=1.0, machine=profile_mod.machine_key(),
                 mlx=mx.__version__, device="cpu", measured="now")
     return Profile(**(base | kw))
 
@@ -42,8 +42,13 @@ def test_cost_model_arithmetic():
     assert got.io_ms == pytest.approx(100.0)  # 200 MB at 2 GB/s
     assert got.compute_ms == pytest.approx(10.0 + 2.0 + 10 * 2.0)  # bytes at their rates + 10 layers x 2 ms
     assert got.total_ms == pytest.approx(got.io_ms + got.compute_ms)
-    w.overlapped = True  # prefetch: the larger of the two, plus one layer's share of the smaller
+    w.overlapped = True  # prefetch hiding all it can: the larger of the two, plus one layer's share of the smaller
     assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 / 10)
+    p.overlap = 0.5  # hiding half of it (the reader's threads share the cores with the compute)
+    assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 - 0.5 * 32.0 * 9 / 10)
+    p.overlap, p.token_ms = 1.0, {"dense": {128: 3.0}}  # once a token, never hidden
+    assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 / 10 + 3.0)
+    assert predict(w, p).compute_ms == pytest.approx(32.0 + 3.0)
     # the disk curve is interpolated on log(read size): 64 KiB lies halfway between 4 KiB and 256 KiB
     assert p.disk_gbs(65536) == pytest.approx(0.5 + (2.0 - 0.5) * 4 / 6)
     with pytest.raises(FlashError, match="no compute rate for q8"):
@@ -62,17 +67,23 @@ def test_cost_model_arithmetic():
     w = Work(0, 1, {}, False, 10, "dense", d_model=352)
     assert predict(w, p).compute_ms == pytest.approx(15.0)
     assert Profile.from_dict(p.as_dict()).layer_ms == p.layer_ms
+    assert Profile.from_dict(p.as_dict()).token_ms == p.token_ms
+
+
+def _plan_of(budget, needs):
+    def f(c):
+        need = needs[c.label]
+        if need > budget:
+            raise BudgetTooSmall("x", budget, need, f"{c.label} needs {need}")
+        return (type("P", (), {"layer_capacity": lambda self, i: 5, "n_neurons": 10})(), False, False)
+    return f
 
 
 def test_choose_mode_takes_the_first_exact_mode_that_fits():
     needs = {"dense": 300, "hybrid": 200, "naive": 150}
 
     def plan_of(budget):
-        def f(mode):
-            if needs[mode] > budget:
-                raise BudgetTooSmall("x", budget, needs[mode], f"{mode} needs {needs[mode]}")
-            return (type("P", (), {"layer_capacity": lambda self, i: 5, "n_neurons": 10})(), False, False)
-        return f
+        return _plan_of(budget, needs)
 
     cfg = FlashConfig()
     assert choose_mode(cfg, None, plan_of(0)).mode == "dense"  # no budget: everything in DRAM
@@ -85,6 +96,27 @@ def test_choose_mode_takes_the_first_exact_mode_that_fits():
         choose_mode(cfg, 100, plan_of(100))
     # a sparsity option asks for flash, the one mode that is not exact
     assert choose_mode(FlashConfig(sparsity="dip", density=0.5), 250, plan_of(250)).mode == "flash"
+    assert "no machine profile" in c.reason  # (the order decides, and says why)
+
+
+def test_choose_mode_with_a_profile_takes_the_fastest_predicted_plan_that_fits():
+    """With predicted times, the minimum of the plans that fit, float16-held rows among them;
+    without (no profile cached), the order of the bytes read: float16 rows before float32."""
+    needs = {"dense": 300, "dense (float16 rows)": 170, "hybrid (float16 rows)": 120, "hybrid": 120, "naive": 100}
+    times = {"dense": 10, "dense (float16 rows)": 30, "hybrid (float16 rows)": 45, "hybrid": 40, "naive": 50}
+
+    def predict(c):
+        return type("Prediction", (), {"total_ms": times[c.label]})()
+
+    cfg = FlashConfig()
+    c = choose_mode(cfg, 200, _plan_of(200, needs), variants(True), predict)
+    assert c.label == "dense (float16 rows)" and c.rows16 and "30 ms/token" in c.reason and "hybrid 40" in c.reason
+    c = choose_mode(cfg, 150, _plan_of(150, needs), variants(True), predict)
+    assert c.mode == "hybrid" and not c.rows16  # float32 rows: fewer held, but faster here
+    c = choose_mode(cfg, 150, _plan_of(150, needs), variants(True), None)
+    assert c.label == "hybrid (float16 rows)"  # no profile: the fewest bytes
+    c = choose_mode(cfg, 150, _plan_of(150, needs), variants(True), lambda c: None)
+    assert c.label == "hybrid (float16 rows)"
 
 
 def test_auto_under_a_budget_holds_what_fits_and_stays_exact(smollm2):
@@ -127,13 +159,15 @@ def test_explain_and_stats_show_the_plan_and_the_prediction(smollm2, tmp_path):
     """The CLI with a cached profile: --explain lists every mode compared, --stats puts the
     prediction beside the measured time."""
     home = tmp_path / "home"
-    save_profile(_profile(compute=_rates(float32=10.0, q4=20.0, float16=5.0, bfloat16=5.0, q8=20.0)),
+    # (hybrid's per-layer cost below naive's, so the cost model prefers hybrid at this budget)
+    save_profile(_profile(compute=_rates(float32=10.0, q4=20.0, float16=5.0, bfloat16=5.0, q8=20.0),
+                          layer_ms={"dense": {128: 1.0}, "hybrid": {128: 1.0}, "naive": {128: 1.5}}),
                  home / "profile.json")
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--prompt", "Hi",
                         "--max-tokens", "4", "--memory-budget", "60MB", "--explain", "--stats"],
                        capture_output=True, text=True, timeout=300, env=_env(home))
     assert r.returncode == 0, r.stderr
-    assert "plan: --mode auto: hybrid" in r.stderr and "dense   does not fit" in r.stderr, r.stderr
+    assert "plan: --mode auto: hybrid (the fastest predicted" in r.stderr and "dense   does not fit" in r.stderr, r.stderr
     assert "<- chosen" in r.stderr and "naive" in r.stderr
     assert "Cost model: predicted" in r.stdout and "Mode hybrid" in r.stdout, r.stdout
 
@@ -147,6 +181,7 @@ def test_benchmark_profile_writes_one(tmp_path, smollm2):
     p = load_profile(home / "profile.json")
     assert p is not None and p.quick and set(p.layer_ms) == {"dense", "hybrid", "naive"}
     assert all(set(r) == {128, 576} and all(v >= 0 for v in r.values()) for r in p.layer_ms.values())
+    assert set(p.token_ms) == set(p.layer_ms) and 0.0 <= p.overlap <= 1.0
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
     assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
 
@@ -166,3 +201,23 @@ def test_explain_without_a_profile_says_so(smollm2, tmp_path, monkeypatch, capsy
     assert "plan: --mode auto: hybrid" in err and "(no profile)" in err and "no machine profile is cached" in err
     assert not (tmp_path / "empty" / "profile.json").exists()
     model.runtime.close()
+
+
+def test_auto_holds_a_float16_models_rows_at_float16_when_that_fits_and_stays_exact(tmp_path):
+    """A float16 model computed in float32 whose float32 rows do not fit but whose float16 rows
+    do: auto holds them at float16 (no profile cached: the fewest bytes read), the logits exact."""
+    from mlx_flash.bench.random_model import build_checkpoint
+
+    folder = build_checkpoint("tiny-llama", "float16", home=tmp_path, progress=False)
+    dense, _ = mlx_flash.load(folder, mode="dense")
+    x = mx.array([[1, 5, 9, 42, 7, 100]])
+    want = dense(x)
+    full = dense.runtime.plan.weights_bytes  # everything at float32
+    dense.runtime.close()
+    model, _ = mlx_flash.load(folder, memory_budget=str(int(full * 0.9)))  # (the resident part is most of it)
+    rt = model.runtime
+    assert rt.choice.label == "dense (float16 rows)" and rt.mode == "dense", rt.choice.describe()
+    assert [c.label for c in rt.choice.candidates if c.plan is None] == ["dense"]
+    assert rt.plan.weights_bytes <= int(full * 0.9) and rt.plan.held_neuron_bytes
+    assert mx.abs(model(x) - want).max().item() <= 1e-5
+    rt.close()

@@ -1,6 +1,7 @@
 """Measure this machine for the cost model (plan/profile.py holds the result): uncached reads
-by size, one decode step's matrix-vector products by weight form, and what each layer costs
-apart from its bytes, by mode, from a tiny model decoded through the real runtime."""
+by size, one decode step's matrix-vector products by weight form, what each layer and each
+token cost apart from their bytes, by mode, and how much prefetch hides, from small 4-bit
+models decoded through the real runtime."""
 
 import os
 import tempfile
@@ -37,10 +38,12 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     disk = disk_curve([file], CHUNKS, threads, seconds)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10)
-    say("per-layer overhead: 4-bit models of two widths decoded through the runtime, by mode")
-    p = Profile(disk, threads, compute, {m: {1: 0.0} for m in ("dense", "hybrid", "naive")}, machine_key(),
-                mx.__version__, _device(), time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
-    p.layer_ms = layer_overheads(p, tokens=8 if quick else 32)
+    say("per-layer and per-token costs, overlap: 4-bit models of two widths and depths decoded "
+        "through the runtime, by mode")
+    zero = {m: {1: 0.0} for m in MODES}
+    p = Profile(disk, threads, compute, zero, zero, 0.0, machine_key(), mx.__version__, _device(),
+                time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
+    p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, tokens=8 if quick else 32, rounds=1 if quick else 3)
     return p
 
 
@@ -139,40 +142,75 @@ def _rates_at(rows, cols, repeat):
     return out
 
 
-PROBES = ("tiny-llama", "probe-576")  # 4-layer 4-bit models of width 128 and 576 (bench/random_model.py)
+PROBES = {128: ("tiny-llama", "tiny-llama-12"), 576: ("probe-576", "probe-576-12")}  # width: (4, 12 layers), 4-bit
+MODES = ("dense", "hybrid", "naive")
 
 
-def layer_overheads(rates, tokens=32):
-    """{mode: {d_model: ms}}: what a decode token costs per layer besides its bytes, by mode, at
-    the probes' widths: each probe decoded through the real runtime after a 64-token prompt,
-    less the cost model's time for its bytes (`rates`: a Profile of the disk and compute rates
-    just measured, no layer cost), over its layers. It grows with the width (more work per
-    MLX op), not only with the bytes."""
+def runtime_costs(rates, tokens=32, rounds=3):
+    """-> (layer_ms, token_ms, overlap): what a decode token costs besides its bytes, by mode
+    and width, and the share of min(I/O, compute) prefetch hides on this machine.
+
+    Each probe is decoded through the real runtime after a 64-token prompt, without prefetch,
+    and the cost model's time for its bytes (`rates`: a Profile of the disk and compute rates
+    just measured, no other cost) subtracted: the slope of the rest between 4 and 12 layers is
+    the per-layer cost, what is left at 4 layers the per-token one. Then the deeper 576-wide
+    probe in naive mode (it reads every row) with prefetch and without, alternating `rounds`
+    times: the time prefetch saves over the time it could save."""
     import mlx_flash
-    from mlx_lm.models.cache import make_prompt_cache
 
     from ..plan.cost import predict
     from .random_model import build_checkpoint
 
-    out = {}
+    layer_ms, token_ms = {}, {}
     with tempfile.TemporaryDirectory(prefix="mlx-flash-probe") as home:
-        for shape in PROBES:
-            folder = build_checkpoint(shape, "q4", home=home, progress=False)
-            for mode in ("dense", "hybrid", "naive"):
-                model, _ = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else "60%",
-                                          progress=False)
-                rt = model.runtime
-                cache = make_prompt_cache(model)
-                mx.eval(model(mx.array([list(range(1, 65))]), cache=cache))
-                x = mx.array([[1]])
-                times = []
-                for i in range(tokens + 2):
-                    t = time.perf_counter()
-                    mx.eval(model(x, cache=cache))
-                    times.append(time.perf_counter() - t)
-                bytes_ms = predict(rt.work(), rates).total_ms
-                rt.close()
-                L = len(model.layers)
-                out.setdefault(mode, {})[rt.manifest.layout.d_model] = max(
-                    0.0, (1e3 * float(np.median(times[2:])) - bytes_ms) / L)
-    return out
+        folders = {shape: build_checkpoint(shape, "q4", home=home, progress=False)
+                   for pair in PROBES.values() for shape in pair}
+
+        def decode(shape, mode, prefetch):
+            """-> (median ms per token, the cost model's Work of the run)"""
+            streams = {} if mode == "dense" else {"memory_budget": "60%", "prefetch": prefetch}
+            model, _ = mlx_flash.load(folders[shape], mode=mode, progress=False, **streams)
+            ms = _decode_ms(model, tokens)
+            work = model.runtime.work()
+            model.runtime.close()
+            return ms, work
+
+        for width, (shallow, deep) in PROBES.items():
+            for mode in MODES:
+                rest = []
+                for shape in (shallow, deep):
+                    ms, work = decode(shape, mode, False)
+                    rest.append((ms - predict(work, rates).total_ms, work.n_layers))
+                (r4, l4), (r12, l12) = rest
+                per_layer = max(0.0, (r12 - r4) / (l12 - l4))
+                layer_ms.setdefault(mode, {})[width] = per_layer
+                token_ms.setdefault(mode, {})[width] = max(0.0, r4 - l4 * per_layer)
+        costs = Profile(**{**rates.__dict__, "layer_ms": layer_ms, "token_ms": token_ms, "overlap": 0.0})
+        on, off = [], []
+        deep = PROBES[576][1]
+        for _ in range(rounds):
+            off.append(decode(deep, "naive", False)[0])
+            ms, work = decode(deep, "naive", True)
+            on.append(ms)
+    p = predict(work, costs)  # (overlap 0: nothing hidden)
+    once = costs.token_cost("naive", work.d_model)
+    L = work.n_layers
+    hideable = min(p.io_ms, p.compute_ms - once) * (L - 1) / L
+    saved = float(np.median(off) - np.median(on))
+    overlap = float(np.clip(saved / hideable, 0.0, 1.0)) if hideable > 0 else 0.0
+    return layer_ms, token_ms, overlap
+
+
+def _decode_ms(model, tokens):
+    """Median ms of one decode step after a 64-token prompt (two warm-up steps)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(1, 65))]), cache=cache))
+    x = mx.array([[1]])
+    times = []
+    for _ in range(tokens + 2):
+        t = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times[2:]))

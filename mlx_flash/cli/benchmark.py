@@ -232,8 +232,10 @@ def profile_main(args):
     for form, rates in p.compute.items():
         print(f"compute GB/s of {form} weights (one decode step), by matrix: " + ", ".join(
             f"{n / 1e6:.1f}M {v:.1f}" for n, v in sorted(rates.items())))
-    print("per-layer overhead ms (besides the bytes), by width: " + "; ".join(
-        f"{mode} " + ", ".join(f"d{w} {v:.2f}" for w, v in sorted(r.items())) for mode, r in p.layer_ms.items()))
+    for what, table in (("per layer", p.layer_ms), ("per token", p.token_ms)):
+        print(f"cost {what} (ms besides the bytes), by width: " + "; ".join(
+            f"{mode} " + ", ".join(f"d{w} {v:.2f}" for w, v in sorted(r.items())) for mode, r in table.items()))
+    print(f"prefetch hides {p.overlap:.0%} of min(I/O, compute)")
     print(f"wrote {path}")
 
 

@@ -1,17 +1,16 @@
-"""--mode auto: the mode a plan runs, chosen from the memory the weights may take.
+"""--mode auto: the plan a run uses, chosen from the memory the weights may take.
 
 - a sparsity option given (--sparsity, --density, --window, ...): flash, the only mode
   that is not exact (never chosen without being asked for);
 - no --memory-limit or --memory-budget: dense, everything in DRAM;
-- else the first of dense, hybrid, naive whose plan fits.
-
-Why an order and not a search over predicted times: the exact modes compute the same rows
-and differ in how many stay in DRAM, so the one that holds the most (dense, then hybrid with
-the largest cache the budget allows, then naive) reads the fewest bytes. That is not always
-the fastest: hybrid computes its held and streamed rows as two parts and costs more per
-layer, and on SmolLM2 at 35 % naive measured as fast (results/plan/). The cost model
-(plan/cost.py) predicts each candidate's time for --explain and --stats, but it does not yet
-model how much prefetch hides on this machine, so it does not decide.
+- else among the exact plans that fit (dense; hybrid holding as many neurons a layer as the
+  budget allows; naive; and for a float16 model computed in float32, dense and hybrid with
+  their FFN rows held at float16, which fit twice the rows and convert them before use):
+  - with this machine's profile cached (`mlx_flash.benchmark profile`), the one the cost
+    model (plan/cost.py) predicts fastest;
+  - without one, the one that reads the fewest bytes: the first that fits of dense, dense
+    at float16, hybrid at float16, hybrid, naive. Not always the fastest (hybrid costs more
+    per layer than naive, float16 rows compute slower than float32), which the log line says.
 """
 
 from dataclasses import dataclass, field
@@ -24,9 +23,15 @@ EXACT_ORDER = ("dense", "hybrid", "naive")
 @dataclass
 class Candidate:
     mode: str
+    rows16: bool = False  # its FFN rows in DRAM at float16 (a float16 model computed in float32)
     plan: object = None  # runtime.budget.Plan, None where it does not fit
     packed: bool = False  # its FFN rows held at their bits
     error: str = ""  # why it does not fit
+    prediction: object = None  # cost.Prediction, where a profile is cached
+
+    @property
+    def label(self):
+        return self.mode + (" (float16 rows)" if self.rows16 else "")
 
 
 @dataclass
@@ -34,34 +39,57 @@ class Choice:
     mode: str
     reason: str
     candidates: list = field(default_factory=list)
+    rows16: bool = False
+
+    @property
+    def label(self):
+        return self.mode + (" (float16 rows)" if self.rows16 else "")
 
     def describe(self):
-        return f"--mode auto: {self.mode} ({self.reason})"
+        return f"--mode auto: {self.label} ({self.reason})"
 
 
-def choose_mode(config, budget, plan_of):
-    """-> Choice. plan_of(mode) -> the exact mode's (plan, packed, staged), raising
-    BudgetTooSmall where it does not fit; with none fitting, naive's error (the least DRAM)."""
+def variants(rows16):
+    """The exact plans auto compares, in the order of the bytes they read (fewest first).
+    rows16: the model can hold its FFN rows at float16 (dense and hybrid then come twice)."""
+    if not rows16:
+        return [Candidate(m) for m in EXACT_ORDER]
+    return [Candidate("dense"), Candidate("dense", True), Candidate("hybrid", True), Candidate("hybrid"),
+            Candidate("naive")]
+
+
+def choose_mode(config, budget, plan_of, candidates=None, predict=None):
+    """-> Choice. plan_of(candidate) -> its (plan, packed, staged), raising BudgetTooSmall
+    where it does not fit; with none fitting, the last one's error (naive: the least DRAM).
+    predict(candidate) -> its cost.Prediction, or None (no profile cached): the order decides."""
     given = config.sparse_options
     if given:
         return Choice("flash", f"{', '.join(given)} given: only flash mode reads a sparse subset")
     if budget is None:
         return Choice("dense", "no memory limit or budget: every weight in DRAM")
-    candidates, last = [], None
-    for mode in EXACT_ORDER:
+    candidates, last = candidates or variants(False), None
+    for c in candidates:
         try:
-            plan, packed, _ = plan_of(mode)
-            candidates.append(Candidate(mode, plan, packed=packed))
+            c.plan, c.packed, _ = plan_of(c)
         except BudgetTooSmall as e:
-            candidates.append(Candidate(mode, error=e.reason))
-            last = e
+            c.error, last = e.reason, e
     fits = [c for c in candidates if c.plan is not None]
     if not fits:
         raise last
-    chosen = fits[0]
-    skipped = candidates[: candidates.index(chosen)]
-    why = "; ".join(f"{c.mode}: {c.error}" for c in skipped)
-    reason = (f"it fits the {budget / 1e6:.0f} MB for weights" + (f" ({why})" if why else "")
-              + ("" if chosen.mode == "dense" else
-                 f"; {chosen.plan.layer_capacity(0)} of {chosen.plan.n_neurons} neurons a layer held"))
-    return Choice(chosen.mode, reason, candidates)
+    for c in fits:
+        c.prediction = predict(c) if predict is not None else None
+    if all(c.prediction is not None for c in fits):
+        chosen = min(fits, key=lambda c: c.prediction.total_ms)
+        others = ", ".join(f"{c.label} {c.prediction.total_ms:.0f}" for c in fits if c is not chosen)
+        reason = (f"the fastest predicted of the plans that fit the {budget / 1e6:.0f} MB for weights: "
+                  f"{chosen.prediction.total_ms:.0f} ms/token" + (f"; {others}" if others else ""))
+    else:
+        chosen = fits[0]
+        skipped = candidates[: candidates.index(chosen)]
+        why = "; ".join(f"{c.label}: {c.error}" for c in skipped)
+        reason = (f"it reads the fewest bytes of the plans that fit the {budget / 1e6:.0f} MB for weights"
+                  + (f" ({why})" if why else "")
+                  + "; no machine profile is cached to predict their times: `mlx_flash.benchmark profile`")
+    if chosen.mode == "hybrid":
+        reason += f"; {chosen.plan.layer_capacity(0)} of {chosen.plan.n_neurons} neurons a layer held"
+    return Choice(chosen.mode, reason, candidates, chosen.rows16)

@@ -4,11 +4,13 @@
     compute  = sum over the forms weights are held in of bytes consumed / that form's rate at
                the model's matrix size (one FFN matrix; small matrices run slower per byte)
     layers   = the layers x the mode's cost per layer besides its bytes (MLX's dispatch, the
-               store's syncs; the profile's probe models at two widths, less what this model
-               predicts for their bytes), at the model's width
-    total    = I/O + compute + layers, or with prefetch (the next layer read while this one
-               computes) max(I/O, compute + layers) + the smaller of the two over the layers
-               (the first layer's read, or the last layer's compute, that nothing hides)
+               store's syncs), + what a token costs once (embedding, sampling, Python): the
+               profile's probe models at two widths and two depths, less what this model
+               predicts for their bytes, at the model's width
+    total    = I/O + compute + layers, less with prefetch (the next layer read while this one
+               computes) the share of min(I/O, compute + layers) the profile measured it to
+               hide here, over all layers but one (the first layer's read, or the last
+               layer's compute, that nothing hides): overlap 1 gives max(I/O, C) + min/L
 
 Weights consumed per token: every resident matrix a token multiplies by (attention,
 lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every
@@ -52,12 +54,13 @@ def predict(work, profile):
     io = 1e3 * work.read_bytes / (profile.disk_gbs(work.read_size) * 1e9) if work.read_bytes else 0.0
     size = work.matrix_elements or None
     compute = sum(1e3 * b / (profile.compute_gbs(form, size) * 1e9) for form, b in work.computed.items() if b)
-    compute += work.n_layers * profile.layer_cost(work.mode, work.d_model or None)
+    L, width = max(work.n_layers, 1), work.d_model or None
+    compute += work.n_layers * profile.layer_cost(work.mode, width)
+    total = io + compute
     if work.overlapped:
-        total = max(io, compute) + min(io, compute) / max(work.n_layers, 1)
-    else:
-        total = io + compute
-    return Prediction(io, compute, total)
+        total -= profile.overlap * min(io, compute) * (L - 1) / L
+    once = profile.token_cost(work.mode, width)
+    return Prediction(io, compute + once, total + once)
 
 
 def resident_computed(model):

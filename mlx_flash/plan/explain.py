@@ -15,9 +15,9 @@ def explain(runtime, profile=None):
     if candidates:
         for c in candidates:
             if c.plan is None:
-                rows.append((c.mode, "does not fit: " + c.error, "", ""))
+                rows.append((c.label, "does not fit: " + c.error, "", ""))
                 continue
-            rows.append(_row(runtime, profile, c.mode, c.plan, c.packed, c.mode == runtime.mode))
+            rows.append(_row(runtime, profile, c.label, c.plan, c.packed, c.label == choice.label))
     else:
         rows.append(_row(runtime, profile, runtime.mode, plan, None, True))
     widths = [max(len(r[i]) for r in rows if r[2] or i == 0) for i in range(4)]

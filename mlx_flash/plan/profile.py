@@ -2,9 +2,14 @@
 
 - disk: uncached random reads (O_DIRECT / F_NOCACHE, the reader's thread pool), GB/s by
   read size, from 4 KiB to 1 MiB;
-- per layer: what a decode token costs per layer apart from its bytes (MLX's dispatch,
-  the store's syncs and reads), by mode, from a tiny model (bench/random_model.py's
-  tiny-llama at 4 bits, whose bytes take no time) decoded through the real runtime;
+- per layer and per token: what a decode token costs apart from its bytes (MLX's dispatch,
+  the store's syncs and reads), by mode and model width, from 4-bit probe models of 4 and
+  12 layers decoded through the real runtime without prefetch (bench/random_model.py): the
+  slope between the two depths is the per-layer cost, the rest what a token costs once
+  (embedding, lm_head, sampling, Python);
+- overlap: the share of min(I/O, compute) that prefetch (the next layer read while this one
+  computes) hides here, from the deeper probe decoded with and without it: near 1 where the
+  reader's threads have cores of their own, less where they share two with the compute;
 - compute: GB/s of weights consumed by one decode step's matrix-vector products, for
   each form a weight can be held in: float32 (BLAS), 16-bit held (converted into a
   float32 arena, then BLAS: models/half.py) and 4-/8-bit quantized (the native kernels
@@ -31,7 +36,8 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..home import default_home
 
-VERSION = 3  # 2: compute rates by matrix size; 3: per-layer overhead by model width
+VERSION = 4  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
+# 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves
 
 
 @dataclass
@@ -40,6 +46,8 @@ class Profile:
     threads: int
     compute: dict  # weight form ("float32", ..., "q4", "q8") -> {matrix elements: GB/s consumed}
     layer_ms: dict  # mode -> {d_model: ms a decode token spends per layer besides its bytes (dispatch, syncs, store)}
+    token_ms: dict  # mode -> {d_model: ms a decode token spends once besides its bytes and layers}
+    overlap: float  # the share of min(I/O, compute) that prefetch hides (0: none, 1: all but one layer's)
     machine: str
     mlx: str
     device: str
@@ -69,17 +77,19 @@ class Profile:
     def layer_cost(self, mode, d_model=None):
         """ms per layer besides the bytes, for `mode` at a model width: interpolated between the
         probed widths, the ends held beyond them (None: the widest probed)."""
-        costs = self.layer_ms.get(mode) or self.layer_ms["dense"]
-        widths = sorted(costs)
-        if d_model is None:
-            return costs[widths[-1]]
-        return float(np.interp(d_model, widths, [costs[w] for w in widths]))
+        return _at_width(self.layer_ms, mode, d_model)
+
+    def token_cost(self, mode, d_model=None):
+        """ms a token costs once besides its bytes and layers, as layer_cost interpolates."""
+        return _at_width(self.token_ms, mode, d_model)
+
 
     def as_dict(self):
         d = asdict(self)
         d["disk"] = {str(k): v for k, v in self.disk.items()}
         d["compute"] = {f: {str(n): v for n, v in r.items()} for f, r in self.compute.items()}
-        d["layer_ms"] = {m: {str(w): v for w, v in r.items()} for m, r in self.layer_ms.items()}
+        for key in ("layer_ms", "token_ms"):
+            d[key] = {m: {str(w): v for w, v in r.items()} for m, r in getattr(self, key).items()}
         return d
 
     @classmethod
@@ -87,8 +97,19 @@ class Profile:
         d = dict(d)
         d["disk"] = {int(k): float(v) for k, v in d["disk"].items()}
         d["compute"] = {f: {int(n): float(v) for n, v in r.items()} for f, r in d["compute"].items()}
-        d["layer_ms"] = {m: {int(w): float(v) for w, v in r.items()} for m, r in d["layer_ms"].items()}
+        for key in ("layer_ms", "token_ms"):
+            d[key] = {m: {int(w): float(v) for w, v in r.items()} for m, r in d[key].items()}
         return cls(**d)
+
+
+def _at_width(table, mode, d_model):
+    """table[mode] (dense's for a mode not probed) at a model width: interpolated between the
+    probed widths, the ends held beyond them (None: the widest probed)."""
+    costs = table.get(mode) or table["dense"]
+    widths = sorted(costs)
+    if d_model is None:
+        return costs[widths[-1]]
+    return float(np.interp(d_model, widths, [costs[w] for w in widths]))
 
 
 def cpu_name():

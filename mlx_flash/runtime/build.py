@@ -19,6 +19,7 @@ from ..io import FlashReader
 from ..layout.format import check_file, read_checksums, read_tables
 from ..layout.quant import value_shapes
 from ..models.ffn import layer_ffn
+from ..plan.cost import resident_computed
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, budget_too_small, make_plan, parse_budget
 from .config import FlashConfig, keep_quantized, packed_ffn_rows, staged_caches
@@ -199,16 +200,11 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     # the FFN files' part checksums, read once (--mode auto's plans and the store count them)
     ffn_crcs = functools.cache(lambda: _checksums(folder, manifest, config, "ffn"))
     choice = None
+    resident_work = resident_computed(model)
     if config.mode == "auto":
-        from ..plan.choose import choose_mode
-
-        def plan_of(mode):
-            extra = (tables,) if mode == "dense" else (tables, ffn_crcs())
-            return exact_plan(mode, manifest, config, dtype, _with_extra(resident, *extra), budget, held_ffn,
-                              hold_most=True)
-
-        choice = choose_mode(config, budget, plan_of)
+        choice = _choose(manifest, config, dtype, resident, budget, held_ffn, tables, ffn_crcs, resident_work)
         config = replace(config, mode=choice.mode)
+        held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
         resident = _with_extra(resident, tables)
         plan, packed, _ = exact_plan("dense", manifest, config, dtype, resident, budget, held_ffn)
@@ -240,9 +236,41 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
         f.store = store
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
-                      budget, model_bytes, source, name, density, ffns, choice=choice)
+                      budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work)
     model.runtime = runtime
     return runtime
+
+
+def _choose(manifest, config, dtype, resident, budget, held_ffn, tables, ffn_crcs, resident_work):
+    """--mode auto's Choice (plan/choose.py): the exact plans that fit, each predicted by the
+    cost model where this machine's profile is cached (never measured here)."""
+    from ..io.reader import DEFAULT_MAX_READ
+    from ..plan.choose import choose_mode, variants
+    from ..plan.cost import exact_work, predict
+    from ..plan.profile import load_profile
+
+    lay = manifest.layout
+    # a float16 model computed in float32 may hold its FFN rows at float16 (unless the user
+    # chose how the weights are held)
+    rows16 = (not held_ffn and config.resident_dtype is None and manifest.dtype == "float16"
+              and dtype == mx.float32 and lay.quant is None)
+
+    def plan_of(c):
+        extra = (tables,) if c.mode == "dense" else (tables, ffn_crcs())
+        return exact_plan(c.mode, manifest, config, dtype, _with_extra(resident, *extra), budget,
+                          held_ffn or c.rows16, hold_most=True)
+
+    profile = load_profile() if budget is not None else None
+
+    def predict_of(c):
+        if profile is None:
+            return None
+        try:
+            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ), profile)
+        except FlashError:  # (a profile without this weight form's rate)
+            return None
+
+    return choose_mode(config, budget, plan_of, variants(rows16), predict_of)
 
 
 def rebuild_runtime(model, config, source=None):

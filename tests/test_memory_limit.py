@@ -56,9 +56,13 @@ def test_a_budget_too_small_is_restated_as_the_smallest_limit_that_holds_it(monk
     assert text.startswith(f"--memory-limit 300 MB leaves {p.weights / 1e6:.0f} MB for weights")
     assert "the resident weights take X" in text and "memory budget" not in text
     need = int(re.search(r"at least (\d+) MB", text).group(1)) * MB
-    at = lambda limit: plan_memory(str(limit), SHAPE, 4, context=256, baseline=100 * MB).weights  # noqa: E731
+    at = lambda limit, base=100 * MB: plan_memory(str(limit), SHAPE, 4, context=256, baseline=base).weights  # noqa: E731
     assert at(need) >= short.needed  # that limit holds it (its margin and chunks grew with it)
-    assert at(need - 2 * MB) < short.needed  # and it is within a MB or two of the smallest that does
+    # ... in a run that measures its runtime a few MB larger too (flaky before: a second
+    # process measured 1-2 MB more and the named limit fell short)
+    assert at(need, 100 * MB + memory.BASELINE_NOISE) >= short.needed
+    # and it is no more than that noise above the smallest that does
+    assert at(need - memory.BASELINE_NOISE - 2 * MB) < short.needed
 
 
 def test_a_limit_whose_share_cannot_hold_the_resident_weights_says_so_in_its_terms(smollm2):

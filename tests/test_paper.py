@@ -97,8 +97,14 @@ def test_unbundled_reads_fill_the_same_rows(tiny):
         assert np.abs(caches[0].views[k][:5]).sum() > 0
 
 
-def test_paper_rows_end_to_end(tiny, tmp_path):
+def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
+    from mlx_flash.plan.profile import save_profile
+    from test_plan import _profile, _rates
+
     _, home = tiny
+    # a machine profile cached: every row gets the cost model's time beside its own
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "profiled"))
+    save_profile(_profile(compute=_rates(float32=10.0, float16=5.0)), tmp_path / "profiled" / "profile.json")
     res = paper.run("tiny-opt", "float16", memory_budget="90%", tokens=3, warmup=3,
                     windows=(0, 5), window_tokens=3, long_tokens=12, predictor_rank=8,
                     home=home, progress=False, log=lambda *a: None)
@@ -121,8 +127,11 @@ def test_paper_rows_end_to_end(tiny, tmp_path):
                                     for c, v in res["disk_curve_gbs"].items())
     for r in rows.values():
         assert r["floor_ms"] == pytest.approx(r["floor_io_ms"] + r["floor_mem_ms"])
+        assert r["predicted_ms"] > 0 and r["measured_over_predicted"] == pytest.approx(r["total_ms"] / r["predicted_ms"])
+    # naive reads more than the sparse rows, and the model says so
+    assert rows["naive"]["predicted_ms"] > rows["all"]["predicted_ms"]
     md, written = paper.write_outputs(res, tmp_path, tmp_path / "paper.json")
-    assert "## Table 3" in md and "| all |" in md
+    assert "## Table 3" in md and "| all |" in md and "measured / predicted" in md
     assert json.loads((tmp_path / "paper.json").read_text())["rows"][0]["config"] == "naive"
     assert all(p.exists() for p in written)
 

@@ -151,7 +151,7 @@ def runtime_costs(rates, tokens=32, rounds=3):
     and width, and the share of min(I/O, compute) prefetch hides on this machine.
 
     Each probe is decoded through the real runtime after a 64-token prompt, without prefetch,
-    and the cost model's time for its bytes (`rates`: a Profile of the disk and compute rates
+    `rounds` times alternating (the median kept), and the cost model's time for its bytes (`rates`: a Profile of the disk and compute rates
     just measured, no other cost) subtracted: the slope of the rest between 4 and 12 layers is
     the per-layer cost, what is left at 4 layers the per-token one. Then the deeper 576-wide
     probe in naive mode (it reads every row) with prefetch and without, alternating `rounds`
@@ -175,13 +175,18 @@ def runtime_costs(rates, tokens=32, rounds=3):
             model.runtime.close()
             return ms, work
 
+        rest = {}  # (width, mode, shape) -> [ms besides the bytes, one a round], layers
+        for _ in range(rounds):  # (rounds alternate the runs: the machine's load drifts)
+            for width, pair in PROBES.items():
+                for mode in MODES:
+                    for shape in pair:
+                        ms, work = decode(shape, mode, False)
+                        rest.setdefault((width, mode, shape), ([], work.n_layers))[0].append(
+                            ms - predict(work, rates).total_ms)
         for width, (shallow, deep) in PROBES.items():
             for mode in MODES:
-                rest = []
-                for shape in (shallow, deep):
-                    ms, work = decode(shape, mode, False)
-                    rest.append((ms - predict(work, rates).total_ms, work.n_layers))
-                (r4, l4), (r12, l12) = rest
+                (r4, l4), (r12, l12) = [(float(np.median(rest[width, mode, s][0])), rest[width, mode, s][1])
+                                        for s in (shallow, deep)]
                 per_layer = max(0.0, (r12 - r4) / (l12 - l4))
                 layer_ms.setdefault(mode, {})[width] = per_layer
                 token_ms.setdefault(mode, {})[width] = max(0.0, r4 - l4 * per_layer)

@@ -33,6 +33,7 @@ MARGIN_FIXED = 24 << 20  # allocator slack, reader / kernel temporaries, thread 
 MARGIN_SHARE = 0.04  # ... and this share of the limit
 DEFAULT_CONTEXT = 2048
 PREFILL_STEPS = (512, 256, 128, 64, 32)  # the prompt chunk: the largest whose temporaries fit
+BASELINE_NOISE = 4 << 20  # how far apart two runs measure the same runtime's RSS (restate names a limit for both)
 
 
 def physical_memory():
@@ -155,9 +156,12 @@ class MemoryPlan:
     def restate(self, e):
         """A BudgetTooSmall from the planner (whose budget is this plan's `weights`) in the
         limit's terms: what the limit leaves for weights, why that is short, and the limit
-        that would hold it (the smallest: the margin and the prompt chunks grow with the limit)."""
+        that would hold it (the smallest: the margin and the prompt chunks grow with the limit),
+        for a runtime a little larger than this process measured (another run measures its
+        RSS a few MB apart: the named limit must hold there too)."""
         need = self.limit + (e.needed - e.budget)
-        while _plan_at(need, self.source, self.shape, self.itemsize, self.context, self.baseline,
+        baseline = self.baseline + max(BASELINE_NOISE, self.baseline // 50)
+        while _plan_at(need, self.source, self.shape, self.itemsize, self.context, baseline,
                        self.kv_itemsize).weights < e.needed:
             need += 1 << 20
         return FlashError(f"--memory-limit {self.limit / 1e6:.0f} MB leaves {self.weights / 1e6:.0f} MB for "

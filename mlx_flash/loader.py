@@ -66,7 +66,20 @@ def load(path_or_repo, progress=False, config=None, **options):
     manifest = read_manifest(folder)
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, config)
     try:
-        runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
+        try:
+            runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
+        except BudgetTooSmall as e:
+            if not _may_hold_at_16_bits(config, manifest):
+                raise
+            # no exact plan fits beside the resident weights at float32: load them again at float16
+            logging.getLogger("mlx_flash").warning(
+                "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
+                "instead (converted into a float32 arena before use: the same values)", e.reason)
+            del model, resident
+            release_heap()
+            model, tokenizer, resident, config, _ = _build_model(folder, manifest,
+                                                                 replace(config, resident_dtype="float16"))
+            runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
     except BudgetTooSmall as e:
         raise (e if memory is None else memory.restate(e)) from None
     runtime.memory = memory
@@ -90,6 +103,31 @@ def _check_kv_groups(model, group_size):
     if head_dim is not None and head_dim % group_size:
         raise FlashError(f"--kv-group-size {group_size} does not divide the model's head dimension ({head_dim}): "
                          "choose 32, 64 or 128 that does")
+
+
+def _may_hold_at_16_bits(config, manifest):
+    """--mode auto may hold a float16 model's resident weights at float16 (computed in float32,
+    the user having chosen neither how they are held nor a sparse mode)."""
+    return (config.mode == "auto" and config.resident_dtype is None and config.memory_budget is not None
+            and manifest.dtype == "float16" and compute_dtype(config, manifest) == "float32"
+            and not config.sparse_options)
+
+
+def _hold_resident_at_16_bits_if_needed(folder, manifest, config, held):
+    """--mode auto, a float16 model computed in float32: when its resident weights (embeddings,
+    attention) at float32 do not fit the weights' share, hold them at float16 as stored
+    (converted before use, exact), said in one line, before they load. -> (config, held dtype).
+    (Where they fit but no FFN plan does beside them, load() loads them again at float16.)"""
+    if not _may_hold_at_16_bits(config, manifest):
+        return config, held
+    try:
+        check_resident_fits(folder, manifest, config)
+        return config, held
+    except BudgetTooSmall as e:
+        logging.getLogger("mlx_flash").warning(
+            "--mode auto: %s; held at float16 as stored instead (converted into a float32 arena before "
+            "use: the same values)", e.reason)
+    return replace(config, resident_dtype="float16"), "float16"
 
 
 def _build_model(folder, manifest, config: FlashConfig):
@@ -123,6 +161,7 @@ def _build_model(folder, manifest, config: FlashConfig):
         logging.getLogger("mlx_flash").warning("%s", memory.describe())
         config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     check_file(folder, manifest.resident, checksum=config.verify)
+    config, held = _hold_resident_at_16_bits_if_needed(folder, manifest, config, held)
     try:
         check_resident_fits(folder, manifest, config)
     except BudgetTooSmall as e:

@@ -221,3 +221,28 @@ def test_auto_holds_a_float16_models_rows_at_float16_when_that_fits_and_stays_ex
     assert rt.plan.weights_bytes <= int(full * 0.9) and rt.plan.held_neuron_bytes
     assert mx.abs(model(x) - want).max().item() <= 1e-5
     rt.close()
+
+
+def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_leaves_no_plan(tmp_path, caplog):
+    """The resident weights (embeddings, attention) at float32 do not fit, or fit but leave no
+    exact plan room beside them: auto holds them at float16 as stored, says so, and stays exact."""
+    from mlx_flash.bench.random_model import build_checkpoint
+
+    folder = build_checkpoint("tiny-llama", "float16", home=tmp_path, progress=False)
+    dense, _ = mlx_flash.load(folder, mode="dense")
+    x = mx.array([[1, 5, 9, 42, 7, 100]])
+    want = dense(x)
+    resident32 = dense.runtime.resident.held_bytes
+    dense.runtime.close()
+    # (here naive's buffers outweigh the resident part: at float32 it fits, and no plan beside it,
+    # 2.38 MB for naive; at float16 naive takes 1.85 MB)
+    for budget in (int(resident32 * 1.32),):
+        caplog.clear()
+        model, _ = mlx_flash.load(folder, memory_budget=str(budget))
+        rt = model.runtime
+        assert rt.resident_dtype == "float16" and rt.plan.weights_bytes <= budget, rt.choice.describe()
+        assert "beside the resident weights at float32; holding those at float16" in caplog.text
+        assert mx.abs(model(x) - want).max().item() <= 1e-5
+        rt.close()
+    with pytest.raises(BudgetTooSmall, match="--mode naive needs"):  # an explicit mode keeps its resident dtype
+        mlx_flash.load(folder, mode="naive", memory_budget=str(int(resident32 * 1.32)))

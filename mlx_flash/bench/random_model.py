@@ -43,18 +43,14 @@ SHAPES = {
     "probe-576": dict(LLAMA, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
                       num_attention_heads=9, num_key_value_heads=3, vocab_size=512, hidden_act="silu",
                       max_position_embeddings=256),
-    # the same two at 12 layers: the per-layer cost is the slope between 4 and 12 layers, what a
-    # token costs once (embedding, lm_head, sampling, Python) the rest
-    "tiny-llama-12": dict(LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
-                          num_attention_heads=4, num_key_value_heads=4, vocab_size=512, hidden_act="silu",
-                          max_position_embeddings=256),
-    "probe-576-12": dict(LLAMA, hidden_size=576, intermediate_size=1536, num_hidden_layers=12,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=512, hidden_act="silu",
-                         max_position_embeddings=256),
     # for tests
     "tiny-opt": dict(OPT, hidden_size=64, ffn_dim=512, num_hidden_layers=2,
                      num_attention_heads=4, vocab_size=512, max_position_embeddings=256),
 }
+# the two probes at 12 layers: the per-layer cost is the slope between 4 and 12 layers, what a
+# token costs once (embedding, lm_head, sampling, Python) the rest
+for _probe in ("tiny-llama", "probe-576"):
+    SHAPES[f"{_probe}-12"] = dict(SHAPES[_probe], num_hidden_layers=12)
 
 
 def tensor_shapes(cfg):

@@ -109,7 +109,8 @@ def _may_hold_at_16_bits(config, manifest):
     """--mode auto may hold a float16 model's resident weights at float16 (computed in float32,
     the user having chosen neither how they are held nor a sparse mode)."""
     return (config.mode == "auto" and config.resident_dtype is None and config.memory_budget is not None
-            and manifest.dtype == "float16" and compute_dtype(config, manifest) == "float32"
+            and manifest.dtype == "float16" and manifest.layout.quant is None  # (not a quantized model's scales)
+            and compute_dtype(config, manifest) == "float32"
             and not config.sparse_options)
 
 

@@ -63,6 +63,20 @@ def test_a_budget_too_small_is_restated_as_the_smallest_limit_that_holds_it(monk
     assert at(need, 100 * MB + memory.BASELINE_NOISE) >= short.needed
     # and it is no more than that noise above the smallest that does
     assert at(need - memory.BASELINE_NOISE - 2 * MB) < short.needed
+    assert "--kv-bits" not in text  # (8-bit KV would not make 37 MB of room here)
+
+
+def test_a_budget_short_by_less_than_the_kv_caches_share_names_kv_bits(monkeypatch):
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
+    p = plan_memory("300MB", SHAPE, 4, context=2048, baseline=100 * MB)
+    kv8 = plan_memory("300MB", SHAPE, 4, context=2048, baseline=100 * MB + memory.BASELINE_NOISE,
+                      kv_itemsize=memory.kv_value_bytes(4, 8))
+    assert kv8.kv < p.kv / 3
+    short = BudgetTooSmall("x", p.weights, (p.weights + kv8.weights) // 2, "naive needs N")
+    text = str(p.restate(short))
+    assert f"or keep it with --kv-bits 8 (the KV cache at 8 bits: {kv8.kv / 1e6:.0f} MB" in text, text
+    quantized = plan_memory("300MB", SHAPE, 4, context=2048, baseline=100 * MB, kv_itemsize=memory.kv_value_bytes(4, 8))
+    assert "--kv-bits" not in str(quantized.restate(short))  # (already quantized)
 
 
 def test_a_limit_whose_share_cannot_hold_the_resident_weights_says_so_in_its_terms(smollm2):

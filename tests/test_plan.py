@@ -246,3 +246,17 @@ def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_le
         rt.close()
     with pytest.raises(BudgetTooSmall, match="--mode naive needs"):  # an explicit mode keeps its resident dtype
         mlx_flash.load(folder, mode="naive", memory_budget=str(int(resident32 * 1.32)))
+
+
+def test_auto_keeps_a_quantized_models_resident_weights_at_their_bits(tmp_path, caplog):
+    """A quantized model's manifest says float16 (its scales): auto never holds its resident
+    weights "at float16" (which would dequantize them, 4x the DRAM)."""
+    from mlx_flash.bench.random_model import build_checkpoint
+
+    folder = build_checkpoint("tiny-llama", "q4", home=tmp_path, progress=False)
+    model, _ = mlx_flash.load(folder, memory_budget="60%")
+    assert model.runtime.resident_dtype == "quantized"
+    model.runtime.close()
+    with pytest.raises(BudgetTooSmall):
+        mlx_flash.load(folder, memory_budget="1KB")
+    assert "float16" not in caplog.text

@@ -164,9 +164,16 @@ class MemoryPlan:
         while _plan_at(need, self.source, self.shape, self.itemsize, self.context, baseline,
                        self.kv_itemsize).weights < e.needed:
             need += 1 << 20
+        hint = ""
+        if self.kv_itemsize in (None, self.itemsize):  # a float KV cache: would 8 bits make room?
+            kv8 = _plan_at(self.limit, self.source, self.shape, self.itemsize, self.context, baseline,
+                           kv_value_bytes(self.itemsize, 8))
+            if kv8.weights >= e.needed:
+                hint = (f", or keep it with --kv-bits 8 (the KV cache at 8 bits: {kv8.kv / 1e6:.0f} MB instead of "
+                        f"{self.kv / 1e6:.0f}; not exact, close: results/kv/)")
         return FlashError(f"--memory-limit {self.limit / 1e6:.0f} MB leaves {self.weights / 1e6:.0f} MB for "
                           f"weights (besides them {self.other / 1e6:.0f} MB: {self._besides()}), and {e.reason}: "
-                          f"raise --memory-limit to at least {-(-need // 10**6)} MB")
+                          f"raise --memory-limit to at least {-(-need // 10**6)} MB{hint}")
 
     def _besides(self):
         mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731

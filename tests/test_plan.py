@@ -2,6 +2,7 @@
 only a memory limit can rely on."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -260,3 +261,17 @@ def test_auto_keeps_a_quantized_models_resident_weights_at_their_bits(tmp_path, 
     with pytest.raises(BudgetTooSmall):
         mlx_flash.load(folder, memory_budget="1KB")
     assert "float16" not in caplog.text
+
+
+def test_explain_without_a_profile_probes_in_a_child_process(smollm2, tmp_path):
+    """The quick probe runs apart: the memory its probe models took must not count in the
+    runtime a --memory-limit plan measures (in-process it took ~90 MB of a 300 MB limit)."""
+    home = tmp_path / "home"
+    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--prompt", "Hi",
+           "--max-tokens", "2", "--memory-limit", "400MB"]
+    first = subprocess.run(cmd + ["--explain"], capture_output=True, text=True, timeout=600, env=_env(home))
+    assert first.returncode == 0, first.stderr
+    assert "quick probe now, in a child process" in first.stderr and load_profile(home / "profile.json") is not None
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(home))  # (cached now)
+    runtime = [int(re.search(r"runtime (\d+) MB \(measured\)", r.stderr).group(1)) for r in (first, again)]
+    assert runtime[0] <= runtime[1] + 10, runtime

@@ -11,16 +11,39 @@ import numpy as np
 
 import mlx.core as mx
 
+from ..errors import FlashError
 from ..plan.profile import VERSION, Profile, _device, machine_key, profile_path, load_profile
 
 KiB, MiB = 1024, 1024 * 1024
 CHUNKS = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB)
 PROBE_FILE_BYTES = 256 * MiB  # the disk probe's file (its own, written once, then read uncached)
+STREAMED_BYTES = 256 * MiB  # the distinct weights a rate cycles through: past any CPU cache
 
 
 def ensure_profile(path=None, log=None):
     """The cached profile, or a quick one measured now (said) and cached."""
     return load_profile(path, measure=measure, log=log)
+
+
+def ensure_profile_apart(log=None):
+    """ensure_profile for a command about to load a model under --memory-limit: the quick probe
+    runs in a child process (`mlx_flash.benchmark profile --quick`), so that the memory its
+    probe models and matrices took never counts in this process's measured runtime (the
+    allocator keeps freed memory: in-process, a 300 MB limit lost ~100 MB to it)."""
+    import subprocess
+    import sys
+
+    p = load_profile()
+    if p is not None:
+        return p
+    (log or (lambda m: print(f"[mlx_flash] {m}", file=sys.stderr)))(
+        "machine profile: none is cached for this machine; a quick probe now, in a child process "
+        "(about 40 s here, once; `mlx_flash.benchmark profile` measures it fully)")
+    r = subprocess.run([sys.executable, "-m", "mlx_flash", "benchmark", "profile", "--quick"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise FlashError(f"the machine probe failed: {r.stderr.strip()[-500:]}")
+    return load_profile()
 
 
 def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
@@ -37,7 +60,7 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     say(f"disk: uncached random reads of {file}, {threads} threads")
     disk = disk_curve([file], CHUNKS, threads, seconds)
     say("compute: one decode step's matrix-vector products, by weight form")
-    compute = compute_rates(repeat=3 if quick else 10)
+    compute = compute_rates(repeat=3 if quick else 10, streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
     say("per-layer and per-token costs, overlap: 4-bit models of two widths and depths decoded "
         "through the runtime, by mode")
     zero = {m: {1: 0.0} for m in MODES}
@@ -89,21 +112,19 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0):
 MATRICES = ((1536, 576), (5632, 2048), (11008, 4096))  # a 135M, a 1B and a 7B model's FFN matrix
 
 
-def compute_rates(sizes=MATRICES, repeat=10):
+def compute_rates(sizes=MATRICES, repeat=10, streamed=STREAMED_BYTES):
     """{form: {rows x cols: GB/s}} of weights consumed by x @ W.T for one position (a decode
     step), for each form the runtime holds weights in, through the very modules it uses, at
     FFN-matrix sizes from a 135M model's to a 7B model's."""
     out = {}
     for rows, cols in sizes:
-        for form, gbs in _rates_at(rows, cols, max(repeat, int(repeat * 4096 * 11008 / (rows * cols)) // 4)).items():
+        for form, gbs in _rates_at(rows, cols, max(repeat, int(repeat * 4096 * 11008 / (rows * cols)) // 4),
+                                   streamed).items():
             out.setdefault(form, {})[rows * cols] = gbs
     return out
 
 
-STREAMED_BYTES = 256 * MiB  # the distinct weights a rate cycles through: past any CPU cache
-
-
-def _rates_at(rows, cols, repeat):
+def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES):
     """Each form's rate over enough distinct copies of the matrix that together they exceed the
     CPU's caches (STREAMED_BYTES), cycled through: a decode step touches each layer's weights
     once, from DRAM; one matrix multiplied again and again would be read from the cache (a 7B
@@ -115,7 +136,7 @@ def _rates_at(rows, cols, repeat):
     from ..models.quantized import NativeQuantizedLinear
 
     def copies(nbytes):
-        return max(1, min(64, -(-STREAMED_BYTES // nbytes)))
+        return max(1, min(64, -(-streamed // nbytes)))
 
     def rate(fs, nbytes):
         """The best of three runs of `repeat` products cycling through `fs` (a shared machine's

@@ -43,14 +43,14 @@ def load_for_cli(args, ctx_size=None):
 
     model_name = check_model_arg(args.model or default_model())
     use_device(args.device)
+    if getattr(args, "explain", False):
+        from ..bench.profile import ensure_profile_apart
+
+        ensure_profile_apart()  # in a child process: a probe's memory must not count in this one's runtime
     t0 = time.perf_counter()
     overrides = {}
     if ctx_size is not None and args.memory_limit is not None and args.ctx_size is None:
         overrides["ctx_size"] = ctx_size
-    if getattr(args, "explain", False):
-        from ..bench.profile import ensure_profile
-
-        ensure_profile()  # measured before anything loads: a probe's memory must not add to the model's
     model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides))
     dt = time.perf_counter() - t0
     rt = model.runtime

@@ -25,7 +25,7 @@ from .plan.profile import load_profile
 from .runtime.memory import (MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, kv_value_bytes,
                              model_shape, plan_memory)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
-                      keep_quantized, make_config)
+                      keep_quantized, make_config, may_hold_float16)
 
 
 
@@ -106,12 +106,10 @@ def _check_kv_groups(model, group_size):
 
 
 def _may_hold_at_16_bits(config, manifest):
-    """--mode auto may hold a float16 model's resident weights at float16 (computed in float32,
-    the user having chosen neither how they are held nor a sparse mode)."""
-    return (config.mode == "auto" and config.resident_dtype is None and config.memory_budget is not None
-            and manifest.dtype == "float16" and manifest.layout.quant is None  # (not a quantized model's scales)
-            and compute_dtype(config, manifest) == "float32"
-            and not config.sparse_options)
+    """--mode auto, under a limit or budget, no sparse mode asked for, may hold a float16 model's
+    resident weights at float16 (runtime.may_hold_float16)."""
+    return (config.mode == "auto" and config.memory_budget is not None and not config.sparse_options
+            and may_hold_float16(config, manifest))
 
 
 def _hold_resident_at_16_bits_if_needed(folder, manifest, config, held):

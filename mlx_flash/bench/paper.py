@@ -47,7 +47,7 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..io import READ_THREADS
 from .profile import disk_curve
-from .random_model import build_checkpoint, shape_config
+from .random_model import build_checkpoint
 from .trace import TraceModel, TraceSource
 
 CONFIGS = {  # name: (mode, window, bundled, predictor, overlap)
@@ -204,18 +204,15 @@ def add_prediction(row, runtime, store, profile):
     an exact row's from its plan alone; a flash row's from the bytes and reads it measured and
     the rows it computed (the sparsity decides those; the model then predicts their time), with
     naive's per-layer cost, flash mode not being probed."""
-    from ..plan.cost import Work, exact_work, predict
-    from ..io.reader import DEFAULT_MAX_READ
+    from ..plan.cost import Work, predict
 
     if profile is None:
         return
     lay, plan = runtime.manifest.layout, runtime.plan
-    packed = bool(getattr(store, "packed", False))
-    if runtime.mode != "flash":
-        work = exact_work(plan, lay, packed, runtime.resident_work, DEFAULT_MAX_READ)
-    else:
+    work = runtime.work()  # (an exact row's; None in flash mode)
+    if work is None:
         computed = dict(runtime.resident_work)
-        form = f"q{lay.quant.bits}" if packed else "float32"
+        form = f"q{lay.quant.bits}" if getattr(store, "packed", False) else "float32"
         computed[form] = computed.get(form, 0) + row["computed_rows"] * plan.neuron_bytes  # (all layers')
         work = Work(int(row["flash_to_dram_gb"] * 1e9), max(1, int(row["read_kib"] * KiB)), computed,
                     runtime.config.overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons,

@@ -5,6 +5,7 @@ models decoded through the real runtime."""
 
 import os
 import tempfile
+from dataclasses import replace
 import time
 
 import numpy as np
@@ -233,7 +234,7 @@ def runtime_costs(rates, tokens=32, rounds=3):
                 per_layer = max(0.0, (r12 - r4) / (l12 - l4))
                 layer_ms.setdefault(mode, {})[width] = per_layer
                 token_ms.setdefault(mode, {})[width] = max(0.0, r4 - l4 * per_layer)
-        costs = Profile(**{**rates.__dict__, "layer_ms": layer_ms, "token_ms": token_ms, "overlap": 0.0})
+        costs = replace(rates, layer_ms=layer_ms, token_ms=token_ms, overlap=0.0)
         on, off = [], []
         deep = PROBES[576][1]
         for _ in range(rounds):

@@ -20,6 +20,10 @@ from ..errors import BudgetTooSmall
 EXACT_ORDER = ("dense", "hybrid", "naive")
 
 
+def _label(mode, rows16):
+    return mode + (" (float16 rows)" if rows16 else "")
+
+
 @dataclass
 class Candidate:
     mode: str
@@ -31,7 +35,7 @@ class Candidate:
 
     @property
     def label(self):
-        return self.mode + (" (float16 rows)" if self.rows16 else "")
+        return _label(self.mode, self.rows16)
 
 
 @dataclass
@@ -43,7 +47,7 @@ class Choice:
 
     @property
     def label(self):
-        return self.mode + (" (float16 rows)" if self.rows16 else "")
+        return _label(self.mode, self.rows16)
 
     def describe(self):
         return f"--mode auto: {self.label} ({self.reason})"

@@ -13,9 +13,11 @@ the loader, the CLI or the benchmarks. Outside this package only this module's n
 are used (no file outside runtime/ imports a store).
 """
 
-from .build import DTYPES, ResidentWeights, Runtime, build_runtime, check_resident_fits, compute_dtype, rebuild_runtime
+from .build import (DTYPES, ResidentWeights, Runtime, build_runtime, check_resident_fits, compute_dtype,
+                    may_hold_float16, rebuild_runtime)
 from .config import FlashConfig, add_cli_args, from_cli, keep_quantized, make_config
 from .stores.base import TooManyNeurons
 
 __all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args", "build_runtime",
-           "check_resident_fits", "compute_dtype", "from_cli", "keep_quantized", "make_config", "rebuild_runtime"]
+           "check_resident_fits", "compute_dtype", "from_cli", "keep_quantized", "make_config",
+           "may_hold_float16", "rebuild_runtime"]

@@ -173,6 +173,14 @@ def compute_dtype(config, manifest):
     return config.compute_dtype(manifest.dtype, on_cpu=mx.default_device() == mx.cpu)
 
 
+def may_hold_float16(config, manifest):
+    """A float16 model (not a quantized one: its manifest's dtype is its scales') computed in
+    float32, whose held dtype the user left open: --mode auto may hold its weights at float16
+    as stored (converted before use: exact)."""
+    return (config.resident_dtype is None and manifest.dtype == "float16" and manifest.layout.quant is None
+            and compute_dtype(config, manifest) == "float32")
+
+
 def _ffn_bytes(manifest, itemsize):
     lay = manifest.layout
     return len(lay.kinds) * lay.d_model * lay.n_neurons * len(manifest.ffn_files) * itemsize
@@ -202,7 +210,9 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     choice = None
     resident_work = resident_computed(model)
     if config.mode == "auto":
-        choice = _choose(manifest, config, dtype, resident, budget, held_ffn, tables, ffn_crcs, resident_work)
+        rows16 = not held_ffn and may_hold_float16(config, manifest)
+        choice = _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs,
+                         resident_work)
         config = replace(config, mode=choice.mode)
         held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
@@ -241,19 +251,16 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     return runtime
 
 
-def _choose(manifest, config, dtype, resident, budget, held_ffn, tables, ffn_crcs, resident_work):
+def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs, resident_work):
     """--mode auto's Choice (plan/choose.py): the exact plans that fit, each predicted by the
-    cost model where this machine's profile is cached (never measured here)."""
+    cost model where this machine's profile is cached (never measured here). rows16: dense and
+    hybrid are compared with their FFN rows held at float16 too."""
     from ..io.reader import DEFAULT_MAX_READ
     from ..plan.choose import choose_mode, variants
     from ..plan.cost import exact_work, predict
     from ..plan.profile import load_profile
 
     lay = manifest.layout
-    # a float16 model computed in float32 may hold its FFN rows at float16 (unless the user
-    # chose how the weights are held)
-    rows16 = (not held_ffn and config.resident_dtype is None and manifest.dtype == "float16"
-              and dtype == mx.float32 and lay.quant is None)
 
     def plan_of(c):
         extra = (tables,) if c.mode == "dense" else (tables, ffn_crcs())

@@ -24,8 +24,8 @@ from .plan.explain import explain
 from .plan.profile import load_profile
 from .runtime.memory import (MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, kv_value_bytes,
                              model_shape, plan_memory)
-from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, check_resident_fits, compute_dtype,
-                      keep_quantized, make_config, may_hold_float16)
+from .runtime import (DTYPES, FlashConfig, ResidentWeights, attention_to_stream, build_runtime,
+                      check_resident_fits, compute_dtype, keep_quantized, make_config, may_hold_float16)
 
 
 
@@ -129,6 +129,29 @@ def _hold_resident_at_16_bits_if_needed(folder, manifest, config, held):
     return replace(config, resident_dtype="float16"), "float16"
 
 
+def _stream_attention_if_needed(folder, manifest, config, model):
+    """Under a budget the resident weights of a quantized model leave too little of, some layers'
+    attention stays on flash, read every token (runtime.attention_to_stream): those modules
+    become StreamedQuantizedLinear before the weights load, said in one line.
+    -> {layer: LayerSpan}."""
+    from .models.quantized import stream_modules
+
+    streamed = attention_to_stream(folder, manifest, config)
+    if streamed:
+        stream_modules(model, {i: list(s.matrices) for i, s in streamed.items()})
+        mb = sum(s.nbytes for s in streamed.values()) / 1e6
+        logging.getLogger("mlx_flash").warning(
+            "the resident weights leave too little of the budget for the FFN: the attention of %d of %d layers "
+            "(%s; %.0f MB) stays on flash, read every token", len(streamed), len(model.layers),
+            _ranges(list(streamed)), mb)
+    return streamed
+
+
+def _ranges(layers):
+    shown = ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))}, ..., {layers[-1]}"
+    return "layers " + shown
+
+
 def _build_model(folder, manifest, config: FlashConfig):
     """The model with its resident weights (embeddings, attention, norms) in DRAM, and the tokenizer."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -161,8 +184,9 @@ def _build_model(folder, manifest, config: FlashConfig):
         config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     check_file(folder, manifest.resident, checksum=config.verify)
     config, held = _hold_resident_at_16_bits_if_needed(folder, manifest, config, held)
+    streamed = _stream_attention_if_needed(folder, manifest, config, model)
     try:
-        check_resident_fits(folder, manifest, config)
+        check_resident_fits(folder, manifest, config, streamed)
     except BudgetTooSmall as e:
         raise (e if memory is None else memory.restate(e)) from None
     try:
@@ -170,7 +194,13 @@ def _build_model(folder, manifest, config: FlashConfig):
     except Exception as e:
         raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
     converted = {}
+    gone = {n for s in streamed.values() for n in s.names}
+    streamed_bytes = 0  # their bytes at the compute dtype: part of what "50%" is of
     for k in list(weights):  # one tensor at a time: the file's copy of all of them never lives at once
+        if k in gone:  # left on flash (never read here: mx.load is lazy)
+            v = weights.pop(k)
+            streamed_bytes += v.size * (DTYPES[dtype].size if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
+            continue
         converted[k] = weights.pop(k)
         if not mx.issubdtype(converted[k].dtype, mx.floating):  # quantized weights' packed words
             pass
@@ -203,8 +233,8 @@ def _build_model(folder, manifest, config: FlashConfig):
         else:
             arena = use_native_kernels(model, kernels, DTYPES[dtype])
             weights = dict(tree_flatten(model.parameters())) | {"<float32 arena>": arena.array}
-    compute_bytes = sum(v.size * (DTYPES[dtype].size if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
-                        for v in weights.values())  # what "50%" is of
+    compute_bytes = streamed_bytes + sum(v.size * (DTYPES[dtype].size if mx.issubdtype(v.dtype, mx.floating)
+                                                   else v.itemsize) for v in weights.values())  # what "50%" is of
     if held is not None:
         from .models.ffn import FlashFFN
         from .models.half import hold_at_16_bits

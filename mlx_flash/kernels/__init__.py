@@ -71,6 +71,21 @@ class QuantMatrix:
         self._keep = (weight, scales, biases)  # the views below point into these
         self.w, self.s, self.b = _numpy(weight), _numpy(scales), _numpy(biases)
 
+    @classmethod
+    def of_host(cls, module, w, s, b, bits, group_size):
+        """The same over NumPy arrays (packed words [N, K * bits / 32] uint32, scales and biases
+        [N, K / group] float32 / float16, bfloat16 as uint16) that are not MLX's: rows a store
+        read into its own buffer (runtime/stores/attention.py). No copies."""
+        code = SCALE_CODE_OF.get("bfloat16" if s.dtype == np.uint16 else str(s.dtype))
+        if code is None or b.dtype != s.dtype or w.dtype != np.uint32:
+            raise ValueError(f"quantized weight: words {w.dtype}, scales {s.dtype}, biases {b.dtype}")
+        self = cls.__new__(cls)
+        self.kernels, self.bits, self.group_size, self.code = module, bits, group_size, code
+        self.n, self.k = w.shape[0], w.shape[1] * 32 // bits
+        self._keep = ()
+        self.w, self.s, self.b = w, s, b
+        return self
+
     def matvec(self, x, out=None):
         """x: float32 NumPy [K] (contiguous) -> y [N] = x @ W.T."""
         y = np.empty(self.n, np.float32) if out is None else out

@@ -60,12 +60,76 @@ class _NativeQuantized(nn.Module):
         self._arena = arena
 
     def _product(self, x, bias=None):
-        """x @ W.T (+ bias): the native matvec for one position, else dequantized chunks + BLAS."""
-        if x.size != x.shape[-1]:
-            return chunked_matmul(x, self._q.n, self._q.k, self._q.dequantize, self._arena, bias)
-        y = mx.array(self._q.matvec(host_f32(x)))
-        y = y.reshape(*x.shape[:-1], self._q.n).astype(x.dtype)
-        return y if bias is None else y + bias
+        return native_product(self._q, self._arena, x, bias)
+
+
+def native_product(q, arena, x, bias=None):
+    """x @ W.T (+ bias) of a QuantMatrix: the native matvec for one position, else dequantized
+    chunks + BLAS. Eager: W's memory is not read once this returns."""
+    if x.size != x.shape[-1]:
+        return chunked_matmul(x, q.n, q.k, q.dequantize, arena, bias)
+    y = mx.array(q.matvec(host_f32(x)))
+    y = y.reshape(*x.shape[:-1], q.n).astype(x.dtype)
+    return y if bias is None else y + bias
+
+
+class StreamedQuantizedLinear(nn.Module):
+    """A quantized Linear whose weight is not held: at every call it asks its store for the
+    matrix (a view of rows the store read from flash this token: runtime/stores/attention.py)
+    and multiplies by the native kernels, like NativeQuantizedLinear. Holds only its bias.
+    `store`, `kernels` and `arena` are attached by the runtime (models never open files)."""
+
+    def __init__(self, m, layer, name):
+        super().__init__()
+        self.layer, self.name = layer, name
+        self.group_size, self.bits = m.group_size, m.bits
+        self.n_out, self.n_in = m.weight.shape[0], m.weight.shape[1] * 32 // m.bits
+        if "bias" in m:
+            self.bias = m.bias
+        self._store = self._arena = None
+
+    def attach(self, store, arena):
+        self._store, self._arena = store, arena
+
+    def __call__(self, x):
+        if self._store is None:
+            raise RuntimeError(f"layer {self.layer} {self.name}: streamed weights without a store "
+                               "(the model's runtime was closed)")
+        q = self._store.matrix(self.layer, self.name)
+        return native_product(q, self._arena, x, self.bias if "bias" in self else None)
+
+
+def stream_modules(model, names):
+    """Swap the quantized Linears `names` ({layer: [path in the block, "self_attn.q_proj"]}) of the
+    transformer blocks for StreamedQuantizedLinear, before the weights load."""
+    swaps = []
+    for i, paths in names.items():
+        block = model.layers[i]
+        prefix = _path_of(model, block)
+        found = dict(block.named_modules())
+        for name in paths:
+            m = found.get(name)
+            if not isinstance(m, nn.QuantizedLinear):
+                raise ValueError(f"layer {i}: {name} is not a quantized Linear of the model")
+            swaps.append((f"{prefix}.{name}", StreamedQuantizedLinear(m, i, name)))
+    if swaps:
+        model.update_modules(_tree(swaps))
+
+
+def streamed_modules(model):
+    """{layer: {name: StreamedQuantizedLinear}} of a model stream_modules changed."""
+    out = {}
+    for _, m in model.named_modules():
+        if isinstance(m, StreamedQuantizedLinear):
+            out.setdefault(m.layer, {})[m.name] = m
+    return dict(sorted(out.items()))
+
+
+def _path_of(model, block):
+    for path, m in model.named_modules():
+        if m is block:
+            return path
+    raise ValueError("block not in the model")
 
 
 class NativeQuantizedLinear(_NativeQuantized):
@@ -124,14 +188,18 @@ def use_native_kernels(model, kernels, dtype=mx.float32):
     found = quantized_modules(model)
     if not found:
         return None
-    width = max(m.weight.shape[1] * 32 // m.bits for _, m in found)
-    arena = Arena(max(width, min(ARENA_VALUES, max(m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
-                                                   for _, m in found))))
+    arena = Arena(arena_values([(m.weight.shape[0], m.weight.shape[1] * 32 // m.bits) for _, m in found]))
     swaps = [(path, NativeQuantizedLinear(m, kernels, arena) if isinstance(m, nn.QuantizedLinear)
               else NativeQuantizedEmbedding(m, kernels, arena, dtype)) for path, m in found]
     model.update_modules(_tree(swaps))
     mx.eval(model.parameters())
     return arena
+
+
+def arena_values(shapes):
+    """The float32 values of the arena use_native_kernels makes for quantized weights of these
+    [out, in] shapes: a chunk of ARENA_VALUES, or the largest weight when smaller (at least a row)."""
+    return max(max(k for _, k in shapes), min(ARENA_VALUES, max(n * k for n, k in shapes)))
 
 
 def _tree(swaps):

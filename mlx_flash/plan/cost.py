@@ -67,7 +67,7 @@ def resident_computed(model):
     """{form: bytes} of the resident matrices one token multiplies by (FFNs excluded)."""
     from ..models.ffn import FlashFFN
     from ..models.half import HalfEmbedding, HalfLinear
-    from ..models.quantized import NativeQuantizedEmbedding, NativeQuantizedLinear
+    from ..models.quantized import NativeQuantizedEmbedding, NativeQuantizedLinear, StreamedQuantizedLinear
 
     tied = not any(name.endswith("lm_head") for name, _ in model.named_modules())
     out = {}
@@ -77,6 +77,9 @@ def resident_computed(model):
 
     def walk(m):
         if isinstance(m, FlashFFN):
+            return
+        if isinstance(m, StreamedQuantizedLinear):  # read from flash, then computed at its bits
+            add(f"q{m.bits}", m.n_out * m.n_in * m.bits // 8 + 2 * m.n_out * (m.n_in // m.group_size) * 2)
             return
         quantized = isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, NativeQuantizedLinear,
                                    NativeQuantizedEmbedding))
@@ -99,10 +102,11 @@ def resident_computed(model):
     return out
 
 
-def exact_work(plan, layout, packed, resident, max_read):
+def exact_work(plan, layout, packed, resident, max_read, attention_read=0):
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
-    (form q<bits>), else float32, and a float16-held cache's rows at float16."""
+    (form q<bits>), else float32, and a float16-held cache's rows at float16.
+    attention_read: the bytes of attention read from flash every token (streamed layers)."""
     L, n = plan.n_layers, plan.n_neurons
     held = plan.layer_capacity(0) if plan.mode != "naive" else 0
     streamed = n - held
@@ -118,5 +122,7 @@ def exact_work(plan, layout, packed, resident, max_read):
         add("float16" if plan.held_neuron_bytes else "float32",
             L * held * values * (2 if plan.held_neuron_bytes else 4))
         add("float32", L * streamed * values * 4)
-    return Work(L * streamed * layout.stride, min(max_read, max(streamed * layout.stride, 1)), computed,
+    ffn_read = L * streamed * layout.stride
+    size = min(max_read, max(streamed * layout.stride, 1)) if ffn_read else max_read
+    return Work(ffn_read + attention_read, size, computed,
                 plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model)

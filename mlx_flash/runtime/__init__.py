@@ -6,18 +6,20 @@
     budget.py   memory budget -> Plan: what stays resident, each layer's cache, the window
     stats.py    per-token statistics (the paper's Table 3 columns)
     stores/     base.py (what every store shares), dense.py, streamed.py (naive / hybrid),
-                flash.py (windowed neuron caches), dip.py (DIP / DIP-CA)
+                flash.py (windowed neuron caches), dip.py (DIP / DIP-CA), attention.py (quantized
+                attention read from the resident file every token, when the budget leaves no room)
 
 May import: errors, sizes, io, kernels, cache, layout, models.ffn / models.half, sparsity. Never
 the loader, the CLI or the benchmarks. Outside this package only this module's names
 are used (no file outside runtime/ imports a store).
 """
 
-from .build import (DTYPES, ResidentWeights, Runtime, build_runtime, check_resident_fits, compute_dtype,
-                    may_hold_float16, rebuild_runtime)
+from .build import (DTYPES, ResidentWeights, Runtime, attention_to_stream, build_runtime, check_resident_fits,
+                    compute_dtype, may_hold_float16, rebuild_runtime)
 from .config import FlashConfig, add_cli_args, from_cli, keep_quantized, make_config
 from .stores.base import TooManyNeurons
 
-__all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args", "build_runtime",
+__all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args",
+           "attention_to_stream", "build_runtime",
            "check_resident_fits", "compute_dtype", "from_cli", "keep_quantized", "make_config",
            "may_hold_float16", "rebuild_runtime"]

@@ -23,6 +23,7 @@ from ..plan.cost import resident_computed
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, budget_too_small, make_plan, parse_budget
 from .config import FlashConfig, keep_quantized, packed_ffn_rows, staged_caches
+from .stores.attention import buffer_shape
 from .stores.base import cpu_kernels, read_layer_file
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -39,6 +40,7 @@ class ResidentWeights:
     parameter_bytes: int
     quantized: bool = False  # a quantized model's, held at their bits
     extra_bytes: int = 0  # of the above, the store's scale tables and checksums (_with_extra)
+    attention_bytes: int = 0  # of the above, the streamed attention's buffers (_with_attention)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Runtime:
     memory: object = None  # memory.MemoryPlan under --memory-limit (set by load())
     choice: object = None  # plan.choose.Choice: what --mode auto compared and chose
     resident_work: dict = None  # {weight form: bytes} a token multiplies by outside the FFN (cost.py)
+    attention: object = None  # stores.attention.AttentionStore: the layers whose attention is streamed
 
     @property
     def mode(self):
@@ -77,7 +80,8 @@ class Runtime:
         if plan.mode == "flash" or self.resident_work is None:
             return None
         packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
-        return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ)
+        return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ,
+                          _attention_read(self.attention))
 
     def predict(self, profile):
         """The cost model's prediction for this runtime's plan (None in flash mode)."""
@@ -100,6 +104,10 @@ class Runtime:
                    "ffn_dram_bytes": store.weights_bytes,
                    "weights_in_dram_bytes": self.resident.parameter_bytes + source + store.weights_bytes,
                    "peak_rss_bytes": peak_rss()}
+        if self.attention is not None:
+            summary["streamed_attention"] = {"layers": list(self.attention.order),
+                                             "bytes_per_token": self.attention.streamed_bytes,
+                                             "buffer_bytes": self.attention.weights_bytes}
         if self.memory is not None:
             m = self.memory
             summary["memory_limit"] = {"limit_bytes": m.limit, "weights_bytes": m.weights,
@@ -142,31 +150,106 @@ class Runtime:
         if self.store is not None:
             self.store.close()
         self.store = None
+        if self.attention is not None:
+            for layer in self.attention.modules.values():
+                for m in layer.values():
+                    m.attach(None, None)
+            self.attention.close()
+        self.attention = None
 
 
-def check_resident_fits(folder, manifest, config):
+def check_resident_fits(folder, manifest, config, streamed=()):
     """Refuse a budget the resident weights alone exceed, from the file's header, before
-    reading them (else the process can be killed by a memory limit before the planner speaks)."""
-    from ..layout.safetensors_io import SafetensorsFile
-
+    reading them (else the process can be killed by a memory limit before the planner speaks).
+    streamed: the layers whose attention stays on flash (attention_to_stream)."""
     if config.memory_budget is None or config.mode == "dense":  # dense says what it needs instead
         return
+    resident, budget, spans, _ = _header_resident(folder, manifest, config, streamed)
+    resident += _attention_buffers(spans, streamed, config.prefetch)
+    if budget < resident:
+        raise budget_too_small(budget, resident)
+
+
+def _header_resident(folder, manifest, config, streamed=()):
+    """From the resident file's header: (the bytes its weights will hold in DRAM, the budget in
+    bytes, {layer: LayerSpan} of the blocks' quantized projections when held at their bits, the
+    SafetensorsFile). Streamed layers' projections are not held."""
+    from ..layout.safetensors_io import SafetensorsFile
+    from .stores.attention import layer_spans
+
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
     st = SafetensorsFile(folder / manifest.resident["file"])
     itemsize = DTYPES[dtype].size
     held_size = itemsize if held is None else DTYPES[held].size
-    # a quantized model's weights: their packed words (4 bytes each) when held at their bits,
+    # a quantized model's weights: their packed words (4 bytes each) when held at their bits
+    # (their float16 scales then held so by the native kernels' modules: models/quantized.py),
     # else the values they dequantize to
-    quantization = {}
-    if not keep_quantized(config, mx.default_device() == mx.cpu):
-        quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
-    sizes = [(int(np.prod(shape)), len(shape)) for shape in value_shapes(st, quantization).values()]
-    resident = sum(size * (held_size if ndim == 2 else itemsize) for size, ndim in sizes)
-    full = sum(size for size, _ in sizes) * itemsize  # what "50%" is of
+    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
+    on_cpu = mx.default_device() == mx.cpu
+    kept = keep_quantized(config, on_cpu)
+    native = kept and on_cpu and cpu_kernels() is not None
+    spans = layer_spans(st, quantization) if kept else {}
+    gone = {n for i in streamed for n in spans[i].names}
+    shapes = value_shapes(st, {} if kept else quantization)
+    resident = full = 0
+    if native:  # the kernels' float32 arena (models/quantized.py use_native_kernels)
+        from ..models.quantized import arena_values
+
+        words = [st.shape(n) for n in st.names() if n.endswith(".weight") and n[:-7] + ".scales" in st.tensors]
+        if words:
+            bits = {q["bits"] for q in quantization.values() if isinstance(q, dict)} or {32}
+            resident += 4 * arena_values([(s[0], s[1] * 32 // min(bits)) for s in words])
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        full += size * itemsize  # what "50%" is of
+        if name in gone:
+            continue
+        if native and name.endswith((".scales", ".biases")) and st.dtype(name) == "F16":
+            resident += size * 2
+        else:
+            resident += size * (held_size if len(shape) == 2 else itemsize)
     budget = parse_budget(config.memory_budget, full + _ffn_bytes(manifest, itemsize))
-    if budget < resident:
-        raise budget_too_small(budget, resident)
+    return resident, budget, spans, st
+
+
+def _attention_buffers(spans, streamed, prefetch):
+    """The streamed attention's buffers: two (one without prefetch) of its longest layer."""
+    if not streamed:
+        return 0
+    n, chunk = buffer_shape(max(spans[i].nbytes for i in streamed))
+    return (2 if prefetch else 1) * n * chunk
+
+
+def attention_to_stream(folder, manifest, config):
+    """The layers whose attention a quantized model leaves on flash (read every token, models/
+    quantized.py StreamedQuantizedLinear), decided from the resident file's header before the
+    weights load: none unless the resident weights, beside the least an exact mode needs for
+    the FFN (naive's streaming buffers) and the FFN's scale tables and checksums, exceed the
+    budget; then the fewest that make them fit. Only for the exact streaming modes (naive,
+    hybrid, auto), a quantized model held at its bits, on the CPU with the native kernels.
+    -> {layer: stores.attention.LayerSpan} ({}: none)."""
+    if config.memory_budget is None or config.mode not in ("auto", "naive", "hybrid"):
+        return {}
+    if manifest.layout.quant is None or not keep_quantized(config, mx.default_device() == mx.cpu):
+        return {}
+    if cpu_kernels() is None:
+        return {}
+    resident, budget, spans, st = _header_resident(folder, manifest, config)
+    if not spans:
+        return {}
+    dtype = DTYPES[compute_dtype(config, manifest)]
+    lay = manifest.layout
+    extra = sum(e["size"] for e in manifest.scales)  # the scale tables, about their files' size
+    extra += len(manifest.ffn_files) * lay.n_neurons * len(lay.kinds) * 4  # the bundle checksums
+    naive, _, _ = exact_plan("naive", manifest, config, dtype, ResidentWeights(0, 0, 0), None, False)
+    deficit = resident + extra + naive.ffn_dram_bytes - budget
+    if deficit <= 0:
+        return {}
+    from .stores.attention import layers_to_stream
+
+    layers = layers_to_stream({i: s.nbytes for i, s in spans.items()}, deficit, config.prefetch)
+    return {i: spans[i] for i in layers or ()}
 
 
 def compute_dtype(config, manifest):
@@ -209,10 +292,12 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     ffn_crcs = functools.cache(lambda: _checksums(folder, manifest, config, "ffn"))
     choice = None
     resident_work = resident_computed(model)
+    attention = _attention_store(model, folder, manifest, config)
+    resident = _with_attention(resident, attention)
     if config.mode == "auto":
         rows16 = not held_ffn and may_hold_float16(config, manifest)
         choice = _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs,
-                         resident_work)
+                         resident_work, _attention_read(attention))
         config = replace(config, mode=choice.mode)
         held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
@@ -244,14 +329,18 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
                                         held_ffn, tables, crcs, hold_most=choice is not None)
     for f in ffns:
         f.store = store
+    if attention is not None:
+        attention.stats = store.stats  # (its waits and bytes join the FFN's rows)
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
-                      budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work)
+                      budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work,
+                      attention=attention)
     model.runtime = runtime
     return runtime
 
 
-def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs, resident_work):
+def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs, resident_work,
+            attention_read=0):
     """--mode auto's Choice (plan/choose.py): the exact plans that fit, each predicted by the
     cost model where this machine's profile is cached (never measured here). rows16: dense and
     hybrid are compared with their FFN rows held at float16 too."""
@@ -273,11 +362,59 @@ def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables,
         if profile is None:
             return None
         try:
-            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ), profile)
+            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ, attention_read),
+                           profile)
         except FlashError:  # (a profile without this weight form's rate)
             return None
 
     return choose_mode(config, budget, plan_of, variants(rows16), predict_of)
+
+
+def _attention_store(model, folder, manifest, config):
+    """The AttentionStore of a model whose loader left some layers' attention on flash
+    (attention_to_stream), attached to those modules; None when it left none."""
+    from ..layout.safetensors_io import SafetensorsFile
+    from ..models.quantized import native_modules, streamed_modules
+    from .stores.attention import AttentionStore, layer_spans
+
+    modules = streamed_modules(model)
+    if not modules:
+        return None
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise FlashError("streamed attention is computed by the native kernels on the CPU (not built, or "
+                         "MLX computes elsewhere)")
+    st = SafetensorsFile(Path(folder) / manifest.resident["file"])
+    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
+    spans = layer_spans(st, quantization)
+    reader = FlashReader(threads=config.threads, direct=True)
+    store = AttentionStore(st.path, {i: spans[i] for i in modules}, reader, kernels, verify=config.verify,
+                           prefetch=config.prefetch)
+    store.modules = modules
+    native = native_modules(model)
+    if native:
+        arena = native[0]._arena
+    else:
+        from ..models.half import Arena
+
+        arena = Arena()
+    for layer in modules.values():
+        for m in layer.values():
+            m.attach(store, arena)
+    return store
+
+
+def _with_attention(resident, attention):
+    """The resident weights plus the streamed attention's buffers and checksums (replacing a
+    rebuilt runtime's)."""
+    nbytes = attention.weights_bytes if attention is not None else 0
+    d = nbytes - resident.attention_bytes
+    return replace(resident, held_bytes=resident.held_bytes + d, parameter_bytes=resident.parameter_bytes + d,
+                   attention_bytes=nbytes)
+
+
+def _attention_read(attention):
+    return attention.streamed_bytes if attention is not None else 0
 
 
 def rebuild_runtime(model, config, source=None):
@@ -331,8 +468,9 @@ def _with_extra(resident, *arrays):
 
     extra = nbytes(list(arrays))
     base = resident.extra_bytes  # a rebuilt runtime's: replaced, not added again
-    return ResidentWeights(resident.held_bytes - base + extra, resident.compute_bytes - base + extra,
-                           resident.parameter_bytes - base + extra, resident.quantized, extra)
+    return replace(resident, held_bytes=resident.held_bytes - base + extra,
+                   compute_bytes=resident.compute_bytes - base + extra,
+                   parameter_bytes=resident.parameter_bytes - base + extra, extra_bytes=extra)
 
 
 def _dense_store(folder, manifest, dtype, verify, progress, held, tables, packed):

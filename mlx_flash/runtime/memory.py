@@ -161,8 +161,10 @@ class MemoryPlan:
         RSS a few MB apart: the named limit must hold there too)."""
         need = self.limit + (e.needed - e.budget)
         baseline = self.baseline + max(BASELINE_NOISE, self.baseline // 50)
-        while _plan_at(need, self.source, self.shape, self.itemsize, self.context, baseline,
-                       self.kv_itemsize).weights < e.needed:
+        # (at either runtime: a smaller one leaves room for longer prompt chunks, whose temporaries
+        # can leave the weights less)
+        while min(_plan_at(need, self.source, self.shape, self.itemsize, self.context, b,
+                           self.kv_itemsize).weights for b in (baseline, self.baseline)) < e.needed:
             need += 1 << 20
         hint = ""
         if self.kv_itemsize in (None, self.itemsize):  # a float KV cache: would 8 bits make room?

@@ -132,3 +132,15 @@ def test_the_streamed_reads_count_in_the_cost_model(q4_model):
     held, _ = mlx_flash.load(q4_model, mode="naive")
     assert work.computed == held.runtime.work().computed  # computed alike, held or streamed
     held.runtime.close()
+
+
+def test_explain_says_which_attention_is_read(q4_model):
+    from mlx_flash.plan.explain import explain
+
+    model, _ = mlx_flash.load(q4_model, mode="auto", memory_budget=str(_streamed_budget(q4_model, 2)))
+    att = model.runtime.attention
+    text = explain(model.runtime)
+    assert f"the attention of {len(att.order)} of 8 layers" in text and "read from flash every token" in text
+    read = model.runtime.work().read_bytes
+    assert f"{read / 1e6:.1f} MB" in text  # the chosen plan's reads include the attention's
+    model.runtime.close()

@@ -26,6 +26,11 @@ def explain(runtime, profile=None):
             lines.append(f"  {r[0]:<{widths[0]}}  {r[1]}")
         else:
             lines.append("  " + "  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip())
+    att = getattr(runtime, "attention", None)
+    if att is not None:
+        lines.append(f"  (the attention of {len(att.order)} of {len(runtime.ffns)} layers, {att.streamed_bytes / 1e6:.0f} MB, "
+                     f"is read from flash every token into {len(att.buffers)} buffer(s) of "
+                     f"{att.buffers[0].nbytes / 1e6:.0f} MB: counted in each plan's reads and weights)")
     if profile is None:
         lines.append("  (no machine profile is cached, so no predicted times: `mlx_flash.benchmark profile` "
                      "measures one; generate --explain does it by itself)")

@@ -129,8 +129,7 @@ def attach(model, config, trace, budget, threads, predictor_rank, window=None, v
     # the loaded model's compute dtype: float32 on the CPU, the flash dtype on a GPU (its header says which)
     cfg = FlashConfig(dtype=model.runtime.compute_dtype, verify=verify, mode=mode, memory_budget=budget, threads=threads,
                       window=cfg_window if window is None else window, bundled=bundled,
-                      prefetch=False, overlap=overlap,
-                      stream_reads="uncached" if mode in ("naive", "hybrid") else None)  # (the paper's reads)
+                      prefetch=False, overlap=overlap)
     store = rebuild_runtime(model, cfg, source=source).store
     store.timed = True  # the phases' times must be the phases' (a staged store skips that sync otherwise)
     return store

@@ -60,15 +60,13 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
         file = _probe_file()
     say(f"disk: uncached random reads of {file}, {threads} threads")
     disk = disk_curve([file], CHUNKS, threads, seconds)
-    say("disk: long sequential streams, uncached and with read-ahead")
-    stream = stream_rates(file, threads, rounds=2 if quick else 4)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10, streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
     say("per-layer and per-token costs, overlap: 4-bit models of two widths and depths decoded "
         "through the runtime, by mode")
     zero = {m: {1: 0.0} for m in MODES}
     p = Profile(disk, threads, compute, zero, zero, 0.0, machine_key(), mx.__version__, _device(),
-                time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes, stream)
+                time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, tokens=8 if quick else 32, rounds=1 if quick else 3)
     return p
 
@@ -110,48 +108,6 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0):
                 done += n_per * c
             out[c] = done / (time.perf_counter() - t0) / 1e9
     return out
-
-
-STREAM_BATCH = 64 * MiB  # one batch of a stream: about a 7B 4-bit layer's FFN
-
-
-def stream_rates(file, threads, rounds=4):
-    """{"uncached": GB/s, "readahead": GB/s} reading `file` from start to end in batches of
-    STREAM_BATCH, as naive reads a layer: uncached by `threads` readers in the reader's
-    largest reads, and through the page cache with read-ahead (runtime/build.py's stream
-    reader: one thread, 1 MiB reads, each batch's pages dropped); alternating, medians. The
-    page cache is dropped before each run where this process may (root), as reads of a file
-    just read would otherwise be served from memory, not the disk."""
-    from ..io import FlashReader
-    from ..runtime.build import STREAM_READER
-
-    def run(reader):
-        with reader as r:
-            f = r.open(file)
-            t0 = time.perf_counter()
-            for base in range(0, f.size, STREAM_BATCH):
-                n = min(STREAM_BATCH, f.size - base)
-                offs = np.arange(base, base + n, r.max_read)
-                r.read_discard(f, offs, np.minimum(r.max_read, base + n - offs))
-            return f.size / (time.perf_counter() - t0) / 1e9
-
-    out = {"uncached": [], "readahead": []}
-    for i in range(rounds):
-        for how in (("uncached", "readahead") if i % 2 == 0 else ("readahead", "uncached")):
-            _drop_page_cache(file)
-            reader = FlashReader(threads=threads) if how == "uncached" else FlashReader(**STREAM_READER)
-            out[how].append(run(reader))
-    return {how: float(np.median(v)) for how, v in out.items()}
-
-
-def _drop_page_cache(file):
-    """The file's pages out of the page cache (POSIX_FADV_DONTNEED; its pages are clean)."""
-    if hasattr(os, "posix_fadvise"):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 MATRICES = ((1536, 576), (5632, 2048), (11008, 4096))  # a 135M, a 1B and a 7B model's FFN matrix

@@ -80,7 +80,6 @@ DEFAULT_COALESCE_GAP = 16 * 1024
 # A merged read never spans more than this: the measured throughput is flat
 # beyond 256 KiB (FACTS.md), and smaller pieces keep more threads busy.
 DEFAULT_MAX_READ = 256 * 1024
-READAHEAD_SLACK = 16 << 20  # past a read-ahead batch: what the OS may have read ahead (Linux's window, doubled)
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -255,11 +254,10 @@ class ReaderStats:
 class FlashFile:
     """An open file of a FlashReader (from reader.open)."""
 
-    __slots__ = ("path", "fd", "size", "direct", "align", "readahead")
+    __slots__ = ("path", "fd", "size", "direct", "align")
 
-    def __init__(self, path, fd, size, direct, align, readahead=False):
+    def __init__(self, path, fd, size, direct, align):
         self.path, self.fd, self.size, self.direct, self.align = path, fd, size, direct, align
-        self.readahead = readahead  # buffered, read ahead, each batch's pages dropped after it
 
     def close(self):
         if self.fd >= 0:
@@ -267,7 +265,7 @@ class FlashFile:
             self.fd = -1
 
     def __repr__(self):
-        mode = f"uncached, align {self.align}" if self.direct else "read ahead" if self.readahead else "buffered"
+        mode = f"uncached, align {self.align}" if self.direct else "buffered"
         return f"FlashFile({self.path!r}, {self.size} bytes, {mode})"
 
 
@@ -286,27 +284,6 @@ def logical_block_size(fd):
             except (OSError, ValueError):
                 pass
     return 4096
-
-
-def _open_readahead(path):
-    """A file read in long sequential streams through the page cache with the OS's read-ahead
-    (the reader drops each batch's pages after it: _drop_pages). -> fd; OSError as open()."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # (Linux: twice the read-ahead window)
-    return fd
-
-
-def _drop_pages(f, plan):
-    """Give back the page cache a read-ahead batch filled (the runs it read and the read-ahead
-    past them): the weights never stay cached, the next token reads them again, and a memory
-    cgroup, which counts the page cache, sees at most one batch of it. macOS has no such
-    call (its unified buffer cache evicts clean pages under pressure)."""
-    if not hasattr(os, "posix_fadvise") or not len(plan.run_off):
-        return
-    start = int(plan.run_off.min())
-    end = int((plan.run_off + plan.run_len).max())
-    os.posix_fadvise(f.fd, start, end - start + READAHEAD_SLACK, os.POSIX_FADV_DONTNEED)
 
 
 def _open_uncached(path, direct):
@@ -587,21 +564,14 @@ class FlashReader:
     coalesce_gap, max_read: coalescing (bytes); coalesce_gap < 0 disables it.
     backend: "auto" (native if built), "native" or "python".
     align: override the alignment of uncached reads (default: queried per file).
-    readahead: (with direct=False) long sequential streams through the page cache with the
-      OS's read-ahead, each batch's pages dropped after it: no weight stays cached. Where the
-      device serves a long stream faster so (a VM's virtual disk here: 1.9 GB/s against 1.3-1.5
-      uncached, FACTS.md) the exact modes' whole-layer streams use it (runtime --stream-reads).
     """
 
     def __init__(self, threads=READ_THREADS, direct=True, coalesce_gap=DEFAULT_COALESCE_GAP,
-                 max_read=DEFAULT_MAX_READ, backend="auto", align=None, readahead=False):
+                 max_read=DEFAULT_MAX_READ, backend="auto", align=None):
         if threads < 1:
             raise ValueError("threads must be >= 1")
-        if readahead and direct:
-            raise ValueError("readahead reads go through the page cache: not with direct=True")
         self.threads = threads
         self.direct = direct
-        self.readahead = readahead
         self.coalesce_gap = coalesce_gap
         self.max_read = max_read
         self.align = align
@@ -636,7 +606,7 @@ class FlashReader:
         """
         path = os.fspath(path)
         try:
-            fd, uncached = (_open_readahead(path), False) if self.readahead else _open_uncached(path, self.direct)
+            fd, uncached = _open_uncached(path, self.direct)
         except FileNotFoundError:
             raise ReadError(path, None, "missing (no such file)")
         except OSError as e:
@@ -647,7 +617,7 @@ class FlashReader:
             raise ReadError(path, None, f"size {size} != expected {expected_size} "
                             "(file truncated or changed since conversion)")
         align = (self.align or logical_block_size(fd)) if uncached else 1
-        f = FlashFile(path, fd, size, uncached, align, self.readahead)
+        f = FlashFile(path, fd, size, uncached, align)
         self._files.append(f)
         if expected_sha256 is not None:
             digest = self.sha256(f)
@@ -976,8 +946,6 @@ class FlashReader:
                 raise job.error
             failure = job.failure
         if failure is None:
-            if f.readahead:
-                _drop_pages(f, plan)
             return
         i, err, got = failure
         if i < 0:

@@ -1,9 +1,7 @@
 """This machine's rates, measured once and cached: what the cost model (plan/cost.py) divides by.
 
 - disk: uncached random reads (O_DIRECT / F_NOCACHE, the reader's thread pool), GB/s by
-  read size, from 4 KiB to 1 MiB; and long sequential streams (what naive and hybrid read of
-  a layer) read uncached and with the OS's read-ahead (pages dropped after each batch):
-  `--stream-reads` takes the faster;
+  read size, from 4 KiB to 1 MiB;
 - per layer and per token: what a decode token costs apart from its bytes (MLX's dispatch,
   the store's syncs and reads), by mode and model width, from 4-bit probe models of 4 and
   12 layers decoded through the real runtime without prefetch (bench/random_model.py): the
@@ -38,9 +36,8 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..home import default_home
 
-VERSION = 5  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
-# 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
-# 5: long sequential streams, uncached and with read-ahead
+VERSION = 4  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
+# 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves
 
 
 @dataclass
@@ -58,11 +55,6 @@ class Profile:
     quick: bool = False
     version: int = VERSION
     notes: list = field(default_factory=list)
-    stream: dict = field(default_factory=dict)  # "uncached" / "readahead" -> GB/s of a long sequential stream
-
-    def stream_gbs(self, how):
-        """GB/s of a layer's whole-file stream read `how` ("uncached": the disk curve's largest reads)."""
-        return self.stream.get(how) or self.disk_gbs(max(self.disk))
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""

@@ -27,9 +27,6 @@ from .stores.attention import buffer_shape
 from .stores.base import cpu_kernels, read_layer_file
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-# the reader of --stream-reads readahead: one thread (parallel readers break the OS's sequential
-# read-ahead: 1.3-1.4 GB/s with 4 here, against 1.9 with one), 1 MiB reads
-STREAM_READER = dict(threads=1, direct=False, readahead=True, max_read=1 << 20)
 
 
 @dataclass
@@ -84,7 +81,7 @@ class Runtime:
             return None
         packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
         return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ,
-                          _attention_read(self.attention), bool(getattr(self.store.reader, "readahead", False)))
+                          _attention_read(self.attention))
 
     def predict(self, profile):
         """The cost model's prediction for this runtime's plan (None in flash mode)."""
@@ -297,11 +294,10 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     resident_work = resident_computed(model)
     attention = _attention_store(model, folder, manifest, config)
     resident = _with_attention(resident, attention)
-    readahead = _stream_readahead(config, budget)
     if config.mode == "auto":
         rows16 = not held_ffn and may_hold_float16(config, manifest)
         choice = _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs,
-                         resident_work, _attention_read(attention), readahead)
+                         resident_work, _attention_read(attention))
         config = replace(config, mode=choice.mode)
         held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
@@ -330,7 +326,7 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
             crcs = ffn_crcs()
             resident = _with_extra(resident, tables, crcs)
             plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
-                                        held_ffn, tables, crcs, hold_most=choice is not None, readahead=readahead)
+                                        held_ffn, tables, crcs, hold_most=choice is not None)
     for f in ffns:
         f.store = store
     if attention is not None:
@@ -344,7 +340,7 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
 
 
 def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs, resident_work,
-            attention_read=0, readahead=False):
+            attention_read=0):
     """--mode auto's Choice (plan/choose.py): the exact plans that fit, each predicted by the
     cost model where this machine's profile is cached (never measured here). rows16: dense and
     hybrid are compared with their FFN rows held at float16 too."""
@@ -366,8 +362,8 @@ def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables,
         if profile is None:
             return None
         try:
-            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ, attention_read,
-                                      readahead and c.mode != "dense"), profile)
+            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ, attention_read),
+                           profile)
         except FlashError:  # (a profile without this weight form's rate)
             return None
 
@@ -525,38 +521,15 @@ def exact_plan(mode, manifest, config, dtype, resident, budget, held_ffn, hold_m
     return plan, packed, staged
 
 
-def _stream_readahead(config, budget):
-    """--stream-reads: do naive and hybrid read their streams with read-ahead (io/reader.py)?
-    As asked; by default where the cached machine profile measured it faster than uncached
-    (by 10 %: less is noise), said once. Never without a budget (nothing is streamed)."""
-    if config.stream_reads is not None:
-        return config.stream_reads == "readahead"
-    if budget is None or mx.default_device() != mx.cpu:
-        return False
-    from ..io.reader import log_once
-    from ..plan.profile import load_profile
-
-    p = load_profile()
-    if p is None or not p.stream:
-        return False
-    fast = p.stream_gbs("readahead") > 1.1 * p.stream_gbs("uncached")
-    if fast:
-        log_once("stream-readahead", "mlx_flash: naive / hybrid read their FFN streams through the page cache "
-                 "with read-ahead, each batch dropped after it (%.2f GB/s on this machine against %.2f uncached: "
-                 "the machine profile; --stream-reads uncached for the paper's reads)",
-                 p.stream_gbs("readahead"), p.stream_gbs("uncached"))
-    return fast
-
-
 def _neuron_store(folder, manifest, config, dtype, resident, budget, source, held_ffn, tables, crcs,
-                  hold_most=False, readahead=False):
+                  hold_most=False):
     from .stores.flash import FlashStore
     from .stores.streamed import StreamedStore
 
     lay, mode, window = manifest.layout, config.mode, config.window
     if mode != "flash":
         plan, packed, staged = exact_plan(mode, manifest, config, dtype, resident, budget, held_ffn, hold_most)
-        reader = FlashReader(**STREAM_READER) if readahead else FlashReader(threads=config.threads, direct=True)
+        reader = FlashReader(threads=config.threads, direct=True)
         store = StreamedStore(folder, manifest, plan, reader, dtype, bundled=config.bundled, tables=tables,
                               crcs=crcs, packed=packed, staged=staged)
         return plan, store

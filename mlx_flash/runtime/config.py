@@ -62,12 +62,6 @@ class FlashConfig:
                               "--kv-group-size", (32, 64, 128))
     window: int | None = _opt(4, "tokens whose neurons stay cached (flash)", "--window")
     threads: int = _opt(READ_THREADS, "reader threads", "--threads")
-    stream_reads: str | None = _opt(
-        None, "how naive and hybrid read a layer's streamed FFN rows (one long stream a file): uncached "
-        "(O_DIRECT / F_NOCACHE, --threads readers, the paper's) or readahead (through the page cache with "
-        "the OS's read-ahead, one reader, each batch's pages dropped after it: nothing stays cached); "
-        "default: the faster by the cached machine profile (mlx_flash.benchmark profile), uncached without "
-        "one", "--stream-reads", ("uncached", "readahead"))
     resident_dtype: str | None = _opt(
         None, "hold embeddings and attention in DRAM at the model's 16-bit flash dtype and convert "
         "them just before use (exact, half the DRAM; default: the compute dtype). A quantized model's: "
@@ -160,9 +154,6 @@ class FlashConfig:
             if self.eviction != d["eviction"] and getattr(cls, "store", "flash") != "dip":
                 raise FlashError(f"--eviction chooses what the DIP store's caches drop: only for dip, dip-ca "
                                  f"and the calibrated sources, not --sparsity {self.sparsity}")
-        if self.stream_reads is not None and self.mode in ("dense", "flash"):
-            raise FlashError(f"--stream-reads chooses how naive and hybrid read their streams: --mode {self.mode} "
-                             "has none" + (" (flash reads scattered rows, always uncached)" if self.mode == "flash" else ""))
         if not self.prefetch and self.mode == "dense":
             raise FlashError("--no-prefetch changes how rows are read during a token: --mode dense reads "
                              "none (every row is in DRAM)")

@@ -194,12 +194,15 @@ def make_opt_folder(folder, variant="opt", seed=0, dtype="float32", lm_head=Fals
     return folder, cfg, tensors
 
 
-def thresholded_ffn(tensors, layer, x, t_in, t_out):
+def thresholded_ffn(tensors, layer, x, t_in, t_out, wina=False):
     """A SwiGLU layer's FFN of one token vector x in NumPy, both sides thresholded as the
-    `calibrated` sources do: the input dims with |x| >= t_in, then the neurons with |h~| >= t_out."""
+    `calibrated` sources do: the input dims with |x| >= t_in, then the neurons with |h~| >= t_out
+    (wina: |x_i| ||(G; U)[:, i]|| >= t_in, |h~_j| ||D[:, j]|| >= t_out, D as stored [d, d_ff])."""
     p = f"model.layers.{layer}.mlp."
     G, U, D = tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"], tensors[p + "down_proj.weight"]
-    xm = np.where(np.abs(x) >= t_in, x, 0)
+    n_in = np.sqrt((G ** 2).sum(0) + (U ** 2).sum(0)) if wina else 1.0
+    n_out = np.sqrt((D ** 2).sum(0)) if wina else 1.0
+    xm = np.where(np.abs(x) * n_in >= t_in, x, 0)
     g, u = G @ xm, U @ xm
     h = g / (1 + np.exp(-g)) * u
-    return D @ np.where(np.abs(h) >= t_out, h, 0)
+    return D @ np.where(np.abs(h) * n_out >= t_out, h, 0)

@@ -218,3 +218,35 @@ def test_packed_rows_compute_what_float32_rows_do(q4, source, density, budget):
     if budget:
         assert packed.plan.dip_capacity[0] > plain.plan.dip_capacity[0]
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-4)
+
+
+def test_wina_scores_weigh_each_side_by_its_weights_norms(folder, tmp_path):
+    """--score wina: the thresholds compare |x_i| ||(G; U)[:, i]|| and |h~_j| ||D[j]||; the norms
+    are written beside the manifest, held by the source and counted in its resident bytes."""
+    import shutil
+
+    from mlx_flash.sparsity.allocation import NORMS_FILE
+
+    src, cfg, t, _, d = folder
+    out = tmp_path / "wina"
+    shutil.copytree(src, out)
+    section = calibrate_thresholds(out, data=str(d / "cal.txt"), tokens=512, seq_len=64, progress=False,
+                                   log=lambda m: None, score="wina")
+    assert section["score"] == "wina" and section["norms"]["file"] == NORMS_FILE and (out / NORMS_FILE).exists()
+    model, _ = mlx_flash.load(out, mode="flash", sparsity="calibrated", density=0.5, memory_budget="75%")
+    src_ = model.runtime.source
+    assert src_.score_norms is not None and src_.resident_bytes >= 4 * cfg["num_hidden_layers"] * (
+        cfg["hidden_size"] + cfg["intermediate_size"])
+    a = allocation(section, 0.5)
+    for layer in (0, 2):
+        x = np.random.default_rng(layer).standard_normal((1, 1, cfg["hidden_size"])).astype(np.float32)
+        model.runtime.store.stats.begin(1)
+        got = np.array(model.layers[layer].mlp(mx.array(x)))[0, 0]
+        t_in, t_out = a.threshold[layer]
+        want = thresholded_ffn(t, layer, x[0, 0], t_in, t_out, wina=True)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert not np.allclose(want, thresholded_ffn(t, layer, x[0, 0], t_in, t_out))  # the weights matter
+    model.runtime.close()
+    (out / NORMS_FILE).write_bytes(b"damaged")
+    with pytest.raises(FlashError):
+        mlx_flash.load(out, mode="flash", sparsity="calibrated", density=0.5)

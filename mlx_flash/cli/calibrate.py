@@ -30,6 +30,9 @@ def build_parser():
                    "the recovery adapters, on the thresholds the model has")
     p.add_argument("--search-tokens", type=int, default=2048,
                    help="calibration tokens of the threshold search (default 2048)")
+    p.add_argument("--score", choices=("magnitude", "wina"), default="magnitude",
+                   help="thresholds: what they compare: |x| and |h~| (magnitude), or each weighed by the norm of "
+                   "the weights it multiplies (wina: |x_i| ||(G;U)[:, i]||, |h~_j| ||D[j]||)")
     p.add_argument("--lowest", type=float, default=0.2,
                    help="the lowest average --density the threshold search reaches (default 0.2)")
     p.add_argument("--plot", default=None,
@@ -58,7 +61,7 @@ def _thresholds(model, args):
 
     t0 = time.perf_counter()
     section = calibrate_thresholds(model, data=args.data, tokens=args.search_tokens, seq_len=args.seq_len,
-                                   lowest=args.lowest, progress=not args.quiet,
+                                   lowest=args.lowest, progress=not args.quiet, score=args.score,
                                    log=lambda m: print(f"[calibrate] {m}", file=sys.stderr))
     shown = [d for d in (0.3, 0.4, 0.5, 0.6, 0.7) if d >= args.lowest - 1e-9]
     allocs = [allocation(section, d) for d in shown]

@@ -597,5 +597,6 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
     store = DIPStore(folder, manifest, plan, reader, ffns[0]._act, density,
                      cache_aware=source.cache_aware, dtype=dtype, gamma=config.gamma,
                      eviction=config.eviction, tables=tables, crcs=crcs, thresholds=thresholds, packed=packed,
+                     score_norms=getattr(source, "score_norms", None),
                      adapters=getattr(source, "adapters", None), staged=staged)
     return plan, store

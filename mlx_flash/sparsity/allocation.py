@@ -20,10 +20,18 @@ The manifest keeps the quantiles and the search's path (which side of which laye
 each step lowered), not one allocation: `--density` at run time is the average
 share of the FFN's bytes, and the allocation for it is the path replayed until the
 average reaches it (`allocation(section, density)`).
+
+Scores (`score`): "magnitude" compares |x_i| and |h~_j| with the thresholds; "wina"
+(WINA, 2025) weighs each by the norm of the weights it multiplies: |x_i| ||(G; U)[:, i]||
+(input dim i's gate and up columns) and |h~_j| ||D[j]|| (neuron j's down row), so a
+small input that meets large weights is kept before a larger one that meets small
+ones. The norms are computed here, written beside the manifest (NORMS_FILE) and held
+resident by the source (d_model + d_ff floats a layer).
 """
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +41,8 @@ from ..errors import FlashError
 from ..models.ffn import FFNRows
 
 VERSION = 1
+SCORES = ("magnitude", "wina")
+NORMS_FILE = "calibration/score-norms.safetensors"
 STEP = 0.05
 SHARE = np.array([2 / 3, 1 / 3])  # share of a layer's FFN bytes: gate+up columns, down rows
 LOWEST = 0.2  # the search stops at this average share (run-time --density below it: an error)
@@ -150,11 +160,26 @@ def record(model, seqs, progress=True):
     return [mx.concatenate(x) for x in rec.x], [mx.concatenate(g) for g in grads], rec.weights
 
 
-def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print):
+def score_norms(W):
+    """Per layer (||(G; U)[:, i]|| for every input dim i [d], ||D[j]|| for every neuron j [d_ff]),
+    float32 NumPy, of the dense FFN rows W {layer: FFNRows (gate, up, down: [d_ff, d])}."""
+    out = []
+    for i in range(len(W)):
+        w = W[i]
+        n_in = mx.sqrt(mx.sum(w.gate.astype(mx.float32) ** 2, 0) + mx.sum(w.up.astype(mx.float32) ** 2, 0))
+        n_out = mx.sqrt(mx.sum(w.down.astype(mx.float32) ** 2, 1))
+        out.append((np.array(n_in), np.array(n_out)))
+    return out
+
+
+def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print, score="magnitude"):
     """Record on `seqs` (token id lists, each one longer than the scored part) and search.
-    -> the `thresholds` manifest section (without the data description)."""
+    -> (the `thresholds` manifest section without the data description, the score norms per
+    layer or None)."""
     from tqdm import tqdm
 
+    if score not in SCORES:
+        raise FlashError(f"unknown score '{score}' (choose from {', '.join(SCORES)})")
     t0 = time.perf_counter()
     X, G, W = record(model, seqs, progress)
     n_layers = len(X)
@@ -164,8 +189,12 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print)
     for i in range(n_layers):
         Y.append(H[i] @ W[i].down)
         mx.eval(Y[-1])
-    q = [[_quantiles(np.array(X[i]), step) for i in range(n_layers)],
-         [_quantiles(np.array(H[i]), step) for i in range(n_layers)]]
+    norms = score_norms(W) if score == "wina" else None
+    # what each side's threshold compares: |x| and |h~|, each weighed by its weights' norm (wina)
+    nx = [mx.array(norms[i][0]) if norms else 1.0 for i in range(n_layers)]
+    nh = [mx.array(norms[i][1]) if norms else 1.0 for i in range(n_layers)]
+    q = [[_quantiles(np.array(mx.abs(X[i]) * nx[i]), step) for i in range(n_layers)],
+         [_quantiles(np.array(mx.abs(H[i]) * nh[i]), step) for i in range(n_layers)]]
     n_tokens = X[0].shape[0]
     log(f"recorded {len(seqs)} sequences ({n_tokens} tokens) and their gradients in "
         f"{time.perf_counter() - t0:.1f} s")
@@ -179,11 +208,11 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print)
 
     def h_at(i, d_in):
         x = X[i]
-        xs = x * (mx.abs(x) >= q[0][i][k(d_in)])
+        xs = x * (mx.abs(x) * nx[i] >= q[0][i][k(d_in)])
         return act(xs @ W[i].gate.T) * (xs @ W[i].up.T)
 
     def err(i, h, d_out):
-        h = h * (mx.abs(h) >= q[1][i][k(d_out)])
+        h = h * (mx.abs(h) * nh[i] >= q[1][i][k(d_out)])
         e = mx.mean(mx.sum(G[i] * (h @ W[i].down - Y[i]), -1) ** 2)
         return float(e)
 
@@ -225,11 +254,53 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print)
         bar.update(1)
     bar.close()
     log(f"searched {len(path)} steps in {time.perf_counter() - t0:.1f} s")
-    return {"version": VERSION, "step": step, "lowest": lowest, "proxy": "fisher",
-            "quantiles": {"in": q[0], "out": q[1]}, "path": path, "tokens": n_tokens}
+    return {"version": VERSION, "step": step, "lowest": lowest, "proxy": "fisher", "score": score,
+            "quantiles": {"in": q[0], "out": q[1]}, "path": path, "tokens": n_tokens}, norms
 
 
-def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOWEST, progress=True, log=print):
+def write_norms(folder, norms):
+    """The score norms into NORMS_FILE (float32, written whole, then renamed) -> its manifest entry."""
+    import os
+
+    from ..layout.format import sha256_file
+    from ..layout.safetensors_io import SafetensorsWriter
+
+    path = Path(folder) / NORMS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    arrays = {f"layers.{i}.{side}": a for i, pair in enumerate(norms) for side, a in zip(SIDES, pair)}
+    w = SafetensorsWriter(tmp, [(k, v.shape, "float32") for k, v in arrays.items()])
+    for k, v in arrays.items():
+        w.write(k, v)
+    w.close()
+    os.replace(tmp, path)
+    return {"file": NORMS_FILE, "size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def read_norms(folder, manifest, verify=True):
+    """The `wina` score's norms per layer ((in [d], out [d_ff]) float32 NumPy), or None for a
+    magnitude section."""
+    from ..layout.format import check_file
+    from ..layout.safetensors_io import SafetensorsFile
+
+    section = manifest.calibration["thresholds"]
+    if section.get("score", "magnitude") == "magnitude":
+        return None
+    entry = section.get("norms")
+    if entry is None:
+        raise FlashError(f"{folder}: the calibrated thresholds use the {section['score']} score but list no "
+                         "norms file; run `mlx_flash.calibrate` again")
+    check_file(folder, entry, checksum=verify)
+    st = SafetensorsFile(Path(folder) / entry["file"])
+    try:
+        return [tuple(np.ascontiguousarray(st.read(f"layers.{i}.{side}"), dtype=np.float32) for side in SIDES)
+                for i in range(len(manifest.ffn_files))]
+    except KeyError as e:
+        raise FlashError(f"{st.path}: no tensor {e} (the file does not match the manifest)")
+
+
+def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOWEST, progress=True, log=print,
+                         score="magnitude"):
     """Search a SwiGLU model's per-layer thresholds on calibration text and write them into
     its manifest (calibration["thresholds"], beside the predictors). -> the section."""
     from .. import load
@@ -243,9 +314,11 @@ def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOW
     if not 0 < lowest < 1:
         raise FlashError(f"--lowest must be in (0, 1), got {lowest}")
     seqs = token_sequences(tok, data, tokens, seq_len, targets=True)
-    section = search(model, seqs, ffns[0]._act, lowest=lowest, progress=progress, log=log)
+    section, norms = search(model, seqs, ffns[0]._act, lowest=lowest, progress=progress, log=log, score=score)
     section["data"] = str(data)
     model.runtime.close()
+    if norms is not None:
+        section["norms"] = write_norms(folder, norms)
     return add_manifest_section(folder, "calibration", {"thresholds": section}, merge=True).calibration["thresholds"]
 
 

@@ -45,11 +45,15 @@ class Calibrated(DIP):
     needs = "thresholds"
     uses_recovery = True
 
-    def __init__(self, density, allocation, adapters=None):
+    def __init__(self, density, allocation, adapters=None, score_norms=None):
         super().__init__(density)
         self.allocation = allocation
         self.adapters = adapters  # per layer (A^T [d, r], B^T [r, d]) or None
+        # per layer (input dims' [d], neurons' [d_ff]) weight norms the scores are weighed by
+        # (the wina score, allocation.py), or None: |x| and |h~| as they are
+        self.score_norms = score_norms
         self.resident_bytes = sum(a.nbytes + b.nbytes for a, b in adapters) if adapters else 0
+        self.resident_bytes += sum(a.nbytes + b.nbytes for a, b in score_norms) if score_norms else 0
 
     @property
     def thresholds(self):
@@ -61,7 +65,13 @@ class Calibrated(DIP):
         from .allocation import allocation
 
         return cls(ctx.density, allocation(ctx.manifest.calibration["thresholds"], ctx.density),
-                   cls._adapters(ctx))
+                   cls._adapters(ctx), cls._norms(ctx))
+
+    @staticmethod
+    def _norms(ctx):
+        from .allocation import read_norms
+
+        return read_norms(ctx.folder, ctx.manifest, ctx.verify)
 
     @classmethod
     def _adapters(cls, ctx):
@@ -105,4 +115,5 @@ class CalibratedUniform(Calibrated):
     def build(cls, ctx):
         from .allocation import uniform
 
-        return cls(ctx.density, uniform(ctx.manifest.calibration["thresholds"], ctx.density), cls._adapters(ctx))
+        return cls(ctx.density, uniform(ctx.manifest.calibration["thresholds"], ctx.density), cls._adapters(ctx),
+                   cls._norms(ctx))

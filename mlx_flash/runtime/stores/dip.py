@@ -82,6 +82,7 @@ class DIPStore(Store):
     def __init__(self, folder, manifest, plan, reader, act, density, cache_aware=False,
                  gamma=DEFAULTS.gamma, eviction=DEFAULTS.eviction, traces=None, dtype=mx.float32,
                  record_trace=False, tables=None, crcs=None, thresholds=None, packed=False, adapters=None,
+                 score_norms=None,
                  staged=False):
         if not manifest.dip:
             raise FlashError(
@@ -92,6 +93,7 @@ class DIPStore(Store):
         self.reader, self.act, self.plan = reader, act, plan
         self.density, self.cache_aware, self.gamma = density, cache_aware, gamma
         self.thresholds = thresholds  # per layer (t_in, t_out), or None: top-k at density
+        self.score_norms = score_norms  # per layer (input dims', neurons') weight norms: the wina score
         self.adapters = adapters  # per layer (A^T, B^T): a resident part B (A x) (sparsity/recovery.py)
         inp, down = manifest.dip["input"], manifest.dip["down"]
         self.d_model, self.n_ff = inp["layout"].n_neurons, inp["layout"].d_model
@@ -149,6 +151,8 @@ class DIPStore(Store):
         at or over the layer's threshold (at least its best one). DIP-CA (Eq. 10): the same
         number per token, chosen on scores whose uncached entries are scaled by γ."""
         s = np.abs(values)
+        if self.score_norms is not None:
+            s = s * self.score_norms[layer][side]
         if self.thresholds is not None:
             keep = s >= self.thresholds[layer][side]
             if not self.cache_aware:

@@ -254,6 +254,33 @@ def test_qmv_rows_and_qaxpy_cols_check_their_indices():
         qaxpy_cols(kernels, h, buf, np.array([0, 1]), np.array([1, 0]), tables, spec)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_column_sums_continue_a_previous_part_to_the_bit(bits, simd_and_threads):
+    """qaxpy_cols / gather_axpy with `out`: the rows of two parts, the first a whole number of
+    groups, give what one call over all of them gives, on any threads (hybrid's parity)."""
+    from mlx_flash.kernels import gather_axpy, qaxpy_cols
+    from mlx_flash.layout.quant import QuantSpec
+
+    rng = np.random.default_rng(bits)
+    spec = QuantSpec(bits, 32, "float16")
+    n, d = 160, 96
+    buf = rng.integers(0, 256, (n, d * bits // 8), dtype=np.uint8)
+    tables = tuple(rng.standard_normal((n // 32, d)).astype(np.float16) for _ in range(2))
+    h = rng.standard_normal(n).astype(np.float32)
+    rows, trow = np.arange(n), np.arange(n) // 32
+    w = rng.standard_normal((n, d)).astype(np.float32)
+    for simd, threads in simd_and_threads:
+        kernels.simd(simd)
+        kernels.set_threads(threads)
+        whole = qaxpy_cols(kernels, h, buf, rows, trow, tables, spec)
+        part = qaxpy_cols(kernels, h[:64], buf, rows[:64], trow[:64], tables, spec)
+        got = qaxpy_cols(kernels, h[64:], buf, rows[64:], trow[64:], tables, spec, out=part)
+        assert got is part and np.array_equal(got, whole)
+        whole = gather_axpy(kernels, h, w, rows)
+        got = gather_axpy(kernels, h[50:], w, rows[50:], out=gather_axpy(kernels, h[:50], w, rows[:50]))
+        assert np.array_equal(got, whole)
+
+
 def test_the_pool_survives_resizing():
     """Workers started after a resize wait for the next job (they once took the stop signal of
     the workers before them and exited, and the next call waited forever)."""

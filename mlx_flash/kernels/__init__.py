@@ -105,10 +105,11 @@ def gather_mv(kernels, x, w, sel):
     return y
 
 
-def gather_axpy(kernels, h, w, sel):
-    """sum_i h[i] * W[sel[i]]: h float32 [len(sel)], W float32 NumPy [rows, K] -> float32 [K]."""
-    y = np.empty(w.shape[1], np.float32)
-    kernels.gather_axpy(h, w, sel, y, w.shape[1])
+def gather_axpy(kernels, h, w, sel, out=None):
+    """sum_i h[i] * W[sel[i]]: h float32 [len(sel)], W float32 NumPy [rows, K] -> float32 [K].
+    out: a float32 [K] the sum is added to, term by term in the rows' order (a previous part's)."""
+    y = np.empty(w.shape[1], np.float32) if out is None else out
+    kernels.gather_axpy(h, w, sel, y, w.shape[1], out is not None)
     return y
 
 
@@ -126,14 +127,16 @@ def qmv_rows(kernels, x, buf, sel, spec, scales_off, biases_off):
     return y
 
 
-def qaxpy_cols(kernels, h, buf, sel, trow, tables, spec):
+def qaxpy_cols(kernels, h, buf, sel, trow, tables, spec, out=None):
     """sum_i h[i] * column sel[i] of `buf`, each packed values whose value c is
     scales[trow[i], c] * q + biases[trow[i], c] (tables: the layer's (scales, biases) as
-    stored; sel ordered by trow) -> float32 [d]."""
+    stored; sel ordered by trow) -> float32 [d]. out: a float32 [d] the sum is added to, group
+    by group in the rows' order: where out holds whole groups of earlier rows (a previous
+    part's), the result is the one a single call over all the rows gives, to the bit."""
     scales, biases = tables
-    y = np.empty(scales.shape[1], np.float32)
+    y = np.empty(scales.shape[1], np.float32) if out is None else out
     kernels.qaxpy_cols(h, buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
-                       spec.bits, SCALE_CODE_OF[spec.scale_dtype])
+                       spec.bits, SCALE_CODE_OF[spec.scale_dtype], out is not None)
     return y
 
 

@@ -71,6 +71,9 @@ typedef struct {
     const int64_t *trow;
     const uint8_t *ts, *tb;
     int64_t t_stride;
+    /* GATHER_AXPY, QAXPY_COLS: add to y as it is (a previous part's sum), not to zeros.
+     * (Last: py_qmv initializes a job_t positionally, the fields it leaves out zero.) */
+    int accumulate;
 } job_t;
 
 enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5 };
@@ -245,7 +248,8 @@ static void gather_mv(const job_t *j, int64_t r0, int64_t r1) {
 /* GATHER_AXPY, columns [c0, c1): y[c] = sum_i h[i] * W[sel[i], c], rows in order */
 static void gather_axpy(const job_t *j, int64_t c0, int64_t c1) {
     float *y = j->y;
-    for (int64_t c = c0; c < c1; c++) y[c] = 0;
+    if (!j->accumulate)
+        for (int64_t c = c0; c < c1; c++) y[c] = 0;
     for (int64_t i = 0; i < j->m; i++) {
         const float *w = (const float *)(j->w + j->sel[i] * j->row_bytes);
         const float hi = j->h[i];
@@ -271,7 +275,8 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
     const int64_t n = c1 - c0, bits = j->bits;
     float *y = j->y;
     uint8_t q[128];
-    for (int64_t c = c0; c < c1; c++) y[c] = 0;
+    if (!j->accumulate)
+        for (int64_t c = c0; c < c1; c++) y[c] = 0;
     int64_t i = 0;
     while (i < j->m) {
         const int64_t t = j->trow[i];
@@ -623,8 +628,9 @@ static PyObject *py_dequantize_rows(PyObject *mod, PyObject *args) {
 
 /* the selected packed columns of a buffer, whose value c is scales[trow[i], c] * q + biases[trow[i], c]
  * (tables [T, k] C-contiguous):
- *   qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code):
- *     y = sum_i h[i] * column sel[i] (rows ordered by trow)
+ *   qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code, accumulate=0):
+ *     y = sum_i h[i] * column sel[i] (rows ordered by trow); accumulate: y += that, the rows'
+ *     terms added to y in the same order as if they followed the rows that made y
  *   dequantize_cols(None, buf, ...the same...): y[i] = column sel[i]'s values, float32 [len(sel), k]
  * sel, trow int64; every index checked against the buffer and the tables. */
 static PyObject *table_cols(PyObject *args, int kind) {
@@ -632,7 +638,9 @@ static PyObject *table_cols(PyObject *args, int kind) {
     Py_buffer h = {0}, w, sel, trow, ts, tb, y;
     PyObject *ho;
     long long stride, k, bits, sc;
-    if (!PyArg_ParseTuple(args, "Oy*Ly*y*y*y*w*LLL", &ho, &w, &stride, &sel, &trow, &ts, &tb, &y, &k, &bits, &sc))
+    int accumulate = 0;
+    if (!PyArg_ParseTuple(args, "Oy*Ly*y*y*y*w*LLL|p", &ho, &w, &stride, &sel, &trow, &ts, &tb, &y, &k, &bits, &sc,
+                          &accumulate))
         return NULL;
     PyObject *result = NULL;
     if (kind == QAXPY_COLS && PyObject_GetBuffer(ho, &h, PyBUF_SIMPLE) < 0) goto out;
@@ -657,6 +665,7 @@ static PyObject *table_cols(PyObject *args, int kind) {
     j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.m = m, j.h = h.buf, j.y = y.buf;
     j.ts = ts.buf, j.tb = tb.buf, j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.kind = kind;
     j.n = kind == QAXPY_COLS ? k : m, j.simd = use_simd; /* QAXPY_COLS shares out columns, else rows */
+    j.accumulate = kind == QAXPY_COLS && accumulate;
     if (dispatch(&j, kind == QAXPY_COLS ? 2 * k : 0) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
@@ -681,12 +690,14 @@ static PyObject *py_dequantize_cols(PyObject *mod, PyObject *args) {
     return table_cols(args, DEQUANT_COLS);
 }
 
-/* gather_mv(x, W, sel, y): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y): y = sum_i h[i] W[sel[i]].
+/* gather_mv(x, W, sel, y): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y, accumulate=0):
+ * y = sum_i h[i] W[sel[i]] (accumulate: y += that, in the order qaxpy_cols's accumulate keeps).
  * W float32 [rows, k] (C order), sel int64 (each in 0 .. rows-1), x / y float32. */
 static PyObject *gather(PyObject *args, int kind) {
     Py_buffer v, w, sel, y;
     long long k;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*L", &v, &w, &sel, &y, &k)) return NULL;
+    int accumulate = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*L|p", &v, &w, &sel, &y, &k, &accumulate)) return NULL;
     PyObject *result = NULL;
     const int64_t m = sel.len / 8, rows = k > 0 ? w.len / (4 * k) : 0;
     int ok = k > 0 && w.len == rows * 4 * k && sel.len % 8 == 0 && ((uintptr_t)w.buf % 4) == 0 &&
@@ -702,6 +713,7 @@ static PyObject *gather(PyObject *args, int kind) {
     job_t j;
     memset(&j, 0, sizeof j);
     j.w = w.buf, j.row_bytes = 4 * k, j.k = k, j.sel = ids, j.m = m, j.y = y.buf, j.simd = use_simd, j.kind = kind;
+    j.accumulate = kind == GATHER_AXPY && accumulate;
     if (kind == GATHER_MV)
         j.x = v.buf, j.n = m;
     else

@@ -117,11 +117,20 @@ class FlashFFN(nn.Module):
             parts = [parts]
         # Neuron subsets are independent: the FFN is the sum over its parts. A callable
         # part is rows still being read: compute what is here first, then ask for them.
-        y = None
+        # One token's parts the native kernels compute (held and streamed rows: hybrid) add
+        # into one host sum, each part's rows after the previous part's, in the order one
+        # call over all of them would; several positions' packed parts are multiplied in
+        # chunks of their rows taken in order across the parts, as one part's would be:
+        # either way hybrid's output is dense's to the bit.
+        y, acc, packed = None, None, []
+        one = x.size == x.shape[-1]
         parts = list(parts)
         while parts:
             rows = parts.pop(0)
             if callable(rows):
+                if packed:  # (computed before the rows they read may be overwritten)
+                    y = self._add(y, self._packed_chunks(x, packed))
+                    packed = []
                 if y is not None:
                     (mx.eval if getattr(rows, "overwrites", True) else mx.async_eval)(y)
                 parts = list(rows()) + parts
@@ -133,10 +142,18 @@ class FlashFFN(nn.Module):
                 y = rows.h @ rows.down if y is None else y + rows.h @ rows.down
                 continue
             if rows.select is not None or rows.packed is not None:
-                part = self._selected(x, rows) if rows.packed is None else self._packed(x, rows)
-                y = part if y is None else y + part
+                if one:
+                    acc = self._selected(x, rows, acc) if rows.packed is None else self._packed(x, rows, acc)
+                else:
+                    packed.append(rows)
                 continue
             y = self._dense_part(x, rows, y)
+        if packed:
+            y = self._add(y, self._packed_chunks(x, packed))
+        if acc is not None or y is None:
+            s = mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype) if acc is None else \
+                mx.array(acc).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
+            y = s if y is None else y + s
         if "down_bias" in self:
             y = y + self.down_bias
         return y
@@ -156,7 +173,8 @@ class FlashFFN(nn.Module):
 
     def _one_token(self, x, rows, up, gate, down):
         """One token's FFN over rows the native kernels read in place: up(v) / gate(v) -> the
-        rows' products with the token's vector v, down(h) -> sum_i h[i] * down row i."""
+        rows' products with the token's vector v, down(h) -> the host sum with sum_i h[i] *
+        down row i added."""
         from ..kernels import host_f32
 
         v = host_f32(x)
@@ -164,32 +182,34 @@ class FlashFFN(nn.Module):
         if "up_bias" in self:
             h = h + self.up_bias[rows.ids]
         h = self._act(mx.array(gate(v))) * h if self.gated else self._act(h)
-        y = down(host_f32(h))
-        return mx.array(y).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
+        return down(host_f32(h))
 
-    def _selected(self, x, rows):
+    def _selected(self, x, rows, acc):
         """One token's FFN over the chosen rows of a float32 cache (the same sums as the masked
-        product, over the active rows only)."""
+        product, over the active rows only), added to the host sum `acc` (None: a new one)."""
         from ..kernels import gather_axpy, gather_mv
 
         views, sel, kernels = rows.select
         if sel.size == 0:
-            return mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype)
+            return acc
         return self._one_token(x, rows, lambda v: gather_mv(kernels, v, views["up"], sel),
                                lambda v: gather_mv(kernels, v, views["gate"], sel),
-                               lambda h: gather_axpy(kernels, h, views["down"], sel))
+                               lambda h: gather_axpy(kernels, h, views["down"], sel, out=acc))
 
-    def _packed(self, x, rows):
-        """The FFN over rows held at their bits (native kernels: gate / up rows with inline
-        scales, down columns with the layer's scale table)."""
+    @staticmethod
+    def _add(y, part):
+        return part if y is None else y + part
+
+    def _packed(self, x, rows, acc=None):
+        """One token's FFN over rows held at their bits (native kernels: gate / up rows with
+        inline scales, down columns with the layer's scale table), added to the host sum `acc`
+        (None: a new one)."""
         from ..kernels import qaxpy_cols, qmv_rows
 
         p = rows.packed
-        if p.sel.size == 0:
-            return mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype)
         raw = {k: v.view(np.uint8) for k, v in p.views.items()}
-        if x.size != x.shape[-1]:  # several positions: dequantized row chunks, multiplied by BLAS
-            return self._packed_chunks(x, rows, raw)
+        if p.sel.size == 0:
+            return acc
         spec = p.layout.quant
         offsets = spec.inline_offsets(self.d_model)
         trow = p.ids // spec.group_size
@@ -198,28 +218,48 @@ class FlashFFN(nn.Module):
         return self._one_token(x, rows, lambda v: qmv_rows(p.kernels, v, raw["up"], p.sel, spec, *offsets),
                                lambda v: qmv_rows(p.kernels, v, raw["gate"], p.sel, spec, *offsets),
                                lambda h: qaxpy_cols(p.kernels, np.ascontiguousarray(h[order]), raw["down"],
-                                                    p.sel[order], trow[order], p.tables["down"], spec))
+                                                    p.sel[order], trow[order], p.tables["down"], spec, out=acc))
 
     PACKED_CHUNK_VALUES = 1 << 20  # float32 values of one kind's dequantized chunk (4 MiB)
 
-    def _packed_chunks(self, x, rows, raw):
-        """Several positions over packed rows: chunks of rows dequantized to float32 (in C) and
-        multiplied by BLAS, a chunk's temporaries ~4 MiB a kind, evaluated before the next."""
+    def _packed_chunks(self, x, parts):
+        """Several positions over packed rows (the parts' rows in order, as one sequence):
+        chunks of rows dequantized to float32 (in C) and multiplied by BLAS, a chunk's
+        temporaries ~4 MiB a kind, evaluated before the next. A chunk is the same rows
+        whichever parts hold them, so the sums are those of one part holding them all."""
         from ..kernels import dequantize_cols, dequantize_rows
 
-        p = rows.packed
-        spec, d = p.layout.quant, self.d_model
+        spec, d = parts[0].packed.layout.quant, self.d_model
         scales_off, biases_off = spec.inline_offsets(d)
         step = max(1, self.PACKED_CHUNK_VALUES // d)
+        # every row as (part, its index in the part), in order
+        owner = np.concatenate([np.full(r.packed.sel.size, i) for i, r in enumerate(parts)])
+        index = np.concatenate([np.arange(r.packed.sel.size) for r in parts])
         y = None
-        for start in range(0, p.sel.size, step):
-            sel, ids = p.sel[start : start + step], p.ids[start : start + step]
-            w = {k: mx.array(dequantize_rows(p.kernels, raw[k], sel, spec, scales_off, biases_off, d))
-                 for k in p.layout.kinds if k not in p.layout.columns}
-            w["down"] = mx.array(dequantize_cols(p.kernels, raw["down"], sel, ids // spec.group_size,
-                                                 p.tables["down"], spec))
-            mask = None if rows.mask is None else rows.mask[..., start : start + step]
-            part = FFNRows(up=w["up"], down=w["down"], gate=w.get("gate"), ids=mx.array(ids), mask=mask)
+        for start in range(0, owner.size, step):
+            w, ids, masks = {}, [], []
+            for i in np.unique(owner[start : start + step]):
+                at = index[start : start + step][owner[start : start + step] == i]
+                p, mask = parts[i].packed, parts[i].mask
+                raw = {k: v.view(np.uint8) for k, v in p.views.items()}
+                sel = p.sel[at]
+                for k in p.layout.kinds:
+                    if k in p.layout.columns:
+                        v = dequantize_cols(p.kernels, raw[k], sel, p.ids[at] // spec.group_size, p.tables[k], spec)
+                    else:
+                        v = dequantize_rows(p.kernels, raw[k], sel, spec, scales_off, biases_off, d)
+                    w.setdefault(k, []).append(v)
+                ids.append(p.ids[at])
+                masks.append(None if mask is None else mask[..., mx.array(at)])
+            w = {k: mx.array(v[0] if len(v) == 1 else np.concatenate(v)) for k, v in w.items()}
+            if all(m is None for m in masks):
+                mask = None
+            else:
+                ones = mx.ones(x.shape[:-1] + (1,), dtype=mx.bool_)
+                mask = mx.concatenate([mx.broadcast_to(ones, x.shape[:-1] + (len(a),)) if m is None else m
+                                       for m, a in zip(masks, ids)], axis=-1)
+            part = FFNRows(up=w["up"], down=w["down"], gate=w.get("gate"), ids=mx.array(np.concatenate(ids)),
+                           mask=mask)
             y = self._dense_part(x, part, y)
             mx.eval(y)
         return y

@@ -66,7 +66,7 @@ class Plan:
 
 def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers,
               n_neurons, window=DEFAULTS.window, dip=None, req=None, held_neuron_bytes=0, prefetch=False,
-              hold_most=False):
+              hold_most=False, align=1):
     """dip: (d_model, input-dim row bytes, n_ff, down row bytes, k_in, k_out) for the
     DIP sources: one shared scratch holds a token's k_in / k_out rows, and the
     two caches of every layer get the same fraction of their rows from the rest.
@@ -77,7 +77,10 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
     prefetch (naive, hybrid): the streamed rows of the next layer are read while this
     layer computes, into a second streaming buffer (the scratch counts both).
     hold_most (hybrid, --mode auto): as many of every layer's neurons resident as the budget
-    allows, up to all, where the paper's hybrid holds at most half."""
+    allows, up to all, where the paper's hybrid holds at most half.
+    align (hybrid): the neurons held, a multiple of this (a quantized layout's group size: the
+    down columns' sums of the held and the streamed rows then split between whole groups, which
+    keeps hybrid's output dense's to the bit, models/ffn.py)."""
     if held_neuron_bytes and mode not in ("dense", "hybrid"):
         raise FlashError(f"float16 neuron caches are for --mode dense / hybrid, not {mode}")
     if mode not in MODES:
@@ -106,6 +109,8 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
         elif budget_bytes is not None:
             rows = (budget_bytes - fixed) // neuron_bytes
             capacity = max(0, min(capacity, (rows - bufs * n) // max(n_layers - bufs, 1)))
+        if capacity < n:
+            capacity -= capacity % align
         scratch = bufs * (n - capacity)
         arena = bufs * capacity if held_neuron_bytes else 0
     elif dip is not None:

@@ -517,7 +517,8 @@ def exact_plan(mode, manifest, config, dtype, resident, budget, held_ffn, hold_m
     neuron_bytes = _neuron_bytes(lay, dtype, packed, staged)
     plan = make_plan(mode, budget, resident.held_bytes, 0, neuron_bytes, len(manifest.ffn_files), lay.n_neurons,
                      held_neuron_bytes=neuron_bytes // 2 if held else 0,
-                     prefetch=config.prefetch and mode != "dense", hold_most=hold_most)
+                     prefetch=config.prefetch and mode != "dense", hold_most=hold_most,
+                     align=lay.quant.group_size if packed else 1)
     return plan, packed, staged
 
 

@@ -25,7 +25,8 @@ from .plan.profile import load_profile
 from .runtime.memory import (MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, kv_value_bytes,
                              model_shape, plan_memory)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, attention_to_stream, build_runtime,
-                      check_resident_fits, compute_dtype, keep_quantized, make_config, may_hold_float16)
+                      check_resident_fits, compute_dtype, keep_quantized, loaded_resident_bytes, make_config,
+                      may_hold_float16)
 
 
 
@@ -166,7 +167,7 @@ def _build_model(folder, manifest, config: FlashConfig):
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
     if config.memory_limit is not None:  # (a limit too small: an error here, not a kill while loading)
-        check_limit_before_loading(config.memory_limit, (folder / manifest.resident["file"]).stat().st_size)
+        check_limit_before_loading(config.memory_limit, loaded_resident_bytes(folder, manifest, config))
     # The tokenizer first: its load peaks ~30 MB above what it keeps, before the weights arrive.
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
@@ -184,8 +185,8 @@ def _build_model(folder, manifest, config: FlashConfig):
         config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     check_file(folder, manifest.resident, checksum=config.verify)
     config, held = _hold_resident_at_16_bits_if_needed(folder, manifest, config, held)
-    streamed = _stream_attention_if_needed(folder, manifest, config, model)
     try:
+        streamed = _stream_attention_if_needed(folder, manifest, config, model)
         check_resident_fits(folder, manifest, config, streamed)
     except BudgetTooSmall as e:
         raise (e if memory is None else memory.restate(e)) from None

@@ -108,8 +108,22 @@ def test_a_damaged_streamed_byte_is_found_on_the_token_that_reads_it(q4_model, t
 
 
 def test_a_budget_that_streaming_cannot_meet_is_still_refused(q4_model):
-    with pytest.raises(BudgetTooSmall):
+    with pytest.raises(BudgetTooSmall, match="even with every layer's attention read from flash, the resident "
+                       r"weights .* take \d+ MB and the least FFN plan"):
         mlx_flash.load(q4_model, mode="naive", memory_budget=str(_streamed_budget(q4_model, 9)))
+
+
+def test_a_memory_limit_counts_only_what_loads(q4_model):
+    """Before loading, the limit's check counts the resident file less the attention that may
+    stay on flash; the plan's refusal names the least limit, which then runs."""
+    from mlx_flash.layout.format import read_manifest
+    from mlx_flash.runtime import FlashConfig, loaded_resident_bytes
+
+    m = read_manifest(q4_model)
+    size = (q4_model / m.resident["file"]).stat().st_size
+    assert loaded_resident_bytes(q4_model, m, FlashConfig(mode="naive")) < size - 4 * 163840
+    assert loaded_resident_bytes(q4_model, m, FlashConfig(mode="dense")) == size
+    assert loaded_resident_bytes(q4_model, m, FlashConfig(mode="naive", resident_dtype="float32")) == size
 
 
 def test_dense_and_sparse_modes_never_stream(q4_model):

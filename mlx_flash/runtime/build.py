@@ -221,6 +221,27 @@ def _attention_buffers(spans, streamed, prefetch):
     return (2 if prefetch else 1) * n * chunk
 
 
+def _may_stream(config, manifest):
+    """May some layers' attention stay on flash (attention_to_stream) under this config?"""
+    # (held at their bits: by default where the kernels run, as keep_quantized says)
+    return (config.mode in ("auto", "naive", "hybrid") and manifest.layout.quant is not None
+            and config.resident_dtype in (None, "quantized") and cpu_kernels() is not None)
+
+
+def loaded_resident_bytes(folder, manifest, config):
+    """The least of the resident file a load reads into memory: all of it, less every layer's
+    attention where it may stay on flash (the check before loading under --memory-limit)."""
+    size = (Path(folder) / manifest.resident["file"]).stat().st_size
+    if not _may_stream(config, manifest):
+        return size
+    from ..layout.safetensors_io import SafetensorsFile
+    from .stores.attention import layer_spans
+
+    st = SafetensorsFile(Path(folder) / manifest.resident["file"])
+    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
+    return size - sum(s.nbytes for s in layer_spans(st, quantization).values())
+
+
 def attention_to_stream(folder, manifest, config):
     """The layers whose attention a quantized model leaves on flash (read every token, models/
     quantized.py StreamedQuantizedLinear), decided from the resident file's header before the
@@ -229,11 +250,7 @@ def attention_to_stream(folder, manifest, config):
     budget; then the fewest that make them fit. Only for the exact streaming modes (naive,
     hybrid, auto), a quantized model held at its bits, on the CPU with the native kernels.
     -> {layer: stores.attention.LayerSpan} ({}: none)."""
-    if config.memory_budget is None or config.mode not in ("auto", "naive", "hybrid"):
-        return {}
-    if manifest.layout.quant is None or not keep_quantized(config, mx.default_device() == mx.cpu):
-        return {}
-    if cpu_kernels() is None:
+    if config.memory_budget is None or not _may_stream(config, manifest):
         return {}
     resident, budget, spans, st = _header_resident(folder, manifest, config)
     if not spans:
@@ -249,7 +266,17 @@ def attention_to_stream(folder, manifest, config):
     from .stores.attention import layers_to_stream
 
     layers = layers_to_stream({i: s.nbytes for i, s in spans.items()}, deficit, config.prefetch)
-    return {i: spans[i] for i in layers or ()}
+    if layers is None:  # not even streaming every layer's attention makes naive fit
+        least = resident - sum(s.nbytes for s in spans.values()) + _attention_buffers(spans, list(spans),
+                                                                                      config.prefetch)
+        need = least + extra + naive.ffn_dram_bytes
+        from ..errors import BudgetTooSmall
+
+        reason = (f"even with every layer's attention read from flash, the resident weights (embeddings, norms, "
+                  f"two attention buffers) take {least / 1e6:.0f} MB and the least FFN plan (naive's two layer "
+                  f"buffers, the scale tables and checksums) {(extra + naive.ffn_dram_bytes) / 1e6:.0f} MB")
+        raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget, need, reason)
+    return {i: spans[i] for i in layers}
 
 
 def compute_dtype(config, manifest):

@@ -270,8 +270,9 @@ TOKENIZER_PEAK = 32 << 20  # a tokenizer's load peaks ~30 MB above what it keeps
 
 def check_limit_before_loading(text, resident_file_bytes):
     """Before the tokenizer and the resident weights load: a limit that cannot hold the
-    runtime, the tokenizer's load and the resident file is a clear error now, not a kill
-    by the memory cgroup while loading."""
+    runtime, the tokenizer's load and the resident file (less what may stay on flash:
+    runtime.loaded_resident_bytes) is a clear error now, not a kill by the memory cgroup
+    while loading."""
     limit, _ = effective_limit(text, warn=False)  # (plan_memory says it, after this check)
     runtime = process_rss()
     need = runtime + TOKENIZER_PEAK + resident_file_bytes

@@ -86,16 +86,23 @@ def test_layer_output_follows_the_thresholds(folder):
     """One token through one layer: |x| >= t_in columns, then |h~| >= t_out rows."""
     out, cfg, t, section, _ = folder
     model, _ = mlx_flash.load(out, mode="flash", sparsity="calibrated", density=0.5, memory_budget="75%")
-    a = allocation(section, 0.5)
+    for x1, t_in, _ in _layer_outputs_follow(model, cfg, t, allocation(section, 0.5)):
+        kept_in = (np.abs(x1) >= t_in).mean()
+        assert 0 < kept_in < 1  # a real cut at this density
+
+
+def _layer_outputs_follow(model, cfg, t, a, wina=False):
+    """Layers 0 and 2 of `model` on a random token equal thresholded_ffn at allocation a's
+    thresholds; -> [(the token, t_in, t_out)]."""
+    out = []
     for layer in (0, 2):
         x = np.random.default_rng(layer).standard_normal((1, 1, cfg["hidden_size"])).astype(np.float32)
         model.runtime.store.stats.begin(1)
         got = np.array(model.layers[layer].mlp(mx.array(x)))[0, 0]
         t_in, t_out = a.threshold[layer]
-        x1 = x[0, 0]
-        np.testing.assert_allclose(got, thresholded_ffn(t, layer, x1, t_in, t_out), rtol=1e-4, atol=1e-4)
-        kept_in = (np.abs(x1) >= t_in).mean()
-        assert 0 < kept_in < 1  # a real cut at this density
+        np.testing.assert_allclose(got, thresholded_ffn(t, layer, x[0, 0], t_in, t_out, wina), rtol=1e-4, atol=1e-4)
+        out.append((x[0, 0], t_in, t_out))
+    return out
 
 
 def test_cache_aware_with_gamma_one_is_plain(folder):
@@ -237,15 +244,11 @@ def test_wina_scores_weigh_each_side_by_its_weights_norms(folder, tmp_path):
     src_ = model.runtime.source
     assert src_.score_norms is not None and src_.resident_bytes >= 4 * cfg["num_hidden_layers"] * (
         cfg["hidden_size"] + cfg["intermediate_size"])
-    a = allocation(section, 0.5)
-    for layer in (0, 2):
-        x = np.random.default_rng(layer).standard_normal((1, 1, cfg["hidden_size"])).astype(np.float32)
-        model.runtime.store.stats.begin(1)
-        got = np.array(model.layers[layer].mlp(mx.array(x)))[0, 0]
-        t_in, t_out = a.threshold[layer]
-        want = thresholded_ffn(t, layer, x[0, 0], t_in, t_out, wina=True)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-        assert not np.allclose(want, thresholded_ffn(t, layer, x[0, 0], t_in, t_out))  # the weights matter
+    for layer, (x1, t_in, t_out) in zip((0, 2), _layer_outputs_follow(model, cfg, t, allocation(section, 0.5),
+                                                                      wina=True)):
+        # the weights matter: the magnitudes alone keep other entries
+        assert not np.allclose(thresholded_ffn(t, layer, x1, t_in, t_out, wina=True),
+                               thresholded_ffn(t, layer, x1, t_in, t_out))
     model.runtime.close()
     (out / NORMS_FILE).write_bytes(b"damaged")
     with pytest.raises(FlashError):

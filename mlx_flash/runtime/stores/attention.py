@@ -22,6 +22,7 @@ import numpy as np
 
 from ...errors import FlashError
 from ...io.reader import ChecksumError, log_once
+from .base import take_pending
 
 CHUNK = 256 * 1024  # bytes of one checked read (the reader's largest single read)
 _NP = {"U32": np.uint32, "F16": np.float16, "BF16": np.uint16, "F32": np.float32}
@@ -227,16 +228,11 @@ class AttentionStore:
         if layer not in self.spans:
             raise KeyError(f"layer {layer}'s attention is not streamed")
         t0 = time.perf_counter()
-        got, j = None, None
-        if self._pending is not None:
-            p_layer, p_j, fut = self._pending
-            self._pending = None
-            res = fut.result()  # a failed read raises here, in the layer that needs it
-            if p_layer == layer:
-                got, j = res, p_j
-        if got is None:
+        taken = take_pending(self, layer)
+        if taken is None:
             j = 0 if self._j is None or len(self.buffers) == 1 else 1 - self._j
-            got = self._fill(layer, j)
+            taken = j, self._fill(layer, j)
+        j, got = taken
         self._layer, self._j = layer, j
         if self.stats is not None and self.stats.cur is not None:
             self.stats.add(io_s=time.perf_counter() - t0, bytes_read=got[0], reads=got[1])

@@ -103,6 +103,18 @@ def _reads(memo, layout, cache, tables, crc, bundled):
     return reads
 
 
+def take_pending(store, layer):
+    """A double-buffered store's read in flight (`store._pending`: (layer, buffer, future) or
+    None), waited for and cleared: a failed read raises here, in the layer that needs it.
+    -> (buffer, the read's result) when it was `layer`'s, else None (read it now)."""
+    if store._pending is None:
+        return None
+    p_layer, j, fut = store._pending
+    store._pending = None
+    res = fut.result()
+    return (j, res) if p_layer == layer else None
+
+
 class Store:
     """The base of every store. `stats` is None for a store that streams nothing (dense)."""
 

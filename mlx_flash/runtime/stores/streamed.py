@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .base import NeuronFileStore
+from .base import NeuronFileStore, take_pending
 
 
 class StreamedStore(NeuronFileStore):
@@ -44,15 +44,8 @@ class StreamedStore(NeuronFileStore):
         last reader of those, has finished."""
         if not self.plan.prefetch:
             return 0, self._fill(layer, stream, 0)
-        got = None
-        if self._pending is not None:
-            p_layer, p_j, fut = self._pending
-            self._pending = None
-            res = fut.result()  # a failed read raises here, in the layer that needs it
-            if p_layer == layer:
-                j, got = p_j, res
-        if got is None:  # the first layer read, or an unexpected order (a partial forward)
-            j, got = 0, self._fill(layer, stream, 0)
+        # the first layer read, or an unexpected order (a partial forward): read it now
+        j, got = take_pending(self, layer) or (0, self._fill(layer, stream, 0))
         nxt = (layer + 1) % len(self.files)
         self._pending = (nxt, 1 - j, self._submit(self._fill, nxt, stream, 1 - j))
         return j, got

@@ -135,8 +135,9 @@ class AttentionStore:
             n = -(-(s.end - base) // self.chunk)
             if base + n * self.chunk > self.file.size:  # the last span of the file: chunks end at its end
                 base = (self.file.size - n * self.chunk) // 8 * 8
-            if base < 0 or base > s.start:
-                raise FlashError(f"{path}: layer {layer}'s attention cannot be read in chunks of {self.chunk}")
+            if base < 0 or base > s.start or base + n * self.chunk < s.end:
+                raise FlashError(f"{path}: layer {layer}'s attention cannot be read in chunks of {self.chunk} "
+                                 "(it ends too near the end of the file)")
             self._reads[layer] = (base, np.arange(n, dtype=np.int64),
                                   [((0, self.chunk // 2, "float16", buf),) for buf in self.buffers])
         self.crcs = self._checksums() if verify else None

@@ -90,6 +90,9 @@ class MLXFlashRuntime:
         rt = self.model.runtime
         out = {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes,
                "plan_mode": rt.mode}
+        if rt.attention is not None:  # the layers whose attention it reads from flash every token
+            out["streamed_attention_layers"] = list(rt.attention.order)
+            out["streamed_attention_bytes"] = rt.attention.streamed_bytes
         from mlx_flash.plan.profile import load_profile
 
         profile = load_profile()  # the cost model's, where this machine was profiled

@@ -85,6 +85,7 @@ COLUMNS = [
     ("cgroup_peak_bytes", "cgroup peak MB", "mb"),
     ("rss_peak_bytes", "RSS peak MB", "mb"),
     ("read_per_token_bytes", "read MB/token", "mb1"),
+    ("streamed_attention_bytes", "of it attention MB", "mb"),
     ("plan_mode", "mode run", None),
     ("predicted_ms", "predicted ms/token", "1"),
     ("measured_over_predicted", "measured / predicted", "2"),
@@ -161,7 +162,7 @@ def write_csv(res, path):
     keys = ["system", "runtime", "status", "runs", "ok", "oom", "limit_bytes", "memory_budget_bytes",
             "decode_tps", "decode_vs_reference", "prompt_tps", "load_s", "cgroup_peak_bytes", "rss_peak_bytes",
             "read_per_token_bytes", "read_prefill_bytes", "read_load_bytes", "same_tokens_as_reference",
-            "plan_mode", "predicted_ms", "measured_over_predicted", "message"]
+            "plan_mode", "streamed_attention_bytes", "predicted_ms", "measured_over_predicted", "message"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

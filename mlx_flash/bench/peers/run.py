@@ -122,7 +122,8 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
         rec.extra.update({k: v for k, v in ev["loaded"].items()
                           if k in ("memory_budget_bytes", "plan_weights_bytes", "threads", "mmap",
                                    "memory_limit_bytes", "runtime_bytes", "kv_bytes", "activation_bytes",
-                                   "plan_mode", "predicted_ms")})
+                                   "plan_mode", "predicted_ms", "streamed_attention_layers",
+                                   "streamed_attention_bytes")})
     if res.oom_killed:
         rec.status = "oom"
         rec.message = f"OOM-killed while {_doing(last)}"
@@ -431,6 +432,9 @@ class Peers:
             row["decode_vs_reference"] = _median(ratios)
             modes = sorted({r.extra["plan_mode"] for r in ok if r.extra.get("plan_mode")})
             row["plan_mode"] = ",".join(modes) or None
+            # the attention read from flash every token (runtime/stores/attention.py), if any
+            row["streamed_attention_bytes"] = _median([r.extra["streamed_attention_bytes"] for r in ok
+                                                       if r.extra.get("streamed_attention_bytes")])
             # the cost model against the measured decode (ms per token), per run, then the median
             errs = [1e3 / r.decode_tps / r.extra["predicted_ms"] for r in ok
                     if r.decode_tps and r.extra.get("predicted_ms")]

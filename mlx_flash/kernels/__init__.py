@@ -63,13 +63,8 @@ class QuantMatrix:
         if scales.dtype not in SCALE_CODES or biases.dtype != scales.dtype:
             raise ValueError(f"quantized weight: scales {scales.dtype} / biases {biases.dtype} are not "
                              "float32, float16 or bfloat16 alike")
-        self.kernels = module
-        self.n = weight.shape[0]
-        self.k = weight.shape[1] * 32 // bits
-        self.bits, self.group_size = bits, group_size
-        self.code = SCALE_CODES[scales.dtype]
-        self._keep = (weight, scales, biases)  # the views below point into these
-        self.w, self.s, self.b = _numpy(weight), _numpy(scales), _numpy(biases)
+        self._set(module, _numpy(weight), _numpy(scales), _numpy(biases), bits, group_size, SCALE_CODES[scales.dtype])
+        self._keep = (weight, scales, biases)  # the views above point into these
 
     @classmethod
     def of_host(cls, module, w, s, b, bits, group_size):
@@ -80,11 +75,14 @@ class QuantMatrix:
         if code is None or b.dtype != s.dtype or w.dtype != np.uint32:
             raise ValueError(f"quantized weight: words {w.dtype}, scales {s.dtype}, biases {b.dtype}")
         self = cls.__new__(cls)
+        self._set(module, w, s, b, bits, group_size, code)
+        self._keep = ()
+        return self
+
+    def _set(self, module, w, s, b, bits, group_size, code):
         self.kernels, self.bits, self.group_size, self.code = module, bits, group_size, code
         self.n, self.k = w.shape[0], w.shape[1] * 32 // bits
-        self._keep = ()
         self.w, self.s, self.b = w, s, b
-        return self
 
     def matvec(self, x, out=None):
         """x: float32 NumPy [K] (contiguous) -> y [N] = x @ W.T."""

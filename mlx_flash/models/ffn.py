@@ -207,9 +207,9 @@ class FlashFFN(nn.Module):
         from ..kernels import qaxpy_cols, qmv_rows
 
         p = rows.packed
-        raw = {k: v.view(np.uint8) for k, v in p.views.items()}
         if p.sel.size == 0:
             return acc
+        raw = {k: v.view(np.uint8) for k, v in p.views.items()}
         spec = p.layout.quant
         offsets = spec.inline_offsets(self.d_model)
         trow = p.ids // spec.group_size
@@ -232,25 +232,26 @@ class FlashFFN(nn.Module):
         spec, d = parts[0].packed.layout.quant, self.d_model
         scales_off, biases_off = spec.inline_offsets(d)
         step = max(1, self.PACKED_CHUNK_VALUES // d)
-        # every row as (part, its index in the part), in order
-        owner = np.concatenate([np.full(r.packed.sel.size, i) for i, r in enumerate(parts)])
-        index = np.concatenate([np.arange(r.packed.sel.size) for r in parts])
+        starts = np.cumsum([0] + [r.packed.sel.size for r in parts])  # each part's first row in the sequence
+        raws = [{k: v.view(np.uint8) for k, v in r.packed.views.items()} for r in parts]
         y = None
-        for start in range(0, owner.size, step):
+        for start in range(0, int(starts[-1]), step):
+            stop = min(start + step, int(starts[-1]))
             w, ids, masks = {}, [], []
-            for i in np.unique(owner[start : start + step]):
-                at = index[start : start + step][owner[start : start + step] == i]
-                p, mask = parts[i].packed, parts[i].mask
-                raw = {k: v.view(np.uint8) for k, v in p.views.items()}
+            for i, r in enumerate(parts):  # the chunk's rows each part holds
+                lo, hi = max(start, starts[i]) - starts[i], min(stop, starts[i + 1]) - starts[i]
+                if lo >= hi:
+                    continue
+                p, at = r.packed, slice(int(lo), int(hi))
                 sel = p.sel[at]
                 for k in p.layout.kinds:
                     if k in p.layout.columns:
-                        v = dequantize_cols(p.kernels, raw[k], sel, p.ids[at] // spec.group_size, p.tables[k], spec)
+                        v = dequantize_cols(p.kernels, raws[i][k], sel, p.ids[at] // spec.group_size, p.tables[k], spec)
                     else:
-                        v = dequantize_rows(p.kernels, raw[k], sel, spec, scales_off, biases_off, d)
+                        v = dequantize_rows(p.kernels, raws[i][k], sel, spec, scales_off, biases_off, d)
                     w.setdefault(k, []).append(v)
                 ids.append(p.ids[at])
-                masks.append(None if mask is None else mask[..., mx.array(at)])
+                masks.append(None if r.mask is None else r.mask[..., at])
             w = {k: mx.array(v[0] if len(v) == 1 else np.concatenate(v)) for k, v in w.items()}
             if all(m is None for m in masks):
                 mask = None

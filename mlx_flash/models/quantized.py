@@ -77,7 +77,7 @@ class StreamedQuantizedLinear(nn.Module):
     """A quantized Linear whose weight is not held: at every call it asks its store for the
     matrix (a view of rows the store read from flash this token: runtime/stores/attention.py)
     and multiplies by the native kernels, like NativeQuantizedLinear. Holds only its bias.
-    `store`, `kernels` and `arena` are attached by the runtime (models never open files)."""
+    The store and the prompts' arena are attached by the runtime (models never open files)."""
 
     def __init__(self, m, layer, name):
         super().__init__()

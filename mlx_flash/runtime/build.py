@@ -65,6 +65,7 @@ class Runtime:
     choice: object = None  # plan.choose.Choice: what --mode auto compared and chose
     resident_work: dict = None  # {weight form: bytes} a token multiplies by outside the FFN (cost.py)
     attention: object = None  # stores.attention.AttentionStore: the layers whose attention is streamed
+    streamed: list = field(default_factory=list, repr=False)  # the StreamedQuantizedLinears it serves
 
     @property
     def mode(self):
@@ -150,10 +151,9 @@ class Runtime:
         if self.store is not None:
             self.store.close()
         self.store = None
+        for m in self.streamed:
+            m.attach(None, None)
         if self.attention is not None:
-            for layer in self.attention.modules.values():
-                for m in layer.values():
-                    m.attach(None, None)
             self.attention.close()
         self.attention = None
 
@@ -174,22 +174,19 @@ def _header_resident(folder, manifest, config, streamed=()):
     """From the resident file's header: (the bytes its weights will hold in DRAM, the budget in
     bytes, {layer: LayerSpan} of the blocks' quantized projections when held at their bits, the
     SafetensorsFile). Streamed layers' projections are not held."""
-    from ..layout.safetensors_io import SafetensorsFile
-    from .stores.attention import layer_spans
-
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
-    st = SafetensorsFile(folder / manifest.resident["file"])
+    st, spans = _resident_spans(folder, manifest)
     itemsize = DTYPES[dtype].size
     held_size = itemsize if held is None else DTYPES[held].size
     # a quantized model's weights: their packed words (4 bytes each) when held at their bits
     # (their float16 scales then held so by the native kernels' modules: models/quantized.py),
     # else the values they dequantize to
-    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
+    quantization = _quantization(folder)
     on_cpu = mx.default_device() == mx.cpu
     kept = keep_quantized(config, on_cpu)
     native = kept and on_cpu and cpu_kernels() is not None
-    spans = layer_spans(st, quantization) if kept else {}
+    spans = spans if kept else {}
     gone = {n for i in streamed for n in spans[i].names}
     shapes = value_shapes(st, {} if kept else quantization)
     resident = full = 0
@@ -234,12 +231,21 @@ def loaded_resident_bytes(folder, manifest, config):
     size = (Path(folder) / manifest.resident["file"]).stat().st_size
     if not _may_stream(config, manifest):
         return size
+    return size - sum(s.nbytes for s in _resident_spans(folder, manifest)[1].values())
+
+
+def _quantization(folder):
+    """config.json's `quantization` (mlx-lm's form: one entry per quantized module), or {}."""
+    return json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
+
+
+def _resident_spans(folder, manifest):
+    """(the resident SafetensorsFile, {layer: LayerSpan} of its blocks' quantized projections)."""
     from ..layout.safetensors_io import SafetensorsFile
     from .stores.attention import layer_spans
 
     st = SafetensorsFile(Path(folder) / manifest.resident["file"])
-    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
-    return size - sum(s.nbytes for s in layer_spans(st, quantization).values())
+    return st, layer_spans(st, _quantization(folder))
 
 
 def attention_to_stream(folder, manifest, config):
@@ -319,7 +325,7 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     ffn_crcs = functools.cache(lambda: _checksums(folder, manifest, config, "ffn"))
     choice = None
     resident_work = resident_computed(model)
-    attention = _attention_store(model, folder, manifest, config)
+    attention, streamed = _attention_store(model, folder, manifest, config)
     resident = _with_attention(resident, attention)
     if config.mode == "auto":
         rows16 = not held_ffn and may_hold_float16(config, manifest)
@@ -361,7 +367,7 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
                       budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work,
-                      attention=attention)
+                      attention=attention, streamed=streamed)
     model.runtime = runtime
     return runtime
 
@@ -398,26 +404,22 @@ def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables,
 
 
 def _attention_store(model, folder, manifest, config):
-    """The AttentionStore of a model whose loader left some layers' attention on flash
-    (attention_to_stream), attached to those modules; None when it left none."""
-    from ..layout.safetensors_io import SafetensorsFile
+    """(the AttentionStore of a model whose loader left some layers' attention on flash
+    (attention_to_stream), the modules it is attached to); (None, []) when it left none."""
     from ..models.quantized import native_modules, streamed_modules
-    from .stores.attention import AttentionStore, layer_spans
+    from .stores.attention import AttentionStore
 
     modules = streamed_modules(model)
     if not modules:
-        return None
+        return None, []
     kernels = cpu_kernels()
     if kernels is None:
         raise FlashError("streamed attention is computed by the native kernels on the CPU (not built, or "
                          "MLX computes elsewhere)")
-    st = SafetensorsFile(Path(folder) / manifest.resident["file"])
-    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization") or {}
-    spans = layer_spans(st, quantization)
+    st, spans = _resident_spans(folder, manifest)
     reader = FlashReader(threads=config.threads, direct=True)
     store = AttentionStore(st.path, {i: spans[i] for i in modules}, reader, kernels, verify=config.verify,
                            prefetch=config.prefetch)
-    store.modules = modules
     native = native_modules(model)
     if native:
         arena = native[0]._arena
@@ -425,10 +427,10 @@ def _attention_store(model, folder, manifest, config):
         from ..models.half import Arena
 
         arena = Arena()
-    for layer in modules.values():
-        for m in layer.values():
-            m.attach(store, arena)
-    return store
+    flat = [m for layer in modules.values() for m in layer.values()]
+    for m in flat:
+        m.attach(store, arena)
+    return store, flat
 
 
 def _with_attention(resident, attention):

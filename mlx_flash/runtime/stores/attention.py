@@ -16,13 +16,14 @@ read once more, then a clear error naming the layer and the tensor.
 """
 
 import re
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ...errors import FlashError
 from ...io.reader import ChecksumError, log_once
-from .base import take_pending
+from .base import Store, take_pending
 
 CHUNK = 256 * 1024  # bytes of one checked read (the reader's largest single read)
 _NP = {"U32": np.uint32, "F16": np.float16, "BF16": np.uint16, "F32": np.float32}
@@ -113,8 +114,9 @@ def layers_to_stream(span_bytes, deficit, prefetch=True):
     return None
 
 
-class AttentionStore:
-    """Two buffers (one without prefetch) holding a streamed layer's projections; `matrix()`."""
+class AttentionStore(Store):
+    """Two buffers (one without prefetch) holding a streamed layer's projections; `matrix()`.
+    (A Store for its worker and close(); the FFNs never ask it for rows.)"""
 
     def __init__(self, path, spans, reader, kernels, verify=True, prefetch=True, stats=None):
         from ...kernels import QuantMatrix
@@ -123,6 +125,7 @@ class AttentionStore:
         self.reader, self.kernels, self.prefetch = reader, kernels, prefetch
         self.spans = dict(sorted(spans.items()))
         self.order = list(self.spans)
+        self._next = dict(zip(self.order, self.order[1:] + self.order[:1]))  # the read after each layer's
         self.stats = stats  # the FFN store's TokenStats: the waits and bytes join its rows
         self.file = reader.open(path)
         self.path = path
@@ -145,7 +148,6 @@ class AttentionStore:
         self._views = {}  # (buffer, layer) -> {name: QuantMatrix}
         self._layer = self._j = None
         self._pending = None  # (layer, buffer, future)
-        self._worker = None
 
     @property
     def weights_bytes(self):
@@ -204,13 +206,6 @@ class AttentionStore:
                     hit.append(f"{name}.{part}")
         return ", ".join(hit) if len(hit) <= 3 else f"{hit[0]} .. {hit[-1]}"
 
-    def _submit(self, fn, *args):
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-attention")
-        return self._worker.submit(fn, *args)
-
     def matrix(self, layer, name):
         """`layer`'s projection `name` as a QuantMatrix over the buffer holding it."""
         if layer != self._layer:
@@ -224,8 +219,6 @@ class AttentionStore:
         """Make `layer`'s buffer current: the read in flight (the time waited is I/O), or a
         read now; then start the next streamed layer's read into the other buffer. Safe: the
         projections are computed eagerly, so the layer last served no longer reads its buffer."""
-        import time
-
         if layer not in self.spans:
             raise KeyError(f"layer {layer}'s attention is not streamed")
         t0 = time.perf_counter()
@@ -238,7 +231,7 @@ class AttentionStore:
         if self.stats is not None and self.stats.cur is not None:
             self.stats.add(io_s=time.perf_counter() - t0, bytes_read=got[0], reads=got[1])
         if self.prefetch:
-            nxt = self.order[(self.order.index(layer) + 1) % len(self.order)]
+            nxt = self._next[layer]
             if nxt != layer:
                 self._pending = (nxt, 1 - j, self._submit(self._fill, nxt, 1 - j))
 
@@ -259,13 +252,11 @@ class AttentionStore:
         return out
 
     def close(self):
+        """The read in flight finished (its error no longer anyone's), then the worker and reader stopped."""
         if self._pending is not None:
             try:
                 self._pending[2].result()
             except Exception:
                 pass
             self._pending = None
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-        self.reader.close()
+        super().close()

@@ -104,6 +104,9 @@ def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwarg
         # batch's: a --memory-limit plan sized for one sequence cannot hold that
         raise FlashError("a batch of prompts under --memory-limit is not planned yet (the plan holds one "
                          "sequence's KV cache): use --memory-budget, which bounds the weights only")
+    if getattr(getattr(runtime, "config", None), "kv_cache", None) == "flash":
+        raise FlashError("--kv-cache flash holds one sequence's keys and values: a batch keeps its KV cache in "
+                         "DRAM (--kv-cache dram)")
     kwargs = _split_sampling(kwargs)
     ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     for i, p in enumerate(ids):

@@ -22,8 +22,8 @@ from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
 from .plan.explain import explain
 from .plan.profile import load_profile
-from .runtime.memory import (MLX_CACHE_LIMIT, check_limit_before_loading, kv_caches, kv_value_bytes,
-                             model_shape, plan_memory)
+from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
+                             kv_caches, kv_value_bytes, model_shape, plan_memory)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, attention_to_stream, build_runtime,
                       check_resident_fits, compute_dtype, keep_quantized, loaded_resident_bytes, make_config,
                       may_hold_float16)
@@ -65,21 +65,30 @@ def load(path_or_repo, progress=False, config=None, **options):
     profile = load_profile() if config.explain else None
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)
-    model, tokenizer, resident, config, memory = _build_model(folder, manifest, config)
+    asked = config
+    model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked)
     try:
         try:
             runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
         except BudgetTooSmall as e:
-            if not _may_hold_at_16_bits(config, manifest):
+            if _may_hold_at_16_bits(config, manifest):
+                # no exact plan fits beside the resident weights at float32: load them again at float16
+                logging.getLogger("mlx_flash").warning(
+                    "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
+                    "instead (converted into a float32 arena before use: the same values)", e.reason)
+                config = replace(config, resident_dtype="float16")
+            elif memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None:
+                # no plan fits beside the KV cache in DRAM: load again with it on flash
+                logging.getLogger("mlx_flash").warning(
+                    "the KV cache on flash (--kv-cache auto): held in DRAM for %d tokens, it leaves the weights "
+                    "%.0f MB, and %s", memory.context, memory.weights / 1e6, e.reason)
+                config = replace(asked, kv_cache="flash")
+            else:
                 raise
-            # no exact plan fits beside the resident weights at float32: load them again at float16
-            logging.getLogger("mlx_flash").warning(
-                "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
-                "instead (converted into a float32 arena before use: the same values)", e.reason)
             del model, resident
             release_heap()
-            model, tokenizer, resident, config, _ = _build_model(folder, manifest,
-                                                                 replace(config, resident_dtype="float16"))
+            model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, config)
+            memory = rebuilt or memory
             runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
     except BudgetTooSmall as e:
         raise (e if memory is None else memory.restate(e)) from None
@@ -91,7 +100,10 @@ def load(path_or_repo, progress=False, config=None, **options):
         print(explain(runtime, profile), file=sys.stderr)
     if config.kv_bits is not None:
         _check_kv_groups(model, config.kv_group_size)
-    if config.kv_bits is not None or memory is not None:  # (mlx_lm's make_prompt_cache uses it)
+    if (memory is not None and memory.kv_on_flash) or config.kv_cache == "flash":
+        context = memory.context if memory is not None else (asked.ctx_size or DEFAULT_CONTEXT)
+        model.make_cache = partial(flash_kv_caches, model, runtime, context)
+    elif config.kv_bits is not None or memory is not None:  # (mlx_lm's make_prompt_cache uses it)
         model.make_cache = partial(kv_caches, len(model.layers), memory.context if memory is not None else None,
                                    config.kv_bits, config.kv_group_size)
     model.eval()
@@ -113,39 +125,71 @@ def _may_hold_at_16_bits(config, manifest):
             and may_hold_float16(config, manifest))
 
 
-def _hold_resident_at_16_bits_if_needed(folder, manifest, config, held):
-    """--mode auto, a float16 model computed in float32: when its resident weights (embeddings,
-    attention) at float32 do not fit the weights' share, hold them at float16 as stored
-    (converted before use, exact), said in one line, before they load. -> (config, held dtype).
-    (Where they fit but no FFN plan does beside them, load() loads them again at float16.)"""
-    if not _may_hold_at_16_bits(config, manifest):
-        return config, held
-    try:
-        check_resident_fits(folder, manifest, config)
-        return config, held
-    except BudgetTooSmall as e:
-        logging.getLogger("mlx_flash").warning(
-            "--mode auto: %s; held at float16 as stored instead (converted into a float32 arena before "
-            "use: the same values)", e.reason)
-    return replace(config, resident_dtype="float16"), "float16"
+def _fit_weights(folder, manifest, config, held):
+    """What the budget leaves the resident weights, decided before they load (no line said
+    yet: the caller says them for the placement it keeps). -> (config, held dtype,
+    {layer: LayerSpan} of streamed attention, lines to say); raises BudgetTooSmall.
 
-
-def _stream_attention_if_needed(folder, manifest, config, model):
-    """Under a budget the resident weights of a quantized model leave too little of, some layers'
-    attention stays on flash, read every token (runtime.attention_to_stream): those modules
-    become StreamedQuantizedLinear before the weights load, said in one line.
-    -> {layer: LayerSpan}."""
-    from .models.quantized import stream_modules
-
+    --mode auto, a float16 model computed in float32: when its resident weights (embeddings,
+    attention) at float32 do not fit the weights' share, they are held at float16 as stored
+    (converted before use, exact). (Where they fit but no FFN plan does beside them, load()
+    loads them again at float16.) Under a budget the resident weights of a quantized model
+    leave too little of, some layers' attention stays on flash, read every token
+    (runtime.attention_to_stream)."""
+    lines = []
+    if _may_hold_at_16_bits(config, manifest):
+        try:
+            check_resident_fits(folder, manifest, config)
+        except BudgetTooSmall as e:
+            lines.append(f"--mode auto: {e.reason}; held at float16 as stored instead (converted into a "
+                         "float32 arena before use: the same values)")
+            config, held = replace(config, resident_dtype="float16"), "float16"
     streamed = attention_to_stream(folder, manifest, config)
     if streamed:
-        stream_modules(model, {i: list(s.matrices) for i, s in streamed.items()})
+        layers = sorted(streamed)
         mb = sum(s.nbytes for s in streamed.values()) / 1e6
-        logging.getLogger("mlx_flash").warning(
-            "the resident weights leave too little of the budget for the FFN: the attention of %d of %d layers "
-            "(%s; %.0f MB) stays on flash, read every token", len(streamed), len(model.layers),
-            _ranges(list(streamed)), mb)
-    return streamed
+        lines.append(f"the resident weights leave too little of the budget for the FFN: the attention of "
+                     f"{len(streamed)} layers ({_ranges(layers)}; {mb:.0f} MB) stays on flash, read every token")
+    check_resident_fits(folder, manifest, config, streamed)
+    return config, held, streamed, lines
+
+
+def _fit_limit(folder, manifest, config, held, shape, itemsize):
+    """--memory-limit -> (MemoryPlan, config with its weights budget, held, streamed, lines).
+    The KV cache in DRAM, or (--kv-cache flash, or auto where in DRAM it leaves the weights too
+    little) on flash, read back every token."""
+    kv_itemsize = kv_value_bytes(itemsize, config.kv_bits, config.kv_group_size)
+    if config.kv_cache == "auto" and config.kv_bits is None:
+        places = (False, True)
+    else:
+        places = (config.kv_cache == "flash",)
+    why = None
+    for i, on_flash in enumerate(places):
+        last = i == len(places) - 1
+        try:
+            memory = plan_memory(config.memory_limit, shape, itemsize, config.ctx_size,
+                                 kv_itemsize=None if on_flash else kv_itemsize, kv_on_flash=on_flash)
+        except FlashError:
+            if last:
+                raise
+            context = config.ctx_size or DEFAULT_CONTEXT
+            why = f"its {context * shape.kv_per_token * itemsize / 1e6:.0f} MB leave the weights nothing"
+            continue
+        fitted = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
+        try:
+            fitted, held_as, streamed, lines = _fit_weights(folder, manifest, fitted, held)
+        except BudgetTooSmall as e:
+            if last:
+                raise memory.restate(e) from None
+            why = f"it leaves the weights {memory.weights / 1e6:.0f} MB, and {e.reason}"
+            continue
+        if on_flash and why is not None:
+            lines.insert(0, f"the KV cache on flash (--kv-cache auto): held in DRAM for {memory.context} tokens, "
+                            f"{why}; each token reads its keys and "
+                            f"values back, up to {memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB "
+                            "at the full context")
+        return memory, fitted, held_as, streamed, lines
+    raise AssertionError("unreachable")
 
 
 def _ranges(layers):
@@ -176,20 +220,21 @@ def _build_model(folder, manifest, config: FlashConfig):
     release_heap()
     model = family.Model(args)
     quantize_resident(model, model_config.get("quantization"), folder)
-    memory = None
-    if config.memory_limit is not None:  # what the process holds besides weights, off the limit
-        shape = model_shape(model, manifest.layout.d_model, manifest.layout.n_neurons)
-        memory = plan_memory(config.memory_limit, shape, DTYPES[dtype].size, config.ctx_size,
-                             kv_itemsize=kv_value_bytes(DTYPES[dtype].size, config.kv_bits, config.kv_group_size))
-        logging.getLogger("mlx_flash").warning("%s", memory.describe())
-        config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     check_file(folder, manifest.resident, checksum=config.verify)
-    config, held = _hold_resident_at_16_bits_if_needed(folder, manifest, config, held)
-    try:
-        streamed = _stream_attention_if_needed(folder, manifest, config, model)
-        check_resident_fits(folder, manifest, config, streamed)
-    except BudgetTooSmall as e:
-        raise (e if memory is None else memory.restate(e)) from None
+    memory = None
+    if config.memory_limit is None:
+        config, held, streamed, lines = _fit_weights(folder, manifest, config, held)
+    else:  # what the process holds besides weights, off the limit
+        shape = model_shape(model, manifest.layout.d_model, manifest.layout.n_neurons)
+        memory, config, held, streamed, lines = _fit_limit(folder, manifest, config, held, shape,
+                                                           DTYPES[dtype].size)
+        lines.insert(0, memory.describe())
+    for line in lines:
+        logging.getLogger("mlx_flash").warning("%s", line)
+    if streamed:
+        from .models.quantized import stream_modules
+
+        stream_modules(model, {i: list(s.matrices) for i, s in streamed.items()})
     try:
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:

@@ -108,7 +108,7 @@ def test_a_share_is_of_the_machine_and_a_cgroup_caps_it(monkeypatch, capsys):
 def test_contradicting_options_are_refused(smollm2):
     with pytest.raises(FlashError, match="contradict each other"):
         mlx_flash.load(smollm2, memory_limit="1GB", memory_budget="50%")
-    with pytest.raises(FlashError, match="without --memory-limit it changes nothing"):
+    with pytest.raises(FlashError, match="without either it changes nothing"):
         mlx_flash.load(smollm2, ctx_size=512)
 
 

@@ -206,7 +206,7 @@ def main(argv=None):
                 m = s["memory_limit"]
                 print(f"Memory limit {m['limit_bytes'] / 1e6:.0f} MB: weights {m['weights_bytes'] / 1e6:.0f}, "
                       f"runtime {m['runtime_bytes'] / 1e6:.0f}, KV {m['kv_bytes'] / 1e6:.0f} ({m['ctx_size']} "
-                      f"tokens), activations {m['activation_bytes'] / 1e6:.0f}, MLX cache "
+                      f"tokens{' on flash: its buffers' if m.get('kv_on_flash') else ''}), activations {m['activation_bytes'] / 1e6:.0f}, MLX cache "
                       f"{m['mlx_cache_bytes'] / 1e6:.0f}, margin {m['margin_bytes'] / 1e6:.0f} MB; peak RSS "
                       f"{s['peak_rss_bytes'] / 1e6:.0f} MB")
             print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "

@@ -10,13 +10,10 @@ from typing import Any, Dict, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import (
-    BaseModelArgs,
-    create_attention_mask,
-    scaled_dot_product_attention,
-)
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .attention import attend
 from .ffn import FlashFFN, activation
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2")
@@ -89,10 +86,9 @@ class Attention(nn.Module):
         if cache is not None:
             q = self.rope(q, offset=cache.offset)
             k = self.rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)
         else:
             q, k = self.rope(q), self.rope(k)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = attend(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

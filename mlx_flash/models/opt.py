@@ -15,13 +15,10 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import (
-    BaseModelArgs,
-    create_attention_mask,
-    scaled_dot_product_attention,
-)
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 
 from ..errors import FlashError
+from .attention import attend
 from .ffn import FlashFFN, activation
 
 MODEL_TYPES = ("opt",)
@@ -78,9 +75,7 @@ class Attention(nn.Module):
         q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = k.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = attend(q, k, v, cache, self.scale, mask)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -35,6 +35,8 @@ class Work:
     mode: str  # whose per-layer overhead applies
     matrix_elements: int = 0  # one FFN matrix's (d_model x d_ff): the size the compute rates are read at
     d_model: int = 0  # the width the per-layer overhead is read at
+    kv_read_bytes: int = 0  # the KV cache on flash: keys and values read back per token
+    kv_read_size: int = 0  # ... bytes per read
 
 
 @dataclass
@@ -52,6 +54,8 @@ class Prediction:
 
 def predict(work, profile):
     io = 1e3 * work.read_bytes / (profile.disk_gbs(work.read_size) * 1e9) if work.read_bytes else 0.0
+    if work.kv_read_bytes:
+        io += 1e3 * work.kv_read_bytes / (profile.disk_gbs(work.kv_read_size) * 1e9)
     size = work.matrix_elements or None
     compute = sum(1e3 * b / (profile.compute_gbs(form, size) * 1e9) for form, b in work.computed.items() if b)
     L, width = max(work.n_layers, 1), work.d_model or None
@@ -102,11 +106,13 @@ def resident_computed(model):
     return out
 
 
-def exact_work(plan, layout, packed, resident, max_read, attention_read=0):
+def exact_work(plan, layout, packed, resident, max_read, attention_read=0, kv_read=(0, 0)):
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
     (form q<bits>), else float32, and a float16-held cache's rows at float16.
-    attention_read: the bytes of attention read from flash every token (streamed layers)."""
+    attention_read: the bytes of attention read from flash every token (streamed layers).
+    kv_read: (bytes, bytes per read) of the KV cache on flash read back per token (at the
+    decode's mean context: an input, like the prompt)."""
     L, n = plan.n_layers, plan.n_neurons
     held = plan.layer_capacity(0) if plan.mode != "naive" else 0
     streamed = n - held
@@ -125,4 +131,4 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=0):
     ffn_read = L * streamed * layout.stride
     size = min(max_read, max(streamed * layout.stride, 1)) if ffn_read else max_read
     return Work(ffn_read + attention_read, size, computed,
-                plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model)
+                plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, *kv_read)

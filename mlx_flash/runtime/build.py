@@ -66,6 +66,7 @@ class Runtime:
     resident_work: dict = None  # {weight form: bytes} a token multiplies by outside the FFN (cost.py)
     attention: object = None  # stores.attention.AttentionStore: the layers whose attention is streamed
     streamed: list = field(default_factory=list, repr=False)  # the StreamedQuantizedLinears it serves
+    kv: object = None  # stores.kv.FlashKV: the KV cache on flash last made (its reads join the prediction)
 
     @property
     def mode(self):
@@ -82,7 +83,7 @@ class Runtime:
             return None
         packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
         return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ,
-                          _attention_read(self.attention))
+                          _attention_read(self.attention), kv_read=_kv_read(self.kv, DEFAULT_MAX_READ))
 
     def predict(self, profile):
         """The cost model's prediction for this runtime's plan (None in flash mode)."""
@@ -114,7 +115,8 @@ class Runtime:
             summary["memory_limit"] = {"limit_bytes": m.limit, "weights_bytes": m.weights,
                                        "runtime_bytes": m.baseline, "kv_bytes": m.kv, "ctx_size": m.context,
                                        "activation_bytes": m.activations, "prefill_step": m.prefill_step,
-                                       "mlx_cache_bytes": m.mlx_cache, "margin_bytes": m.margin}
+                                       "mlx_cache_bytes": m.mlx_cache, "margin_bytes": m.margin,
+                                       "kv_on_flash": m.kv_on_flash}
         from ..plan.profile import load_profile
 
         profile = load_profile()  # (a cached one: --stats never measures the machine)
@@ -300,6 +302,15 @@ def may_hold_float16(config, manifest):
 def _ffn_bytes(manifest, itemsize):
     lay = manifest.layout
     return len(lay.kinds) * lay.d_model * lay.n_neurons * len(manifest.ffn_files) * itemsize
+
+
+def _kv_read(kv, max_read):
+    """(bytes, bytes per read) the KV cache on flash reads back per decode token ((0, 0): none;
+    its chunks are read in pieces of the reader's max read)."""
+    if kv is None:
+        return 0, 0
+    nbytes, size = kv.decode_read()
+    return nbytes, min(size, max_read)
 
 
 def build_runtime(model, folder, manifest, config, resident, source=None, progress=False):

@@ -58,6 +58,10 @@ class FlashConfig:
     kv_bits: int | None = _opt(None, "hold the KV cache quantized from the first token, group-wise at these "
                                "bits (mlx_lm's QuantizedKVCache; --memory-limit plans it at that size)",
                                "--kv-bits", (4, 8))
+    kv_cache: str = _opt("auto", "where the KV cache lives: dram; flash (written as it is made, read back in "
+                         "chunks by every token: for contexts whose keys and values the memory cannot hold); auto: "
+                         "flash only when --memory-limit leaves the weights too little with it in DRAM",
+                         "--kv-cache", ("auto", "dram", "flash"))
     kv_group_size: int = _opt(64, "with --kv-bits: values per quantization group (mlx_lm's name)",
                               "--kv-group-size", (32, 64, 128))
     window: int | None = _opt(4, "tokens whose neurons stay cached (flash)", "--window")
@@ -116,9 +120,14 @@ class FlashConfig:
                 "other: give one")
         if self.kv_group_size != 64 and self.kv_bits is None:
             bad("--kv-group-size sizes the groups of a quantized KV cache: give --kv-bits too")
-        if self.ctx_size is not None and self.memory_limit is None:
-            bad("--ctx-size sizes the KV cache that --memory-limit plans for; without --memory-limit it "
-                "changes nothing")
+        if self.kv_cache not in ("auto", "dram", "flash"):
+            bad(f"unknown --kv-cache '{self.kv_cache}' (choose from auto, dram, flash)")
+        if self.kv_cache == "flash" and self.kv_bits is not None:
+            bad("--kv-cache flash holds keys and values at the compute dtype: a quantized KV cache (--kv-bits) "
+                "stays in DRAM")
+        if self.ctx_size is not None and self.memory_limit is None and self.kv_cache != "flash":
+            bad("--ctx-size sizes the KV cache that --memory-limit (or --kv-cache flash) plans for; without "
+                "either it changes nothing")
         if self.cache_writes not in (None, "host", "staged"):
             bad(f"unknown cache writes '{self.cache_writes}' (choose from host, staged)")
         if self.cache_writes is not None and self.mode == "dense":

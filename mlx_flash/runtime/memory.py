@@ -7,8 +7,9 @@ computed here and taken off the limit first:
   baseline     the process's resident set when the weights are about to load
                (interpreter, imports, MLX, the tokenizer): measured, not guessed
   KV cache     every layer's keys and values for `context` tokens at the compute
-               dtype, plus one growth step of mlx_lm's cache (it grows by
-               concatenation, so old and new live together for a moment)
+               dtype (or --kv-bits), allocated once; or, on flash (where holding it
+               would leave the weights too little: runtime/stores/kv.py), its read
+               buffers and each layer's last partial block
   activations  the largest prompt chunk's temporaries (FFN hidden states, the
                attention scores, the chunk's logits); the prompt is fed in chunks
                of `prefill_step` tokens, chosen here so that this stays small
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from ..errors import FlashError
 from ..sizes import parse_share
+from .stores.kv import chunk_positions, flash_kv_dram
 
 MLX_CACHE_LIMIT = 32 << 20  # MLX's buffer cache under a limit or a budget (bytes)
 MARGIN_FIXED = 24 << 20  # allocator slack, reader / kernel temporaries, thread stacks
@@ -144,6 +146,7 @@ class MemoryPlan:
     shape: "Shape"
     itemsize: int
     kv_itemsize: float | None = None  # bytes per KV value when quantized (--kv-bits)
+    kv_on_flash: bool = False  # the KV cache written to flash and read back each token (kv: its DRAM)
 
     @property
     def other(self):
@@ -164,10 +167,12 @@ class MemoryPlan:
         # (at either runtime: a smaller one leaves room for longer prompt chunks, whose temporaries
         # can leave the weights less)
         while min(_plan_at(need, self.source, self.shape, self.itemsize, self.context, b,
-                           self.kv_itemsize).weights for b in (baseline, self.baseline)) < e.needed:
+                           self.kv_itemsize, self.kv_on_flash).weights for b in (baseline, self.baseline)) < e.needed:
             need += 1 << 20
         hint = ""
-        if self.kv_itemsize in (None, self.itemsize):  # a float KV cache: would 8 bits make room?
+        if self.kv_on_flash:
+            pass
+        elif self.kv_itemsize in (None, self.itemsize):  # a float KV cache: would 8 bits make room?
             kv8 = _plan_at(self.limit, self.source, self.shape, self.itemsize, self.context, baseline,
                            kv_value_bytes(self.itemsize, 8))
             if kv8.weights >= e.needed:
@@ -179,7 +184,10 @@ class MemoryPlan:
 
     def _besides(self):
         mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
-        return (f"runtime {mb(self.baseline)} (measured), KV cache {mb(self.kv)} ({self.context} tokens), "
+        kv = (f"KV cache on flash {mb(self.kv)} of buffers ({self.context} tokens: "
+              f"{mb(self.context * self.shape.kv_per_token * self.itemsize)} on disk)" if self.kv_on_flash
+              else f"KV cache {mb(self.kv)} ({self.context} tokens)")
+        return (f"runtime {mb(self.baseline)} (measured), {kv}, "
                 f"activations {mb(self.activations)} (prompt chunks of {self.prefill_step}), MLX cache "
                 f"{mb(self.mlx_cache)}, margin {mb(self.margin)}")
 
@@ -188,11 +196,23 @@ class MemoryPlan:
         return f"memory limit {mb(self.limit)} ({self.source}): weights {mb(self.weights)}; besides them {self._besides()}"
 
 
-def activation_bytes(shape, chunk, context, itemsize):
+def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False):
     """Temporaries of one prompt chunk: the FFN's hidden states (3 live at once), a few
-    d_model-wide tensors, every head's attention scores over the context, the logits."""
-    per = 3 * shape.n_ff + 8 * shape.d_model + 2 * shape.n_heads * context + shape.vocab
+    d_model-wide tensors, every head's attention scores over the context (on flash: over a
+    chunk read back or the prompt chunk itself, in float32, and the chunk's keys and values as
+    rows to write, a few times), the logits."""
+    if kv_on_flash:
+        width = 2 * shape.n_heads * (chunk_positions(kv_row_bytes(shape, itemsize)) + chunk) * 4 // itemsize
+        width += 4 * shape.kv_per_token // shape.n_layers
+    else:
+        width = 2 * shape.n_heads * context
+    per = 3 * shape.n_ff + 8 * shape.d_model + width + shape.vocab
     return chunk * per * itemsize
+
+
+def kv_row_bytes(shape, itemsize):
+    """One layer's keys and values for one position (the KV cache on flash's row)."""
+    return shape.kv_per_token // shape.n_layers * itemsize
 
 
 def effective_limit(text, warn=True):
@@ -215,15 +235,16 @@ def kv_value_bytes(itemsize, kv_bits=None, group_size=64):
     return itemsize if kv_bits is None else kv_bits / 8 + 2 * itemsize / group_size
 
 
-def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=None):
+def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=None, kv_on_flash=False):
     """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget). kv_itemsize:
-    bytes per KV value (kv_value_bytes; default the compute dtype's)."""
+    bytes per KV value (kv_value_bytes; default the compute dtype's); kv_on_flash: the KV cache
+    written to flash and read back (its buffers are what DRAM holds)."""
     limit, source = effective_limit(text)
     context = DEFAULT_CONTEXT if context is None else context
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")
     baseline = process_rss() if baseline is None else baseline
-    plan = _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize)
+    plan = _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize, kv_on_flash)
     if plan.weights <= 0:
         kv = plan.kv
         raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB ({source}): nothing left for the weights: "
@@ -232,19 +253,21 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=
     return plan
 
 
-def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None):
-    # kv_caches: allocated once, never grown
-    kv = int(context * shape.kv_per_token * (itemsize if kv_itemsize is None else kv_itemsize))
+def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None, kv_on_flash=False):
+    if kv_on_flash:
+        kv = flash_kv_dram(shape.n_layers, kv_row_bytes(shape, itemsize))
+    else:  # kv_caches: allocated once, never grown
+        kv = int(context * shape.kv_per_token * (itemsize if kv_itemsize is None else kv_itemsize))
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
     steps = sorted({min(s, context) for s in PREFILL_STEPS}, reverse=True)  # (no chunk is longer than the context)
     step = steps[-1]
     for s in steps:  # the largest chunk whose temporaries take at most a quarter of what is left
-        if activation_bytes(shape, s, context, itemsize) <= max(room, 0) // 4:
+        if activation_bytes(shape, s, context, itemsize, kv_on_flash) <= max(room, 0) // 4:
             step = s
             break
-    return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step, context, itemsize),
-                      MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize, kv_itemsize)
+    return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step, context, itemsize, kv_on_flash),
+                      MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize, kv_itemsize, kv_on_flash)
 
 
 def kv_caches(n_layers, context=None, bits=None, group_size=64):
@@ -263,6 +286,27 @@ def kv_caches(n_layers, context=None, bits=None, group_size=64):
         for c in caches:
             c.step = context
     return caches
+
+
+def flash_kv_caches(model, runtime, context):
+    """Per-layer caches of one KV cache on flash (stores/kv.py) for `context` positions, in
+    the mlx_flash home's kv/ folder (the disk the models are on); its reads join the FFN
+    store's stats, and it becomes `runtime.kv` (the cost model counts its reads)."""
+    from ..home import default_home
+    from ..io.reader import FlashReader
+    from .build import DTYPES
+    from .stores.kv import FlashKV
+
+    attn = model.layers[0].self_attn
+    heads = getattr(attn, "n_kv_heads", None) or attn.n_heads
+    kv = FlashKV(default_home() / "kv", len(model.layers), heads, attn.head_dim, attn.head_dim, context,
+                 DTYPES[runtime.compute_dtype], FlashReader(threads=KV_READ_THREADS), verify=runtime.config.verify,
+                 stats=getattr(runtime.store, "stats", None))
+    runtime.kv = kv
+    return [kv.layer_cache(i) for i in range(len(model.layers))]
+
+
+KV_READ_THREADS = 4  # the KV cache's reads are a few large spans a layer
 
 
 TOKENIZER_PEAK = 32 << 20  # a tokenizer's load peaks ~30 MB above what it keeps (measured on SmolLM2)

@@ -1,0 +1,55 @@
+"""Attention over a KV cache: mlx_lm's, or, for a cache that hands its keys and values back
+in parts (the KV cache on flash: runtime/stores/kv.py), chunk by chunk with a running
+softmax, so that no more than one chunk's keys, values and scores are in DRAM at once.
+
+The running softmax is the usual one (as in FlashAttention): per query, the largest score
+so far m, the sum of exp(score - m) and the weighted sum of values, rescaled when m grows.
+In float32, whatever the compute dtype. A query at position q attends to keys at positions
+<= q; a chunk wholly before the queries needs no mask.
+"""
+
+import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
+
+
+def attend(queries, keys, values, cache, scale, mask):
+    """The attention output (B, H, T, D) for queries (B, H, T, D) and the new keys / values
+    (B, H_kv, T, D) after `cache` (None, an mlx_lm cache, or one with `parts`)."""
+    if cache is not None and hasattr(cache, "parts"):
+        return chunked_attention(queries, cache.offset, cache.parts(keys, values), scale)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+
+def chunked_attention(queries, offset, parts, scale):
+    """queries (B, H, T, D) at positions offset .. offset + T - 1; parts: (keys, values, first
+    position) with keys (B, H_kv, C, D), values (B, H_kv, C, Dv), in order of position, the
+    first including position 0. -> (B, H, T, Dv) in the queries' dtype."""
+    b, h, t, d = queries.shape
+    q = None
+    m = s_sum = acc = None
+    for k, v, first in parts:
+        hkv, c = k.shape[1], k.shape[2]
+        if q is None:
+            q = (queries.astype(mx.float32) * scale).reshape(b, hkv, h // hkv, t, d)
+        s = q @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)  # (B, H_kv, rep, T, C)
+        if first + c - 1 > offset:  # some keys are after some queries
+            qpos = mx.arange(offset, offset + t)[:, None]
+            kpos = mx.arange(first, first + c)[None]
+            s = mx.where(kpos <= qpos, s, -mx.inf)
+        top = s.max(axis=-1, keepdims=True)
+        if m is None:
+            m = top
+            p = mx.exp(s - m)
+            s_sum = p.sum(axis=-1, keepdims=True)
+            acc = p @ v.astype(mx.float32)[:, :, None]
+        else:
+            m_new = mx.maximum(m, top)
+            a = mx.exp(m - m_new)
+            p = mx.exp(s - m_new)
+            s_sum = s_sum * a + p.sum(axis=-1, keepdims=True)
+            acc = acc * a + p @ v.astype(mx.float32)[:, :, None]
+            m = m_new
+        mx.eval(m, s_sum, acc)  # (one chunk's keys, values and scores at a time)
+    return (acc / s_sum).reshape(b, h, t, -1).astype(queries.dtype)

@@ -86,63 +86,104 @@ class BatchResult:
 
 
 def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwargs):
-    """Decode many prompts together (mlx_lm's BatchGenerator: left-padded, one batched KV cache):
-    every decode step runs all of them through each layer at once, so the FFN rows a step reads
-    from flash (or converts, or multiplies) serve every sequence — FlexGen's block schedule (§4.2)
-    with the whole batch as one block. prompts: strings or token lists. stop: end a sequence at
-    its end-of-sequence token (False: every one decodes max_tokens, as a benchmark wants).
-    Sampling keywords as generate's (temp, top_p, ...)."""
-    from mlx_lm.generate import BatchGenerator
+    """Decode many prompts together: left-padded to the longest, one batched KV cache allocated
+    once for the longest prompt plus max_tokens, the prompts fed in chunks, then every decode
+    step runs all of them through each layer at once, so the FFN rows a step reads from flash
+    (or converts, or multiplies) serve every sequence — FlexGen's block schedule (§4.2) with
+    the whole batch as one block. A finished sequence rides along until the block ends.
+    prompts: strings or token lists. stop: end a sequence at its end-of-sequence token (False:
+    every one decodes max_tokens, as a benchmark wants). Sampling keywords as generate's (temp,
+    top_p, ...). Under --memory-limit the plan holds `batch_size` sequences' KV caches of its
+    context (load(..., batch_size=N); generate --batch-file sets it)."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
 
     from .errors import FlashError
 
     if not prompts:
         raise FlashError("batch_generate: no prompts")
     runtime = getattr(model, "runtime", None)
-    if getattr(runtime, "memory", None) is not None:
-        # each sequence's cache is allocated to the plan's whole context, then merged into the
-        # batch's: a --memory-limit plan sized for one sequence cannot hold that
-        raise FlashError("a batch of prompts under --memory-limit is not planned yet (the plan holds one "
-                         "sequence's KV cache): use --memory-budget, which bounds the weights only")
-    if getattr(getattr(runtime, "config", None), "kv_cache", None) == "flash":
+    config = getattr(runtime, "config", None)
+    if getattr(config, "kv_cache", None) == "flash":
         raise FlashError("--kv-cache flash holds one sequence's keys and values: a batch keeps its KV cache in "
                          "DRAM (--kv-cache dram)")
+    if getattr(config, "kv_bits", None) is not None:
+        raise FlashError("--kv-bits quantizes one sequence's KV cache: a batch's is held at the compute dtype")
     kwargs = _split_sampling(kwargs)
     ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     for i, p in enumerate(ids):
         if not p:
             raise FlashError(f"batch_generate: prompt {i + 1} is empty")
-    n = len(ids)
-    stops = [[t] for t in tokenizer.eos_token_ids] if stop else None
-    gen = BatchGenerator(model, stop_tokens=stops, sampler=kwargs.get("sampler"),
-                         logits_processors=kwargs.get("logits_processors"),
-                         completion_batch_size=n, prefill_batch_size=n,
-                         prefill_step_size=kwargs.get("prefill_step_size", 2048))
+    n, longest = len(ids), max(len(p) for p in ids)
+    step = kwargs.get("prefill_step_size", 2048)
+    memory = getattr(runtime, "memory", None)
+    if memory is not None:
+        if n > memory.batch:
+            raise FlashError(f"{n} prompts, and the --memory-limit plan holds KV caches for {memory.batch}: load with "
+                             f"batch_size={n} (generate --batch-file sets it), or decode them in groups of {memory.batch}")
+        if longest + max_tokens > memory.context:
+            raise FlashError(f"the longest prompt ({longest} tokens) + max_tokens ({max_tokens}) exceed the "
+                             f"{memory.context} tokens of context the --memory-limit plan holds for each sequence: "
+                             "raise --ctx-size or shorten them")
+        step = memory.prefill_step
+    sampler = kwargs.get("sampler") or (lambda logprobs: mx.argmax(logprobs, axis=-1))
+    processors = kwargs.get("logits_processors") or []
+    ends = set(tokenizer.eos_token_ids) if stop else set()
+    pad = [longest - len(p) for p in ids]
+    tokens = mx.array([[0] * k + p for k, p in zip(pad, ids)])
+    cache = [BatchKVCache(pad) for _ in model.layers]
+    for c in cache:
+        c.step = longest + max_tokens  # (one allocation: the merge and growth copies of mlx_lm's batch never happen)
     stats_rows = getattr(getattr(runtime, "store", None), "stats", None)
     before = len(stats_rows.rows) if stats_rows is not None else 0
-    try:
-        uids = gen.insert(ids, [max_tokens] * n)
-        out = {u: [] for u in uids}
-        reasons = {u: None for u in uids}
-        with gen.stats() as stats:
-            while responses := gen.next_generated():
-                for r in responses:
-                    if r.finish_reason != "stop":
-                        out[r.uid].append(r.token)
-                    if r.finish_reason is not None:
-                        reasons[r.uid] = r.finish_reason
-    finally:
-        gen.close()
-    tokens = [out[u] for u in uids]
+    t0 = time.perf_counter()
+    for a in range(0, longest - 1, step):
+        model(tokens[:, a: min(a + step, longest - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    t1 = time.perf_counter()
+    out = [[] for _ in ids]
+    reasons = ["length"] * n
+    done = [False] * n
+    y, steps = tokens[:, -1:], 0
+    history = [list(p) for p in ids]
+    while steps < max_tokens and not all(done):
+        logits = model(y, cache=cache)[:, -1, :]
+        if processors:
+            logits = mx.concatenate([_process(processors, history[i], logits[i: i + 1]) for i in range(n)])
+        nxt = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        picked = nxt.tolist()
+        steps += 1
+        for i, t in enumerate(picked):
+            if done[i]:
+                continue
+            history[i].append(t)
+            if t in ends:
+                done[i], reasons[i] = True, "stop"
+                continue
+            out[i].append(t)
+            if len(out[i]) == max_tokens:
+                done[i] = True
+        y = nxt.reshape(n, 1)
+    t2 = time.perf_counter()
     per_step = {}
     if stats_rows is not None:
         stats_rows.end()
-        # the decode passes: one position per sequence still running (a prompt's: its length each)
+        # the decode passes: one position per sequence (a prompt chunk's: its length each)
         passes = [r for r in stats_rows.rows[before:] if r["tokens"] <= n]
         if passes:
             per_step = {"bytes_per_step": float(np.mean([r["bytes_read"] for r in passes])),
                         "reads_per_step": float(np.mean([r["reads"] for r in passes]))}
-    return BatchResult(texts=[tokenizer.decode(t) for t in tokens], tokens=tokens,
-                       finish_reasons=[reasons[u] for u in uids], prompt_tokens=stats.prompt_tokens,
-                       prompt_seconds=stats.prompt_time, generation_tokens=stats.generation_tokens,
-                       decode_seconds=stats.decode_time, steps=stats.generation_steps, **per_step)
+    return BatchResult(texts=[tokenizer.decode(t) for t in out], tokens=out, finish_reasons=reasons,
+                       prompt_tokens=sum(len(p) for p in ids), prompt_seconds=t1 - t0,
+                       generation_tokens=sum(len(t) for t in out), decode_seconds=t2 - t1, steps=steps, **per_step)
+
+
+def _process(processors, history, logits):
+    import mlx.core as mx
+
+    toks = mx.array(history)
+    for p in processors:
+        logits = p(toks, logits)
+    return logits

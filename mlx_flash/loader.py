@@ -77,7 +77,8 @@ def load(path_or_repo, progress=False, config=None, **options):
                     "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
                     "instead (converted into a float32 arena before use: the same values)", e.reason)
                 config = replace(config, resident_dtype="float16")
-            elif memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None:
+            elif (memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None
+                  and asked.batch_size == 1):
                 # no plan fits beside the KV cache in DRAM: load again with it on flash
                 logging.getLogger("mlx_flash").warning(
                     "the KV cache on flash (--kv-cache auto): held in DRAM for %d tokens, it leaves the weights "
@@ -159,7 +160,7 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize):
     The KV cache in DRAM, or (--kv-cache flash, or auto where in DRAM it leaves the weights too
     little) on flash, read back every token."""
     kv_itemsize = kv_value_bytes(itemsize, config.kv_bits, config.kv_group_size)
-    if config.kv_cache == "auto" and config.kv_bits is None:
+    if config.kv_cache == "auto" and config.kv_bits is None and config.batch_size == 1:
         places = (False, True)
     else:
         places = (config.kv_cache == "flash",)
@@ -168,14 +169,16 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize):
         last = i == len(places) - 1
         try:
             memory = plan_memory(config.memory_limit, shape, itemsize, config.ctx_size,
-                                 kv_itemsize=None if on_flash else kv_itemsize, kv_on_flash=on_flash)
+                                 kv_itemsize=None if on_flash else kv_itemsize, kv_on_flash=on_flash,
+                                 batch=config.batch_size)
         except FlashError:
             if last:
                 raise
             context = config.ctx_size or DEFAULT_CONTEXT
             why = f"its {context * shape.kv_per_token * itemsize / 1e6:.0f} MB leave the weights nothing"
             continue
-        fitted = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
+        fitted = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None,
+                         batch_size=1)  # (the plan holds the limit, the context and the batch from here)
         try:
             fitted, held_as, streamed, lines = _fit_weights(folder, manifest, fitted, held)
         except BudgetTooSmall as e:

@@ -3,6 +3,7 @@ through the flash runtime give each prompt the tokens it gets alone, and the CLI
 and the benchmark behave as a user expects."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -66,13 +67,51 @@ def test_cli_batch_file(smollm2, tmp_path):
     ('{"text": "no prompt key"}\n', [], "prompts.jsonl:1: expected a non-empty string"),
     ("\n\n", [], "no prompts in it"),
     ('"ok"\n', ["--prompt", "Hi"], "--prompt and --batch-file: give one"),
-    ('"ok"\n', ["--memory-limit", "2GB"], "a batch of prompts under --memory-limit is not planned yet"),
+    ('"ok"\n', ["--kv-bits", "4"], "a batch's is held at the compute dtype"),
 ])
 def test_cli_batch_file_errors(smollm2, tmp_path, content, extra, expect):
     src = tmp_path / "prompts.jsonl"
     src.write_text(content)
     r = _cli("generate", "--model", str(smollm2), "--batch-file", str(src), "--max-tokens", "2", *extra)
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_batch_under_a_memory_limit_holds_its_planned_caches(smollm2):
+    from mlx_flash.runtime import memory
+
+    limit = memory.process_rss() + 300 * 10**6
+    model, tok = mlx_flash.load(smollm2, mode="hybrid", memory_limit=str(limit), ctx_size=32, batch_size=3,
+                                progress=False)
+    m = model.runtime.memory
+    assert m.batch == 3 and m.kv == 3 * 32 * m.shape.kv_per_token * 4 and "x 3 sequences" in m.describe()
+    one = memory.plan_memory(str(limit), m.shape, 4, 32, baseline=m.baseline)
+    assert one.kv * 3 == m.kv and one.weights > m.weights
+    r = mlx_flash.batch_generate(model, tok, PROMPTS, max_tokens=6, stop=False)
+    assert r.tokens == [greedy(model, p, 6) for p in PROMPTS]
+    with pytest.raises(FlashError, match="4 prompts, and the --memory-limit plan holds KV caches for 3"):
+        mlx_flash.batch_generate(model, tok, PROMPTS + [[5]], max_tokens=2)
+    with pytest.raises(FlashError, match="exceed the 32 tokens of context"):
+        mlx_flash.batch_generate(model, tok, PROMPTS, max_tokens=30)
+    model.runtime.close()
+    with pytest.raises(FlashError, match="without a limit batch_generate takes any number"):
+        mlx_flash.load(smollm2, batch_size=4, progress=False)
+
+
+def test_cli_batch_file_under_a_cgroup_of_the_limit(smollm2, tmp_path):
+    from test_memory_limit import _cgroup_runner
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(f"Tell me about the number {i}.") + "\n" for i in range(8)))
+    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--batch-file", str(src),
+           "--max-tokens", "8", "--memory-limit", "360MB", "--stats"]
+    log = tmp_path / "out.txt"
+    with _cgroup_runner() as runner, open(log, "w") as out:
+        r = runner.run(cmd, limit_bytes=360 * 10**6, timeout=600, stdout=out, stderr=subprocess.STDOUT)
+    text = log.read_text()
+    assert not r.oom_killed and r.returncode == 0, (r, text[-2000:])
+    assert "x 8 sequences" in text and "Batch of 8:" in text, text[-2000:]
+    peak = re.search(r"peak RSS (\d+) MB", text)  # (a decode step's logits computed a chunk of the table at a time)
+    assert peak and int(peak.group(1)) <= 360, text[-2000:]
 
 
 def test_benchmark_batch_writes_its_table(tmp_path):

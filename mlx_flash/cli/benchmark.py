@@ -300,6 +300,9 @@ def add_peers_parser(sub):
                    f"(default {DEFAULT_SYSTEMS})")
     s.add_argument("--prompt-tokens", type=int, default=160, help="prompt length in tokens (default 160)")
     s.add_argument("--tokens", type=int, default=128, help="greedy decode tokens (default 128)")
+    s.add_argument("--ctx-size", type=int, default=None,
+                   help="the context every system holds a KV cache for: llama.cpp's n_ctx, mlx_flash's "
+                        "--ctx-size (default: the prompt + the decode tokens + 16)")
     s.add_argument("--rounds", type=int, default=3, help="rounds, alternating the order (default 3)")
     s.add_argument("--reference", default=None,
                    help="system the speeds are compared to (default mlx_flash:dense@none if given, else the first)")
@@ -325,7 +328,7 @@ def peers_main(args, argv):
                         tokens=args.tokens, rounds=args.rounds, gguf=args.gguf,
                         llama_python=args.llama_python, timeout=args.timeout, cold=not args.warm,
                         reference=args.reference, flash_budget=args.flash_budget, limit_of=args.limit_of,
-                        log=lambda msg: print(msg, flush=True))
+                        ctx_size=args.ctx_size, log=lambda msg: print(msg, flush=True))
     res = bench.run()
     res["info"]["command"] = "mlx_flash.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)

@@ -34,9 +34,10 @@ def sampling_kwargs(args):
     return kw
 
 
-def load_for_cli(args, ctx_size=None):
+def load_for_cli(args, ctx_size=None, batch_size=1):
     """ctx_size: the context a --memory-limit plan holds a KV cache for, when the user gave
-    no --ctx-size (generate: what its prompt and --max-tokens can take)."""
+    no --ctx-size (generate: what its prompt and --max-tokens can take); batch_size: the
+    sequences it holds one for (generate --batch-file: its prompts)."""
     from .. import load
     from ..blas import blas_info
     from ..runtime import from_cli
@@ -51,6 +52,8 @@ def load_for_cli(args, ctx_size=None):
     overrides = {}
     if ctx_size is not None and args.memory_limit is not None and args.ctx_size is None:
         overrides["ctx_size"] = ctx_size
+    if batch_size > 1 and args.memory_limit is not None:
+        overrides["batch_size"] = batch_size
     model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides))
     dt = time.perf_counter() - t0
     rt = model.runtime
@@ -132,8 +135,21 @@ def run_batch(args, model, tokenizer, prompts):
           + (f"; answers in {args.batch_out}" if args.batch_out else ""))
     if args.stats:
         s = model.runtime.stats()["summary"]
+        if "memory_limit" in s:
+            print(memory_line(s))
         print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB; read "
               f"{r.bytes_per_step / 1e6:.2f} MB per decode step in {r.reads_per_step:.0f} reads")
+
+
+def memory_line(s):
+    """--stats: the --memory-limit plan's parts beside the peak RSS (s: runtime.stats()'s summary)."""
+    m = s["memory_limit"]
+    kv = f"{m['ctx_size']} tokens" + (f" x {m['batch']}" if m.get("batch", 1) > 1 else "")
+    kv += " on flash: its buffers" if m.get("kv_on_flash") else ""
+    return (f"Memory limit {m['limit_bytes'] / 1e6:.0f} MB: weights {m['weights_bytes'] / 1e6:.0f}, runtime "
+            f"{m['runtime_bytes'] / 1e6:.0f}, KV {m['kv_bytes'] / 1e6:.0f} ({kv}), activations "
+            f"{m['activation_bytes'] / 1e6:.0f}, MLX cache {m['mlx_cache_bytes'] / 1e6:.0f}, margin "
+            f"{m['margin_bytes'] / 1e6:.0f} MB; peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB")
 
 
 def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):
@@ -162,7 +178,8 @@ def main(argv=None):
             if args.stats_json:
                 raise FlashError("--stats-json records one sequence's tokens: not with --batch-file")
             prompts = read_batch_file(args.batch_file)  # its errors before the model loads
-            model, tokenizer = load_for_cli(args)
+            ctx = max(len(p.encode()) for p in prompts) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
+            model, tokenizer = load_for_cli(args, ctx_size=ctx, batch_size=len(prompts))
             return run_batch(args, model, tokenizer, prompts)
         prompt_text = sys.stdin.read() if args.prompt == "-" else (args.prompt or DEFAULT_PROMPT)
         # under --memory-limit, a KV cache for this prompt (a token is at least a byte of its
@@ -203,12 +220,7 @@ def main(argv=None):
         if args.stats:
             s = report["summary"]
             if "memory_limit" in s:
-                m = s["memory_limit"]
-                print(f"Memory limit {m['limit_bytes'] / 1e6:.0f} MB: weights {m['weights_bytes'] / 1e6:.0f}, "
-                      f"runtime {m['runtime_bytes'] / 1e6:.0f}, KV {m['kv_bytes'] / 1e6:.0f} ({m['ctx_size']} "
-                      f"tokens{' on flash: its buffers' if m.get('kv_on_flash') else ''}), activations {m['activation_bytes'] / 1e6:.0f}, MLX cache "
-                      f"{m['mlx_cache_bytes'] / 1e6:.0f}, margin {m['margin_bytes'] / 1e6:.0f} MB; peak RSS "
-                      f"{s['peak_rss_bytes'] / 1e6:.0f} MB")
+                print(memory_line(s))
             print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "
                   f"all weights in DRAM {s['weights_in_dram_bytes'] / 1e6:.1f} MB, "
                   + (f"budget {s['memory_budget_bytes'] / 1e6:.0f} MB" if s["memory_budget_bytes"] else "no budget"))

@@ -162,14 +162,20 @@ class NativeQuantizedEmbedding(_NativeQuantized):
         return self._values(self.weight[x], self.scales[x], self.biases[x])
 
     def as_linear(self, x):
-        if x.size == x.shape[-1]:
+        if x.size // x.shape[-1] <= EAGER_POSITIONS:
+            # one position (the native matvec), or a batch's decode step: eager, through the
+            # arena, one chunk of the table at a time (evaluated lazily, every chunk's
+            # dequantized values were alive at once: the whole table at float32)
             return self._product(x)
-        # several positions: lazy, so that a caller that drops these logits (mlx_lm's
-        # prefill) never computes them nor holds [positions, vocab] floats
+        # a prompt chunk: lazy, so that a caller that drops these logits (mlx_lm's prefill)
+        # never computes them nor holds [positions, vocab] floats
         step = max(1, self._arena.values // self._q.k)
         return mx.concatenate([x @ self._values(self.weight[i : i + step], self.scales[i : i + step],
                                                 self.biases[i : i + step]).T
                                for i in range(0, self._q.n, step)], axis=-1)
+
+
+EAGER_POSITIONS = 32  # as_linear: up to this many positions computed at once (a batch's decode step)
 
 
 def _held_scales(a):

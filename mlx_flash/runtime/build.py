@@ -116,7 +116,7 @@ class Runtime:
                                        "runtime_bytes": m.baseline, "kv_bytes": m.kv, "ctx_size": m.context,
                                        "activation_bytes": m.activations, "prefill_step": m.prefill_step,
                                        "mlx_cache_bytes": m.mlx_cache, "margin_bytes": m.margin,
-                                       "kv_on_flash": m.kv_on_flash}
+                                       "kv_on_flash": m.kv_on_flash, "batch": m.batch}
         from ..plan.profile import load_profile
 
         profile = load_profile()  # (a cached one: --stats never measures the machine)

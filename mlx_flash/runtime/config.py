@@ -55,6 +55,8 @@ class FlashConfig:
                                     "computed and the weights get the rest (runtime/memory.py)", "--memory-limit")
     ctx_size: int | None = _opt(None, "with --memory-limit: the tokens of context (prompt + generated) the "
                                 "KV cache is planned for (default 2048; llama.cpp's name)", "--ctx-size")
+    batch_size: int = _opt(1, "with --memory-limit: the sequences decoded together (batch_generate), each with a "
+                           "KV cache of --ctx-size tokens (generate --batch-file: its number of prompts)")
     kv_bits: int | None = _opt(None, "hold the KV cache quantized from the first token, group-wise at these "
                                "bits (mlx_lm's QuantizedKVCache; --memory-limit plans it at that size)",
                                "--kv-bits", (4, 8))
@@ -120,6 +122,15 @@ class FlashConfig:
                 "other: give one")
         if self.kv_group_size != 64 and self.kv_bits is None:
             bad("--kv-group-size sizes the groups of a quantized KV cache: give --kv-bits too")
+        if self.batch_size < 1:
+            bad(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.batch_size > 1 and self.memory_limit is None:
+            bad("batch_size sizes the KV caches a --memory-limit plan holds; without a limit batch_generate "
+                "takes any number of prompts")
+        if self.batch_size > 1 and self.kv_bits is not None:
+            bad("--kv-bits quantizes one sequence's KV cache: a batch's is held at the compute dtype")
+        if self.batch_size > 1 and self.kv_cache == "flash":
+            bad("--kv-cache flash holds one sequence's keys and values: a batch keeps its KV cache in DRAM")
         if self.kv_cache not in ("auto", "dram", "flash"):
             bad(f"unknown --kv-cache '{self.kv_cache}' (choose from auto, dram, flash)")
         if self.kv_cache == "flash" and self.kv_bits is not None:

@@ -35,6 +35,7 @@ MARGIN_FIXED = 24 << 20  # allocator slack, reader / kernel temporaries, thread 
 MARGIN_SHARE = 0.04  # ... and this share of the limit
 DEFAULT_CONTEXT = 2048
 PREFILL_STEPS = (512, 256, 128, 64, 32)  # the prompt chunk: the largest whose temporaries fit
+BATCH_STEPS = (16, 8, 4, 2, 1)  # ... and for a batch, of each of its sequences
 BASELINE_NOISE = 4 << 20  # how far apart two runs measure the same runtime's RSS (restate names a limit for both)
 
 
@@ -147,6 +148,7 @@ class MemoryPlan:
     itemsize: int
     kv_itemsize: float | None = None  # bytes per KV value when quantized (--kv-bits)
     kv_on_flash: bool = False  # the KV cache written to flash and read back each token (kv: its DRAM)
+    batch: int = 1  # sequences decoded together (batch_generate), each with a KV cache of `context`
 
     @property
     def other(self):
@@ -166,15 +168,15 @@ class MemoryPlan:
         baseline = self.baseline + max(BASELINE_NOISE, self.baseline // 50)
         # (at either runtime: a smaller one leaves room for longer prompt chunks, whose temporaries
         # can leave the weights less)
-        while min(_plan_at(need, self.source, self.shape, self.itemsize, self.context, b,
-                           self.kv_itemsize, self.kv_on_flash).weights for b in (baseline, self.baseline)) < e.needed:
+        while min(_plan_at(need, self.source, self.shape, self.itemsize, self.context, b, self.kv_itemsize,
+                           self.kv_on_flash, self.batch).weights for b in (baseline, self.baseline)) < e.needed:
             need += 1 << 20
         hint = ""
-        if self.kv_on_flash:
-            pass
+        if self.kv_on_flash or self.batch > 1:
+            pass  # (neither holds a quantized KV cache)
         elif self.kv_itemsize in (None, self.itemsize):  # a float KV cache: would 8 bits make room?
             kv8 = _plan_at(self.limit, self.source, self.shape, self.itemsize, self.context, baseline,
-                           kv_value_bytes(self.itemsize, 8))
+                           kv_value_bytes(self.itemsize, 8), batch=self.batch)
             if kv8.weights >= e.needed:
                 hint = (f", or keep it with --kv-bits 8 (the KV cache at 8 bits: {kv8.kv / 1e6:.0f} MB instead of "
                         f"{self.kv / 1e6:.0f}; not exact, close: results/kv/)")
@@ -186,7 +188,8 @@ class MemoryPlan:
         mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
         kv = (f"KV cache on flash {mb(self.kv)} of buffers ({self.context} tokens: "
               f"{mb(self.context * self.shape.kv_per_token * self.itemsize)} on disk)" if self.kv_on_flash
-              else f"KV cache {mb(self.kv)} ({self.context} tokens)")
+              else f"KV cache {mb(self.kv)} ({self.context} tokens"
+              + (f" x {self.batch} sequences)" if self.batch > 1 else ")"))
         return (f"runtime {mb(self.baseline)} (measured), {kv}, "
                 f"activations {mb(self.activations)} (prompt chunks of {self.prefill_step}), MLX cache "
                 f"{mb(self.mlx_cache)}, margin {mb(self.margin)}")
@@ -235,16 +238,17 @@ def kv_value_bytes(itemsize, kv_bits=None, group_size=64):
     return itemsize if kv_bits is None else kv_bits / 8 + 2 * itemsize / group_size
 
 
-def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=None, kv_on_flash=False):
+def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=None, kv_on_flash=False, batch=1):
     """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget). kv_itemsize:
     bytes per KV value (kv_value_bytes; default the compute dtype's); kv_on_flash: the KV cache
-    written to flash and read back (its buffers are what DRAM holds)."""
+    written to flash and read back (its buffers are what DRAM holds); batch: sequences decoded
+    together, each with its KV cache and its share of a prompt chunk's temporaries."""
     limit, source = effective_limit(text)
     context = DEFAULT_CONTEXT if context is None else context
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")
     baseline = process_rss() if baseline is None else baseline
-    plan = _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize, kv_on_flash)
+    plan = _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize, kv_on_flash, batch)
     if plan.weights <= 0:
         kv = plan.kv
         raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB ({source}): nothing left for the weights: "
@@ -253,21 +257,23 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=
     return plan
 
 
-def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None, kv_on_flash=False):
+def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None, kv_on_flash=False, batch=1):
     if kv_on_flash:
         kv = flash_kv_dram(shape.n_layers, kv_row_bytes(shape, itemsize))
-    else:  # kv_caches: allocated once, never grown
-        kv = int(context * shape.kv_per_token * (itemsize if kv_itemsize is None else kv_itemsize))
+    else:  # kv_caches (a batch's: batch_generate's one BatchKVCache): allocated once, never grown
+        kv = batch * int(context * shape.kv_per_token * (itemsize if kv_itemsize is None else kv_itemsize))
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
-    steps = sorted({min(s, context) for s in PREFILL_STEPS}, reverse=True)  # (no chunk is longer than the context)
+    # (no chunk is longer than the context; a batch's chunk is of every sequence: shorter ones allowed)
+    steps = sorted({min(s, context) for s in PREFILL_STEPS + (BATCH_STEPS if batch > 1 else ())}, reverse=True)
     step = steps[-1]
     for s in steps:  # the largest chunk whose temporaries take at most a quarter of what is left
-        if activation_bytes(shape, s, context, itemsize, kv_on_flash) <= max(room, 0) // 4:
+        if activation_bytes(shape, s * batch, context, itemsize, kv_on_flash) <= max(room, 0) // 4:
             step = s
             break
-    return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step, context, itemsize, kv_on_flash),
-                      MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize, kv_itemsize, kv_on_flash)
+    return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step * batch, context, itemsize, kv_on_flash),
+                      MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize, kv_itemsize, kv_on_flash,
+                      batch)
 
 
 def kv_caches(n_layers, context=None, bits=None, group_size=64):

@@ -132,6 +132,8 @@ class MLXFlashRuntime:
             if self.model.runtime.store.stats is not None:
                 out["flash_stats"] = {k: v for k, v in stats["summary"].items() if k.startswith("mean_")
                                       or k == "n_tokens"}
+            if "predicted" in stats["summary"]:  # (after the decode: the KV cache on flash's reads counted)
+                out["flash_predicted_ms"] = stats["summary"]["predicted"]["total_ms"]
         except Exception as e:  # the stats are a bonus, never the result
             out["flash_stats_error"] = repr(e)
         return out

@@ -139,6 +139,8 @@ def markdown(res):
         f"- prompt {i['prompt_tokens']} tokens (the same ids for all), {i['decode_tokens']} greedy decode tokens "
         f"(end tokens forbidden), {i['rounds']} rounds alternating the order, "
         + ("page cache dropped before every run" if i["cold"] else "warm page cache"),
+        *([f"- context {i['context']} tokens (--ctx-size): llama.cpp's n_ctx and the KV cache mlx_flash's "
+           "--memory-limit plans for"] if i.get("ctx_size_given") else []),
         f"- medians over the runs that finished; 'vs ref' is the median per-round ratio of decode speed to "
         f"{i['reference']}; 'tokens = ref' counts the leading tokens equal to its output",
         f"- {i['started']}; `{i['command']}`" if i.get("command") else f"- {i['started']}",

@@ -124,6 +124,8 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
                                    "memory_limit_bytes", "runtime_bytes", "kv_bytes", "activation_bytes",
                                    "plan_mode", "predicted_ms", "streamed_attention_layers",
                                    "streamed_attention_bytes")})
+    if "flash_predicted_ms" in rec.extra:  # the prediction after the decode, its context known
+        rec.extra["predicted_ms"] = rec.extra.pop("flash_predicted_ms")
     if res.oom_killed:
         rec.status = "oom"
         rec.message = f"OOM-killed while {_doing(last)}"
@@ -171,7 +173,7 @@ class Peers:
 
     def __init__(self, model, systems, limit="50%", prompt_tokens=160, tokens=128, rounds=3,
                  gguf=None, llama_python=None, timeout=1800, cold=True, reference=None,
-                 flash_budget="limit", limit_of="float32", log=print):
+                 flash_budget="limit", limit_of="float32", ctx_size=None, log=print):
         self.model = Path(model)
         if not (self.model / "manifest.json").is_file():
             raise FlashError(f"{model}: not a converted mlx_flash folder (build the default one with `make model`)")
@@ -196,6 +198,7 @@ class Peers:
             raise FlashError("--tokens must be at least 2 (decode speed is timed after the first token)")
         if rounds < 1:
             raise FlashError("--rounds must be at least 1")
+        self.ctx_size = ctx_size  # the context both hold a KV cache for (None: prompt + tokens + 16)
         self.gguf_given, self.llama_python_given = gguf, llama_python
         self.timeout, self.cold, self.log = timeout, cold, log
         self.reference = reference or next((s.spec for s in self.systems if s.spec == "mlx_flash:dense@none"),
@@ -217,6 +220,11 @@ class Peers:
         self.prompt, self.prompt_text, self.suppress = prompt_ids(self.model, self.prompt_tokens)
         self.log(f"[peers] model {self.model}: {self.f32_bytes / MB:.0f} MB of float32 weights; "
                  f"prompt {len(self.prompt)} tokens, {self.tokens} decode tokens, {self.rounds} rounds")
+        need = len(self.prompt) + self.tokens
+        if self.ctx_size is not None and self.ctx_size < need:
+            raise FlashError(f"--ctx-size {self.ctx_size} is shorter than the prompt ({len(self.prompt)} tokens) and "
+                             f"the {self.tokens} decode tokens")
+        self.context = self.ctx_size or need + 16
         if len(self.prompt) > self.prompt_tokens:
             self.notes.append(f"the prompt has {len(self.prompt)} tokens, not {self.prompt_tokens}: "
                               "the chat template and instruction alone are longer")
@@ -266,7 +274,7 @@ class Peers:
                         and self.flash_budget[0] == "limit" else None)
         cfg = {"runtime": system.runtime, "path": self.paths.get(system.spec), "mode": system.mode,
                "sparsity": system.sparsity, "density": system.density, "memory_budget": budget,
-               "memory_limit": memory_limit, "context": len(self.prompt or ()) + self.tokens + 16,
+               "memory_limit": memory_limit, "context": self.context,
                "resident_dtype": system.resident_dtype,
                "prompt_ids": self.prompt, "tokens": self.tokens, "suppress_ids": self.suppress,
                "probe": probe, "threads": os.cpu_count(), "blas_module": str(BLAS_MODULE),
@@ -459,6 +467,7 @@ class Peers:
             "cgroup": self.cgroup or "none",
             "flash_budget": _flash_budget_text(self.flash_budget), "calibration": self.calibration,
             "baselines": self.baselines, "prompt_tokens": len(self.prompt), "decode_tokens": self.tokens,
+            "context": self.context, "ctx_size_given": self.ctx_size is not None,
             "rounds": self.rounds, "reference": self.reference, "cold": self.cold, "notes": self.notes,
             "prompt_text": self.prompt_text,
             "loadavg": [min((x for r in runs for x in (r.loadavg or []) if x is not None), default=None),

@@ -125,3 +125,19 @@ def test_benchmark_batch_writes_its_table(tmp_path):
     assert all(len(row["runs"]) == 2 and row["decode_tps"] > 0 for row in res["rows"])
     assert res["rows"][1]["runs"][0]["generated"] == 9
     assert "| 3 |" in (tmp_path / "out" / "batch-tiny-llama-q4-hybrid.md").read_text()
+
+
+def test_benchmark_batch_under_a_memory_limit_plans_each_size(tmp_path):
+    import os
+
+    r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--dtype", "q4", "--batch", "3", "--tokens", "3",
+             "--rounds", "2", "--memory-limit", "400MB", "--out", str(tmp_path / "out"),
+             env=os.environ | {"MLX_FLASH_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "out" / "batch-tiny-llama-q4-hybrid-limit.json").read_text())
+    assert res["memory_limit"] == "400MB" and res["memory_budget"] is None
+    assert [row["batch"] for row in res["rows"]] == [1, 3] and all(row["decode_tps"] > 0 for row in res["rows"])
+    assert "--memory-limit 400MB" in (tmp_path / "out" / "batch-tiny-llama-q4-hybrid-limit.md").read_text()
+    r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--memory-limit", "400MB", "--memory-budget", "50%",
+             "--out", str(tmp_path / "x"), env=os.environ | {"MLX_FLASH_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "give one" in r.stderr, r.stderr

@@ -8,6 +8,11 @@ token, through mlx_flash.batch_generate (B = 1 is the one-by-one baseline: a seq
 costs the same per token whichever sequence it is). Decode time only (prompt processing apart);
 the sizes alternate in order from round to round, and the medians are reported with the bytes
 each decode step read from flash and the physical floor of those bytes at the disk's rate.
+
+With --memory-limit instead of a weights budget, each batch size runs under a plan of its own
+(load(memory_limit=..., batch_size=B)): B sequences' KV caches and prompt temporaries come off
+the limit, so a larger batch holds fewer weights; the model is loaded again whenever the batch
+size changes (load time is not decode time).
 """
 
 import json
@@ -22,8 +27,13 @@ EXACT_MODES = ("naive", "hybrid", "dense")
 
 
 def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", batches=(1, 16), tokens=4,
-                    prompt_tokens=16, rounds=2, seed=0, progress=True):
+                    prompt_tokens=16, rounds=2, seed=0, progress=True, memory_limit=None):
+    import gc
+
+    import mlx.core as mx
+
     import mlx_flash
+    from ..loader import release_heap
     from .random_model import build_checkpoint, shape_config
 
     if mode not in EXACT_MODES:
@@ -32,22 +42,43 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     if 1 not in batches:
         batches = (1,) + tuple(batches)  # the one-by-one baseline, always in the same run
     folder = build_checkpoint(shape, dtype, progress=progress)
-    model, tok = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else memory_budget,
-                                progress=False)
-    rt = model.runtime
+    held = {}  # the loaded model: (batch size it was planned for, model, tokenizer)
+    plans = {}  # batch size -> (budget, weights) of its plan
+
+    def model_for(b):
+        key = b if memory_limit is not None else 1
+        if held.get("key") != key:
+            if held:  # (gone before the next load measures this process's memory as its runtime)
+                held["model"].runtime.close()
+                held.clear()
+                gc.collect()
+                mx.clear_cache()
+                release_heap()
+            opts = ({"memory_limit": memory_limit, "batch_size": b, "ctx_size": prompt_tokens + tokens}
+                    if memory_limit is not None else
+                    {"memory_budget": None if mode == "dense" else memory_budget})
+            model, tok = mlx_flash.load(folder, mode=mode, progress=False, **opts)
+            held.update(key=key, model=model, tok=tok)
+            rt = model.runtime
+            plans[key] = (rt.budget_bytes, rt.plan.weights_bytes if rt.plan is not None else None)
+            # one short batch, untimed: MLX's kernels and the store's buffers warmed
+            mlx_flash.batch_generate(model, tok, [rng.integers(1, vocab, prompt_tokens).tolist()
+                                                  for _ in range(min(b, 2) if memory_limit is not None else 2)],
+                                     max_tokens=2, stop=False)
+        return held["model"], held["tok"]
+
     vocab = shape_config(shape)["vocab_size"]
     rng = np.random.default_rng(seed)
     runs = {b: [] for b in batches}
     try:
-        # one short batch of two, untimed: MLX's kernels and the store's buffers warmed
-        mlx_flash.batch_generate(model, tok, [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(2)],
-                                 max_tokens=2, stop=False)
         for r in range(rounds):
             order = list(batches) if r % 2 == 0 else list(reversed(batches))
             for b in order:
                 prompts = [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(b)]
+                model_and_tokenizer = model_for(b)
                 t = time.perf_counter()
-                res = mlx_flash.batch_generate(model, tok, prompts, max_tokens=tokens, stop=False)
+                res = mlx_flash.batch_generate(*model_and_tokenizer, prompts, max_tokens=tokens, stop=False)
+                del model_and_tokenizer
                 runs[b].append({"decode_s": res.decode_seconds, "steps": res.steps,
                                 "generated": res.generation_tokens, "prompt_s": res.prompt_seconds,
                                 "wall_s": time.perf_counter() - t, "bytes_per_step": res.bytes_per_step,
@@ -58,7 +89,8 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
                           f"{x['decode_s']:.2f} s decode ({x['generated'] / x['decode_s']:.2f} tok/s), "
                           f"{x['bytes_per_step'] / 1e9:.3f} GB read per step", flush=True)
     finally:
-        rt.close()
+        if held:
+            held["model"].runtime.close()
     rows = []
     for b in batches:
         tps = [x["generated"] / x["decode_s"] for x in runs[b]]
@@ -69,8 +101,11 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     base = rows[0]["decode_tps"]
     for row in rows:
         row["vs_one_by_one"] = row["decode_tps"] / base
-    return {"shape": shape, "dtype": dtype, "mode": mode, "memory_budget": memory_budget,
-            "budget_bytes": rt.budget_bytes, "weights_bytes": rt.plan.weights_bytes if rt.plan is not None else None,
+    for row in rows:
+        row["budget_bytes"], row["weights_bytes"] = plans[row["batch"] if memory_limit is not None else 1]
+    return {"shape": shape, "dtype": dtype, "mode": mode,
+            "memory_budget": memory_budget if memory_limit is None else None, "memory_limit": memory_limit,
+            "budget_bytes": rows[0]["budget_bytes"], "weights_bytes": rows[0]["weights_bytes"],
             "tokens": tokens, "prompt_tokens": prompt_tokens, "rounds": rounds, "rows": rows}
 
 
@@ -81,28 +116,33 @@ def read_size(row):
 def report(res, profile=None):
     """profile: the machine's (plan/profile.py): the floor is each step's bytes at its disk rate
     for the step's mean read size."""
+    limited = res.get("memory_limit") is not None
     lines = [f"# Batch decode: {res['shape']} at {res['dtype']}, --mode {res['mode']}, "
-             f"--memory-budget {res['memory_budget']}", "",
+             + (f"--memory-limit {res['memory_limit']}" if limited else f"--memory-budget {res['memory_budget']}"), "",
              f"{res['tokens']} decode tokens per sequence after a {res['prompt_tokens']}-token prompt of random ids; "
              f"{res['rounds']} rounds, batch sizes alternating in order; medians. One-by-one = batch 1 in the same run. "
              "Floor: the bytes a step reads at the machine profile's uncached rate for its mean read size"
              + (f" ({profile.machine}, measured {profile.measured}{', quick probe' if profile.quick else ''})."
-                if profile else " (no machine profile cached: `mlx_flash.benchmark profile`)."),
-             "", "| batch | decode tok/s | vs one-by-one | ms per step | read per step (GB) | floor per step (ms) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+                if profile else " (no machine profile cached: `mlx_flash.benchmark profile`).")
+             + (" Under the limit each batch size has a plan of its own (its KV caches off the limit): the "
+                "weights it holds in DRAM are in the last column." if limited else ""),
+             "", "| batch | decode tok/s | vs one-by-one | ms per step | read per step (GB) | floor per step (ms) |"
+             + (" weights in DRAM (GB) |" if limited else ""),
+             "| --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else "")]
     for r in res["rows"]:
         floor = ""
         if profile is not None and r["bytes_per_step"]:
             floor = f"{1e3 * r['bytes_per_step'] / 1e9 / profile.disk_gbs(read_size(r)):.0f}"
+        held = (f" {r['weights_bytes'] / 1e9:.2f} |" if r.get("weights_bytes") else " – |") if limited else ""
         lines.append(f"| {r['batch']} | {r['decode_tps']:.3f} | {r['vs_one_by_one']:.2f}x | {r['step_ms']:.0f} | "
-                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} |")
+                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} |" + held)
     return "\n".join(lines) + "\n"
 
 
 def write(res, out_dir, profile=None):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"batch-{res['shape']}-{res['dtype']}-{res['mode']}"
+    stem = f"batch-{res['shape']}-{res['dtype']}-{res['mode']}" + ("-limit" if res.get("memory_limit") else "")
     (out / f"{stem}.json").write_text(json.dumps(res | {"profile": profile.as_dict() if profile else None}, indent=1))
     (out / f"{stem}.md").write_text(report(res, profile))
     return out / f"{stem}.md"

@@ -198,6 +198,8 @@ def add_batch_parser(sub):
     s.add_argument("--dtype", default="float16", choices=PAPER_DTYPES, help="the checkpoint's weights on flash")
     s.add_argument("--mode", default="hybrid", choices=["hybrid", "naive", "dense"])
     s.add_argument("--memory-budget", default="50%", help="weights in DRAM (the paper's protocol; default 50%%)")
+    s.add_argument("--memory-limit", default=None, help="the whole process's memory instead of --memory-budget: "
+                   "each batch size planned under it (its KV caches off the limit)")
     s.add_argument("--batch", type=_list(int), default=[1, 16], help="batch sizes (1, one by one, is always run)")
     s.add_argument("--tokens", type=int, default=4, help="decode tokens per sequence")
     s.add_argument("--prompt-tokens", type=int, default=16)
@@ -212,8 +214,10 @@ def batch_main(args, argv):
 
     if args.tokens < 1 or args.rounds < 1 or args.prompt_tokens < 1 or any(b < 1 for b in args.batch):
         raise FlashError("--tokens, --rounds, --prompt-tokens and --batch must be positive")
+    if args.memory_limit is not None and "--memory-budget" in (argv if argv is not None else sys.argv[1:]):
+        raise FlashError("--memory-limit (the whole process) and --memory-budget (weights only): give one")
     res = batch.run_batch_bench(args.shape, args.dtype, args.mode, args.memory_budget, tuple(args.batch),
-                                args.tokens, args.prompt_tokens, args.rounds)
+                                args.tokens, args.prompt_tokens, args.rounds, memory_limit=args.memory_limit)
     res["command"] = "mlx_flash.benchmark batch " + " ".join(argv if argv is not None else sys.argv[1:])
     profile = load_profile()
     path = batch.write(res, args.out, profile)

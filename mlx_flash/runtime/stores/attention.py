@@ -250,13 +250,3 @@ class AttentionStore(Store):
                 arrays.append(raw[at: at + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape))
             out[name] = self._of_host(self.kernels, *arrays, s.bits, s.group_size)
         return out
-
-    def close(self):
-        """The read in flight finished (its error no longer anyone's), then the worker and reader stopped."""
-        if self._pending is not None:
-            try:
-                self._pending[2].result()
-            except Exception:
-                pass
-            self._pending = None
-        super().close()

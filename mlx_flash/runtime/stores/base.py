@@ -121,6 +121,7 @@ class Store:
     stats = None
     reader = None
     _worker = None
+    _pending = None  # a double-buffered store's read in flight: (key, buffer, future) (take_pending)
 
     def rows(self, layer, x):
         raise NotImplementedError
@@ -168,7 +169,14 @@ class Store:
         return self._worker.submit(fn, *args)
 
     def close(self):
-        """Stop the worker and the reader (the store is unusable afterwards)."""
+        """The read in flight finished (its error no longer anyone's), then the worker and the
+        reader stopped (the store is unusable afterwards)."""
+        if self._pending is not None:
+            try:
+                self._pending[2].result()
+            except Exception:
+                pass
+            self._pending = None
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...errors import FlashError
 from ...io.reader import ChecksumError, log_once
-from .base import Store
+from .base import Store, take_pending
 
 CHUNK_BYTES = 4 << 20  # one read of a layer's keys and values (two buffers, plus one copy in MLX)
 STAGE_BYTES = 1 << 20  # the aligned staging of uncached writes (whole blocks)
@@ -189,16 +189,11 @@ class FlashKV(Store):
     def _take(self, layer, first, count):
         """Buffer index holding blocks [first, first+count) of layer: the read in flight, or now."""
         t0 = time.perf_counter()
-        got, j = None, None
-        if self._pending is not None:
-            key, pj, fut = self._pending
-            self._pending = None
-            res = fut.result()
-            if key == (layer, first, count):
-                got, j = res, pj
-        if got is None:
+        taken = take_pending(self, (layer, first, count))
+        if taken is None:
             j = self._j if len(self.buffers) == 1 else 1 - self._j
-            got = self._read(layer, first, count, j)
+            taken = j, self._read(layer, first, count, j)
+        j, got = taken
         self._j = j
         if self.stats is not None and self.stats.cur is not None:
             self.stats.add(io_s=time.perf_counter() - t0, bytes_read=got[0], reads=got[1])
@@ -261,12 +256,6 @@ class FlashKV(Store):
         yield kn, vn, f
 
     def close(self):
-        if self._pending is not None:
-            try:
-                self._pending[2].result()
-            except Exception:
-                pass
-            self._pending = None
         super().close()
         if self._wfd >= 0:
             os.close(self._wfd)

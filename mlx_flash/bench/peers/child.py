@@ -81,6 +81,8 @@ class MLXFlashRuntime:
         self.mlx_flash = mlx_flash
         return {"blas": blas_info(), "version": mlx_flash.__version__}
 
+    profile = None  # the machine profile the predictions use (load())
+
     def load(self, cfg):
         self.model, self.tok = self.mlx_flash.load(
             cfg["path"], mode=cfg["mode"], sparsity=cfg.get("sparsity") or "oracle",
@@ -96,6 +98,10 @@ class MLXFlashRuntime:
         from mlx_flash.plan.profile import load_profile
 
         profile = load_profile()  # the cost model's, where this machine was profiled
+        if profile is not None and cfg.get("disk_gbs"):  # the disk's rates measured just before this run
+            profile.disk = {int(k): float(v) for k, v in cfg["disk_gbs"].items()}
+            out["disk_gbs_256k"] = profile.disk_gbs(256 * 1024)
+        self.profile = profile
         prediction = rt.predict(profile) if profile is not None else None
         if prediction is not None:
             out["predicted_ms"] = prediction.total_ms
@@ -132,8 +138,9 @@ class MLXFlashRuntime:
             if self.model.runtime.store.stats is not None:
                 out["flash_stats"] = {k: v for k, v in stats["summary"].items() if k.startswith("mean_")
                                       or k == "n_tokens"}
-            if "predicted" in stats["summary"]:  # (after the decode: the KV cache on flash's reads counted)
-                out["flash_predicted_ms"] = stats["summary"]["predicted"]["total_ms"]
+            prediction = self.model.runtime.predict(self.profile) if self.profile is not None else None
+            if prediction is not None:  # (after the decode: the KV cache on flash's reads counted)
+                out["flash_predicted_ms"] = prediction.total_ms
         except Exception as e:  # the stats are a bonus, never the result
             out["flash_stats_error"] = repr(e)
         return out

@@ -89,6 +89,7 @@ COLUMNS = [
     ("plan_mode", "mode run", None),
     ("predicted_ms", "predicted ms/token", "1"),
     ("measured_over_predicted", "measured / predicted", "2"),
+    ("disk_gbs_256k", "disk GB/s at the run", "2"),
     ("oom", "OOM", None),
     ("same_tokens_as_reference", "tokens = ref", None),
 ]
@@ -141,6 +142,9 @@ def markdown(res):
         + ("page cache dropped before every run" if i["cold"] else "warm page cache"),
         *([f"- context {i['context']} tokens (--ctx-size): llama.cpp's n_ctx and the KV cache mlx_flash's "
            "--memory-limit plans for"] if i.get("ctx_size_given") else []),
+        *(["- predicted ms/token: the cost model with the machine profile's rates, the disk's measured just before "
+            "each run ('disk GB/s at the run': uncached 256 KiB reads of the profile's probe file; this VM's disk "
+            "varies ~2x between hours)"] if any(r.get("disk_gbs_256k") for r in res["rows"]) else []),
         f"- medians over the runs that finished; 'vs ref' is the median per-round ratio of decode speed to "
         f"{i['reference']}; 'tokens = ref' counts the leading tokens equal to its output",
         f"- {i['started']}; `{i['command']}`" if i.get("command") else f"- {i['started']}",

@@ -39,6 +39,8 @@ from .report import (
 from .systems import LIMIT_OF, MB, RUNTIMES, System, parse_flash_budget, parse_limit, parse_systems
 
 CHILD = Path(__file__).with_name("child.py")
+DISK_NOW_SIZES = (65536, 262144, 1048576)  # the read sizes disk_now measures (the profile's curve interpolates)
+DISK_NOW_SECONDS = 1.0  # ... each
 BLAS_MODULE = Path(__file__).resolve().parents[2] / "blas.py"
 
 
@@ -123,7 +125,7 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
                           if k in ("memory_budget_bytes", "plan_weights_bytes", "threads", "mmap",
                                    "memory_limit_bytes", "runtime_bytes", "kv_bytes", "activation_bytes",
                                    "plan_mode", "predicted_ms", "streamed_attention_layers",
-                                   "streamed_attention_bytes")})
+                                   "streamed_attention_bytes", "disk_gbs_256k")})
     if "flash_predicted_ms" in rec.extra:  # the prediction after the decode, its context known
         rec.extra["predicted_ms"] = rec.extra.pop("flash_predicted_ms")
     if res.oom_killed:
@@ -173,7 +175,7 @@ class Peers:
 
     def __init__(self, model, systems, limit="50%", prompt_tokens=160, tokens=128, rounds=3,
                  gguf=None, llama_python=None, timeout=1800, cold=True, reference=None,
-                 flash_budget="limit", limit_of="float32", ctx_size=None, log=print):
+                 flash_budget="limit", limit_of="float32", ctx_size=None, disk_probe=True, log=print):
         self.model = Path(model)
         if not (self.model / "manifest.json").is_file():
             raise FlashError(f"{model}: not a converted mlx_flash folder (build the default one with `make model`)")
@@ -199,6 +201,7 @@ class Peers:
         if rounds < 1:
             raise FlashError("--rounds must be at least 1")
         self.ctx_size = ctx_size  # the context both hold a KV cache for (None: prompt + tokens + 16)
+        self.disk_probe = disk_probe  # the disk's rates measured before each mlx_flash run (disk_now)
         self.gguf_given, self.llama_python_given = gguf, llama_python
         self.timeout, self.cold, self.log = timeout, cold, log
         self.reference = reference or next((s.spec for s in self.systems if s.spec == "mlx_flash:dense@none"),
@@ -282,10 +285,22 @@ class Peers:
         (workdir / "config.json").write_text(json.dumps(cfg))
         return workdir / "config.json"
 
+    def disk_now(self):
+        """The disk's uncached rates now ({read size: GB/s}; a few seconds, from this process,
+        outside any cgroup): the cost model predicts each mlx_flash run with the rates of its
+        moment, because this machine's disk was measured to vary ~2x from hour to hour."""
+        from ..profile import _probe_file, disk_curve
+
+        return disk_curve([_probe_file()], DISK_NOW_SIZES, seconds=DISK_NOW_SECONDS)
+
     def _launch(self, runner, system, limit=None, budget=None, probe=False):
         with tempfile.TemporaryDirectory(prefix="mlx_flash_peers_") as tmp:
             tmp = Path(tmp)
             cfg = self._config(system, tmp, probe=probe, budget=budget, limit=limit)
+            if system.runtime == "mlx_flash" and not probe and self.disk_probe:
+                disk = self.disk_now()
+                data = json.loads(cfg.read_text()) | {"disk_gbs": {str(k): v for k, v in disk.items()}}
+                cfg.write_text(json.dumps(data))
             if self.cold and not drop_caches() and "drop" not in " ".join(self.notes):
                 self.notes.append("could not drop the page cache (not root): runs are not cold")
             with open(tmp / "log.txt", "wb") as logf:
@@ -448,6 +463,7 @@ class Peers:
                     if r.decode_tps and r.extra.get("predicted_ms")]
             row["predicted_ms"] = _median([r.extra.get("predicted_ms") for r in ok if r.extra.get("predicted_ms")])
             row["measured_over_predicted"] = _median(errs)
+            row["disk_gbs_256k"] = _median([r.extra.get("disk_gbs_256k") for r in ok if r.extra.get("disk_gbs_256k")])
             if ok and ref_runs:
                 ref_tokens = next(iter(ref_runs.values())).tokens
                 row["same_tokens_as_reference"] = _common_prefix(ok[0].tokens, ref_tokens)

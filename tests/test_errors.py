@@ -155,7 +155,7 @@ def test_budget_too_small_for_a_mode(folders):
     (["--mode", "flash", "--sparsity", "oracle", "--eviction", "lru"], "--eviction chooses"),
     (["--no-prefetch"], "--mode dense reads none"),
     (["--memory-limit", "1GB", "--memory-budget", "50%"], "contradict each other"),
-    (["--ctx-size", "512"], "without --memory-limit it changes nothing"),
+    (["--ctx-size", "512"], "without either it changes nothing"),
 ])
 def test_options_that_would_be_ignored_are_refused(folders, flags, expect):
     """Issue 13 item 7: a flag that changes nothing in this configuration is a clear error,

@@ -333,3 +333,36 @@ def test_the_pool_gets_its_threads_on_first_use():
     r = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True,
                        env=os.environ | {"MLX_FLASH_KERNEL_THREADS": "3"})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
+def test_dequantized_rows_and_columns_are_the_same_values_with_simd(bits, scale_dtype, simd_and_threads):
+    """The prompt path's dequantization, 32 values a step in registers, gives the portable
+    loop's values to the bit (scale * q, then + bias), rows and columns, at every scale dtype."""
+    from mlx_flash.kernels import dequantize_cols, dequantize_rows
+    from mlx_flash.layout.quant import QuantSpec
+
+    rng = np.random.default_rng(bits)
+    spec = QuantSpec(bits, 32, scale_dtype)
+    size = 4 if scale_dtype == "float32" else 2
+    n, d = 96, 256
+    row_bytes = d * bits // 8
+    soff, boff = row_bytes, row_bytes + size * d // 32
+    rows_buf = rng.integers(0, 256, (n, boff + size * d // 32), dtype=np.uint8)
+    scales = rng.standard_normal((n, 2 * d // 32)).astype(np.float32)
+    held = scales.astype(np.float16) if size == 2 else scales  # (bfloat16: any 16-bit pattern is one)
+    rows_buf[:, soff:] = held.view(np.uint8).reshape(n, -1)
+    table = np.float16 if size == 2 else np.float32
+    tables = tuple(rng.standard_normal((n // 32, d)).astype(table) for _ in range(2))
+    cols_buf = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    sel, trow = rng.permutation(n), None
+    trow = sel // 32
+    out = []
+    for simd, threads in simd_and_threads:
+        kernels.simd(simd)
+        kernels.set_threads(threads)
+        out.append((dequantize_rows(kernels, rows_buf, sel, spec, soff, boff, d),
+                    dequantize_cols(kernels, cols_buf, sel, trow, tables, spec)))
+    for rows, cols in out[1:]:
+        assert np.array_equal(rows, out[0][0], equal_nan=True) and np.array_equal(cols, out[0][1], equal_nan=True)

@@ -138,18 +138,20 @@ def qaxpy_cols(kernels, h, buf, sel, trow, tables, spec, out=None):
     return y
 
 
-def dequantize_rows(kernels, buf, sel, spec, scales_off, biases_off, k):
-    """The values of rows `sel` of `buf` (as qmv_rows reads them) -> float32 [len(sel), k]."""
-    y = np.empty((len(sel), k), np.float32)
+def dequantize_rows(kernels, buf, sel, spec, scales_off, biases_off, k, out=None):
+    """The values of rows `sel` of `buf` (as qmv_rows reads them) -> float32 [len(sel), k]
+    (into `out`, a C-contiguous float32 [len(sel), k], when given)."""
+    y = np.empty((len(sel), k), np.float32) if out is None else out
     kernels.dequantize_rows(None, buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, k, spec.bits,
                             spec.group_size, SCALE_CODE_OF[spec.scale_dtype])
     return y
 
 
-def dequantize_cols(kernels, buf, sel, trow, tables, spec):
-    """The values of columns `sel` of `buf` (as qaxpy_cols reads them) -> float32 [len(sel), d]."""
+def dequantize_cols(kernels, buf, sel, trow, tables, spec, out=None):
+    """The values of columns `sel` of `buf` (as qaxpy_cols reads them) -> float32 [len(sel), d]
+    (into `out`, as dequantize_rows's)."""
     scales, biases = tables
-    y = np.empty((len(sel), scales.shape[1]), np.float32)
+    y = np.empty((len(sel), scales.shape[1]), np.float32) if out is None else out
     kernels.dequantize_cols(None, buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
                             spec.bits, SCALE_CODE_OF[spec.scale_dtype])
     return y

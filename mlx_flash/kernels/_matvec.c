@@ -21,7 +21,8 @@
  * in registers (4 bits: x is reordered once per call so that a byte's low and
  * high nibbles meet their own x without a shuffle). Every other case (2, 3, 5,
  * 6 bits, other CPUs): a portable loop, tested on x86 by switching SIMD off.
- * dequantize: rows of W as float32 (a prompt's chunks, multiplied by BLAS).
+ * dequantize: rows of W as float32 (a prompt's chunks, multiplied by BLAS); 4- and 8-bit rows
+ * and columns 32 values a step in registers (the same multiply-then-add: the same values).
  *
  * 2. Over chosen rows of a float32 matrix (a neuron cache holds the window's
  * neurons; a token uses the few active ones): gather_mv y[i] = W[sel[i]] . x and
@@ -200,6 +201,68 @@ AVX2 static float row8_avx2(const job_t *j, const uint8_t *w, const float *sc) {
     }
     return hsum(tot);
 }
+/* 32 4-bit values (16 bytes: byte i holds value 2i low, 2i + 1 high) -> 4 x 8 floats in order */
+AVX2 static inline void unpack4_avx2(const uint8_t *p, __m256 v[4]) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    const __m128i a = _mm_unpacklo_epi8(lo, hi), c = _mm_unpackhi_epi8(lo, hi); /* values 0-15, 16-31 */
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)));
+}
+
+/* 32 8-bit values -> 4 x 8 floats */
+AVX2 static inline void unpack8_avx2(const uint8_t *p, __m256 v[4]) {
+    const __m128i b0 = _mm_loadu_si128((const __m128i *)p), b1 = _mm_loadu_si128((const __m128i *)(p + 16));
+    v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b0));
+    v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b0, 8)));
+    v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b1));
+    v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b1, 8)));
+}
+
+/* 8 scales or biases at code -> floats */
+AVX2 static inline __m256 load8_scales(const uint8_t *p, int64_t code) {
+    if (code == F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (code == F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bfloat16 */
+}
+
+/* dequantize_row's values, 32 at a time: scale * q, then + bias (a multiply, then an add: the
+ * same float32 operations, so the same values to the bit) */
+AVX2 static void dequantize_row_avx2(const job_t *j, const uint8_t *w, const float *sc, const float *bi, float *out) {
+    __m256 v[4];
+    for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
+        const __m256 s = _mm256_set1_ps(sc[k0 / j->g]), b = _mm256_set1_ps(bi[k0 / j->g]);
+        for (int64_t i = 0; i < j->g; i += 32) {
+            if (j->bits == 4)
+                unpack4_avx2(w + (k0 + i) / 2, v);
+            else
+                unpack8_avx2(w + k0 + i, v);
+            for (int l = 0; l < 4; l++)
+                _mm256_storeu_ps(out + k0 + i + 8 * l, _mm256_add_ps(_mm256_mul_ps(s, v[l]), b));
+        }
+    }
+}
+
+/* one column's values [0, k): ts[c] * q + tb[c] (tables at code), 32 at a time */
+AVX2 static void dequant_col_avx2(const uint8_t *p, int64_t bits, int64_t k, const uint8_t *sr, const uint8_t *br,
+                                  int64_t code, float *out) {
+    const int64_t ssz = code == F32 ? 4 : 2;
+    __m256 v[4];
+    for (int64_t c = 0; c < k; c += 32) {
+        if (bits == 4)
+            unpack4_avx2(p + c / 2, v);
+        else
+            unpack8_avx2(p + c, v);
+        for (int l = 0; l < 4; l++) {
+            const int64_t at = c + 8 * l;
+            const __m256 t = _mm256_mul_ps(load8_scales(sr + at * ssz, code), v[l]);
+            _mm256_storeu_ps(out + at, _mm256_add_ps(t, load8_scales(br + at * ssz, code)));
+        }
+    }
+}
 #endif
 
 static int cpu_simd(void) {
@@ -313,6 +376,12 @@ static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
         const uint8_t *p = j->w + j->sel[i] * j->row_bytes;
         const uint8_t *sr = j->ts + j->trow[i] * j->t_stride, *br = j->tb + j->trow[i] * j->t_stride;
         float *out = j->y + i * j->k;
+#ifdef AVX2_PATH
+        if (j->simd && (bits == 4 || bits == 8) && j->k % 32 == 0) {
+            dequant_col_avx2(p, bits, j->k, sr, br, j->scode, out);
+            continue;
+        }
+#endif
         for (int64_t b = 0; b < j->k; b += 128) {
             const int64_t len = j->k - b < 128 ? j->k - b : 128;
             const uint8_t *qb = block_values(p, bits, b, len, q);
@@ -349,6 +418,12 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
         if (j->kind == DEQUANTIZE) {
             scales_f32(sp, j->scode, ng, sc);
             scales_f32(bp, j->scode, ng, bi);
+#ifdef AVX2_PATH
+            if (j->simd && (j->bits == 4 || j->bits == 8)) {
+                dequantize_row_avx2(j, w, sc, bi, j->y + r * j->k);
+                continue;
+            }
+#endif
             dequantize_row(j, w, sc, bi, j->y + r * j->k);
             continue;
         }

@@ -100,6 +100,7 @@ class FlashFFN(nn.Module):
         self.gated = gated
         self._act = act
         self.store = None
+        self.arena = None  # models.half.Arena a prompt's packed rows are dequantized into (the runtime's)
         if bias:
             self.up_bias = mx.zeros((n_neurons,))
             self.down_bias = mx.zeros((d_model,))
@@ -224,35 +225,50 @@ class FlashFFN(nn.Module):
 
     def _packed_chunks(self, x, parts):
         """Several positions over packed rows (the parts' rows in order, as one sequence):
-        chunks of rows dequantized to float32 (in C) and multiplied by BLAS, a chunk's
-        temporaries ~4 MiB a kind, evaluated before the next. A chunk is the same rows
-        whichever parts hold them, so the sums are those of one part holding them all."""
+        chunks of rows dequantized to float32 (in C) and multiplied by BLAS, evaluated before
+        the next. The chunks are dequantized into the runtime's arena where it has one (the
+        quantized resident modules', sized for three kinds: models/quantized.py arena_values),
+        else into fresh ~4 MiB a kind. A chunk is the same rows whichever parts hold them, so
+        the sums are those of one part holding them all."""
         from ..kernels import dequantize_cols, dequantize_rows
 
         spec, d = parts[0].packed.layout.quant, self.d_model
+        kinds = parts[0].packed.layout.kinds
         scales_off, biases_off = spec.inline_offsets(d)
-        step = max(1, self.PACKED_CHUNK_VALUES // d)
+        arena = self.arena if self.arena is not None and self.arena.values >= len(kinds) * d else None
+        step = max(1, (self.PACKED_CHUNK_VALUES if arena is None else arena.values // len(kinds)) // d)
         starts = np.cumsum([0] + [r.packed.sel.size for r in parts])  # each part's first row in the sequence
         raws = [{k: v.view(np.uint8) for k, v in r.packed.views.items()} for r in parts]
         y = None
         for start in range(0, int(starts[-1]), step):
             stop = min(start + step, int(starts[-1]))
             w, ids, masks = {}, [], []
+            at_row = 0  # the chunk's rows so far (where the next part's go in the arena)
             for i, r in enumerate(parts):  # the chunk's rows each part holds
                 lo, hi = max(start, starts[i]) - starts[i], min(stop, starts[i + 1]) - starts[i]
                 if lo >= hi:
                     continue
                 p, at = r.packed, slice(int(lo), int(hi))
-                sel = p.sel[at]
-                for k in p.layout.kinds:
+                sel, n = p.sel[at], int(hi - lo)
+                for j, k in enumerate(p.layout.kinds):
+                    out = None
+                    if arena is not None:
+                        base = (j * step + at_row) * d
+                        out = arena.view[base: base + n * d].reshape(n, d)
                     if k in p.layout.columns:
-                        v = dequantize_cols(p.kernels, raws[i][k], sel, p.ids[at] // spec.group_size, p.tables[k], spec)
+                        v = dequantize_cols(p.kernels, raws[i][k], sel, p.ids[at] // spec.group_size, p.tables[k], spec,
+                                            out=out)
                     else:
-                        v = dequantize_rows(p.kernels, raws[i][k], sel, spec, scales_off, biases_off, d)
+                        v = dequantize_rows(p.kernels, raws[i][k], sel, spec, scales_off, biases_off, d, out=out)
                     w.setdefault(k, []).append(v)
+                at_row += n
                 ids.append(p.ids[at])
                 masks.append(None if r.mask is None else r.mask[..., at])
-            w = {k: mx.array(v[0] if len(v) == 1 else np.concatenate(v)) for k, v in w.items()}
+            if arena is not None:  # (the chunk's rows of each kind side by side: views of the arena)
+                w = {k: arena.array[j * step * d: (j * step + at_row) * d].reshape(at_row, d)
+                     for j, k in enumerate(kinds)}
+            else:
+                w = {k: mx.array(v[0] if len(v) == 1 else np.concatenate(v)) for k, v in w.items()}
             if all(m is None for m in masks):
                 mask = None
             else:

@@ -371,8 +371,13 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
             resident = _with_extra(resident, tables, crcs)
             plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
                                         held_ffn, tables, crcs, hold_most=choice is not None)
+    from ..models.quantized import native_modules
+
+    native = native_modules(model)
     for f in ffns:
         f.store = store
+        # a prompt's packed rows dequantized into the resident modules' arena (no new pages a chunk)
+        f.arena = native[0]._arena if native else None
     if attention is not None:
         attention.stats = store.stats  # (its waits and bytes join the FFN's rows)
     resident_dtype = "quantized" if resident.quantized else held or dtype_name

@@ -37,8 +37,10 @@ from .base import Store, take_pending
 CHUNK_BYTES = 4 << 20  # one read of a layer's keys and values (two buffers, plus one copy in MLX)
 STAGE_BYTES = 1 << 20  # the aligned staging of uncached writes (whole blocks)
 ALIGN = 4096
-_NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
-_SRC = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+# the NumPy dtype holding each compute dtype's bytes (bfloat16's: as float16 bit patterns, which
+# the reader copies as they are), and the reader's name for it
+_NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.float16}
+_SRC = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "float16"}
 
 
 def block_positions(row_bytes):
@@ -126,7 +128,8 @@ class FlashKV(Store):
         """(1, H, T, D) keys and values -> [T, width] rows in the file's order."""
         t = k.shape[2]
         kv = mx.concatenate([k[0].transpose(1, 0, 2).reshape(t, -1), v[0].transpose(1, 0, 2).reshape(t, -1)], axis=1)
-        return np.array(kv.astype(self.dtype)).view(self.np_dtype) if self.dtype == mx.bfloat16 else np.array(kv)
+        kv = kv.astype(self.dtype)
+        return np.array(kv.view(mx.uint16)).view(self.np_dtype) if self.dtype == mx.bfloat16 else np.array(kv)
 
     def append(self, layer, rows):
         """Add [T, width] rows after the layer's positions: whole blocks to the file, the rest
@@ -221,9 +224,7 @@ class FlashKV(Store):
     def _as_kv(self, rows):
         """[T, width] rows (NumPy) -> keys (1, H, T, Dk), values (1, H, T, Dv) (MLX copies)."""
         t = rows.shape[0]
-        a = mx.array(rows.view(np.uint16) if self.dtype == mx.bfloat16 else rows)
-        if self.dtype == mx.bfloat16:
-            a = a.view(mx.bfloat16)
+        a = mx.array(rows.view(np.uint16)).view(mx.bfloat16) if self.dtype == mx.bfloat16 else mx.array(rows)
         hk = self.heads * self.k_dim
         k = a[:, :hk].reshape(t, self.heads, self.k_dim).transpose(1, 0, 2)[None]
         v = a[:, hk:].reshape(t, self.heads, self.v_dim).transpose(1, 0, 2)[None]

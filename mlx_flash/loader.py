@@ -71,20 +71,8 @@ def load(path_or_repo, progress=False, config=None, **options):
         try:
             runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
         except BudgetTooSmall as e:
-            if _may_hold_at_16_bits(config, manifest):
-                # no exact plan fits beside the resident weights at float32: load them again at float16
-                logging.getLogger("mlx_flash").warning(
-                    "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
-                    "instead (converted into a float32 arena before use: the same values)", e.reason)
-                config = replace(config, resident_dtype="float16")
-            elif (memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None
-                  and asked.batch_size == 1):
-                # no plan fits beside the KV cache in DRAM: load again with it on flash
-                logging.getLogger("mlx_flash").warning(
-                    "the KV cache on flash (--kv-cache auto): held in DRAM for %d tokens, it leaves the weights "
-                    "%.0f MB, and %s", memory.context, memory.weights / 1e6, e.reason)
-                config = replace(asked, kv_cache="flash")
-            else:
+            config = _refit(e, asked, config, manifest, memory)
+            if config is None:
                 raise
             del model, resident
             release_heap()
@@ -101,14 +89,38 @@ def load(path_or_repo, progress=False, config=None, **options):
         print(explain(runtime, profile), file=sys.stderr)
     if config.kv_bits is not None:
         _check_kv_groups(model, config.kv_group_size)
-    if (memory is not None and memory.kv_on_flash) or config.kv_cache == "flash":
-        context = memory.context if memory is not None else (asked.ctx_size or DEFAULT_CONTEXT)
-        model.make_cache = partial(flash_kv_caches, model, runtime, context)
-    elif config.kv_bits is not None or memory is not None:  # (mlx_lm's make_prompt_cache uses it)
-        model.make_cache = partial(kv_caches, len(model.layers), memory.context if memory is not None else None,
-                                   config.kv_bits, config.kv_group_size)
+    _set_caches(model, runtime, config, memory, asked.ctx_size)
     model.eval()
     return model, tokenizer
+
+
+def _refit(e, asked, config, manifest, memory):
+    """No plan fits (BudgetTooSmall e) after the model loaded: the config to load it again with,
+    said in one line, or None. --mode auto may hold a float16 model's resident weights at
+    float16; --kv-cache auto may move the KV cache to flash."""
+    if _may_hold_at_16_bits(config, manifest):
+        logging.getLogger("mlx_flash").warning(
+            "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
+            "instead (converted into a float32 arena before use: the same values)", e.reason)
+        return replace(config, resident_dtype="float16")
+    if (memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None
+            and asked.batch_size == 1):
+        logging.getLogger("mlx_flash").warning(
+            "the KV cache on flash (--kv-cache auto): held in DRAM for %d tokens, it leaves the weights "
+            "%.0f MB, and %s", memory.context, memory.weights / 1e6, e.reason)
+        return replace(asked, kv_cache="flash")
+    return None
+
+
+def _set_caches(model, runtime, config, memory, ctx_size):
+    """model.make_cache (mlx_lm's make_prompt_cache uses it): the KV cache on flash, or mlx_lm's
+    caches allocated once for the plan's context (quantized with --kv-bits)."""
+    if (memory is not None and memory.kv_on_flash) or config.kv_cache == "flash":
+        context = memory.context if memory is not None else (ctx_size or DEFAULT_CONTEXT)
+        model.make_cache = partial(flash_kv_caches, model, runtime, context)
+    elif config.kv_bits is not None or memory is not None:
+        model.make_cache = partial(kv_caches, len(model.layers), memory.context if memory is not None else None,
+                                   config.kv_bits, config.kv_group_size)
 
 
 def _check_kv_groups(model, group_size):

@@ -6,9 +6,8 @@ relu2, fatrelu), so ReLU-fied Llamas run as trained.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Dict, Optional, Union
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope

@@ -298,15 +298,16 @@ def flash_kv_caches(model, runtime, context):
     """Per-layer caches of one KV cache on flash (stores/kv.py) for `context` positions, in
     the mlx_flash home's kv/ folder (the disk the models are on); its reads join the FFN
     store's stats, and it becomes `runtime.kv` (the cost model counts its reads)."""
+    import mlx.core as mx
+
     from ..home import default_home
     from ..io.reader import FlashReader
-    from .build import DTYPES
     from .stores.kv import FlashKV
 
     attn = model.layers[0].self_attn
     heads = getattr(attn, "n_kv_heads", None) or attn.n_heads
     kv = FlashKV(default_home() / "kv", len(model.layers), heads, attn.head_dim, attn.head_dim, context,
-                 DTYPES[runtime.compute_dtype], FlashReader(threads=KV_READ_THREADS), verify=runtime.config.verify,
+                 getattr(mx, runtime.compute_dtype), FlashReader(threads=KV_READ_THREADS), verify=runtime.config.verify,
                  stats=getattr(runtime.store, "stats", None))
     runtime.kv = kv
     return [kv.layer_cache(i) for i in range(len(model.layers))]

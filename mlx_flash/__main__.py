@@ -10,6 +10,7 @@ COMMANDS = {
     "benchmark": "mlx_flash.cli.benchmark",
     "eval": "mlx_flash.cli.eval",
     "verify": "mlx_flash.cli.verify",
+    "doctor": "mlx_flash.cli.doctor",
 }
 
 

@@ -338,9 +338,10 @@ def test_the_pool_gets_its_threads_on_first_use():
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16", "float32"])
 def test_dequantized_rows_and_columns_are_the_same_values_with_simd(bits, scale_dtype, simd_and_threads):
-    """The prompt path's dequantization, 32 values a step in registers, gives the portable
-    loop's values to the bit (scale * q, then + bias), rows and columns, at every scale dtype."""
-    from mlx_flash.kernels import dequantize_cols, dequantize_rows
+    """The prompt path's dequantization and the decode path's column sums (qaxpy_cols, a part
+    continued by another), 32 values a step in registers, give the portable loops' values to the
+    bit (the same multiplies, then adds), rows and columns, at every scale dtype."""
+    from mlx_flash.kernels import dequantize_cols, dequantize_rows, qaxpy_cols
     from mlx_flash.layout.quant import QuantSpec
 
     rng = np.random.default_rng(bits)
@@ -358,11 +359,15 @@ def test_dequantized_rows_and_columns_are_the_same_values_with_simd(bits, scale_
     cols_buf = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
     sel, trow = rng.permutation(n), None
     trow = sel // 32
+    h = rng.standard_normal(n).astype(np.float32)
+    ordered = np.arange(n)  # (qaxpy_cols: rows ordered by table row)
     out = []
     for simd, threads in simd_and_threads:
         kernels.simd(simd)
         kernels.set_threads(threads)
+        part = qaxpy_cols(kernels, h[:64], cols_buf, ordered[:64], ordered[:64] // 32, tables, spec)
         out.append((dequantize_rows(kernels, rows_buf, sel, spec, soff, boff, d),
-                    dequantize_cols(kernels, cols_buf, sel, trow, tables, spec)))
-    for rows, cols in out[1:]:
-        assert np.array_equal(rows, out[0][0], equal_nan=True) and np.array_equal(cols, out[0][1], equal_nan=True)
+                    dequantize_cols(kernels, cols_buf, sel, trow, tables, spec),
+                    qaxpy_cols(kernels, h[64:], cols_buf, ordered[64:], ordered[64:] // 32, tables, spec, out=part)))
+    for got in out[1:]:
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, out[0]))

@@ -263,6 +263,35 @@ AVX2 static void dequant_col_avx2(const uint8_t *p, int64_t bits, int64_t k, con
         }
     }
 }
+
+/* qaxpy_cols's row step, 32 values at a time: acc[c] += h * q[c] (a multiply, then an add: the
+ * portable loop's operations, so its sums to the bit) */
+AVX2 static void axpy_col_avx2(const uint8_t *p, int64_t bits, int64_t n, float h, float *acc) {
+    const __m256 hv = _mm256_set1_ps(h);
+    __m256 v[4];
+    for (int64_t c = 0; c < n; c += 32) {
+        if (bits == 4)
+            unpack4_avx2(p + c / 2, v);
+        else
+            unpack8_avx2(p + c, v);
+        for (int l = 0; l < 4; l++) {
+            float *a = acc + c + 8 * l;
+            _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(hv, v[l])));
+        }
+    }
+}
+
+/* qaxpy_cols's end of a run: y[c] += (ts[c] * acc[c] + tb[c] * hs), as the portable loop */
+AVX2 static void scale_run_avx2(const uint8_t *sr, const uint8_t *br, int64_t code, const float *acc, float hs,
+                                int64_t n, float *y) {
+    const int64_t ssz = code == F32 ? 4 : 2;
+    const __m256 hv = _mm256_set1_ps(hs);
+    for (int64_t c = 0; c < n; c += 8) {
+        const __m256 a = _mm256_mul_ps(load8_scales(sr + c * ssz, code), _mm256_loadu_ps(acc + c));
+        const __m256 b = _mm256_mul_ps(load8_scales(br + c * ssz, code), hv);
+        _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_add_ps(a, b)));
+    }
+}
 #endif
 
 static int cpu_simd(void) {
@@ -345,10 +374,19 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
         const int64_t t = j->trow[i];
         float hs = 0;
         for (int64_t c = 0; c < n; c++) acc[c] = 0;
+#ifdef AVX2_PATH
+        const int simd = j->simd && (bits == 4 || bits == 8) && n % 32 == 0;
+#endif
         for (; i < j->m && j->trow[i] == t; i++) {
             const uint8_t *p = j->w + j->sel[i] * j->row_bytes + c0 * bits / 8;
             const float h = j->h[i];
             hs += h;
+#ifdef AVX2_PATH
+            if (simd) {
+                axpy_col_avx2(p, bits, n, h, acc);
+                continue;
+            }
+#endif
             for (int64_t b = 0; b < n; b += 128) {
                 const int64_t len = n - b < 128 ? n - b : 128;
                 const uint8_t *qb = block_values(p, bits, b, len, q);
@@ -360,6 +398,12 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
         }
         const uint8_t *sr = j->ts + t * j->t_stride, *br = j->tb + t * j->t_stride;
         const int64_t ssz = j->scode == F32 ? 4 : 2;
+#ifdef AVX2_PATH
+        if (simd) {
+            scale_run_avx2(sr + c0 * ssz, br + c0 * ssz, j->scode, acc, hs, n, y + c0);
+            continue;
+        }
+#endif
         for (int64_t c = 0; c < n; c++) {
             const float a = load_scale(sr + (c0 + c) * ssz, j->scode) * acc[c];
             const float bb = load_scale(br + (c0 + c) * ssz, j->scode) * hs;

@@ -221,6 +221,14 @@ AVX2 static inline void unpack8_avx2(const uint8_t *p, __m256 v[4]) {
     v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b1, 8)));
 }
 
+/* values c .. c + 31 (c a multiple of 32) of a 4- or 8-bit row or column p -> 4 x 8 floats */
+AVX2 static inline void unpack32_avx2(const uint8_t *p, int64_t bits, int64_t c, __m256 v[4]) {
+    if (bits == 4)
+        unpack4_avx2(p + c / 2, v);
+    else
+        unpack8_avx2(p + c, v);
+}
+
 /* 8 scales or biases at code -> floats */
 AVX2 static inline __m256 load8_scales(const uint8_t *p, int64_t code) {
     if (code == F32) return _mm256_loadu_ps((const float *)p);
@@ -236,10 +244,7 @@ AVX2 static void dequantize_row_avx2(const job_t *j, const uint8_t *w, const flo
     for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
         const __m256 s = _mm256_set1_ps(sc[k0 / j->g]), b = _mm256_set1_ps(bi[k0 / j->g]);
         for (int64_t i = 0; i < j->g; i += 32) {
-            if (j->bits == 4)
-                unpack4_avx2(w + (k0 + i) / 2, v);
-            else
-                unpack8_avx2(w + k0 + i, v);
+            unpack32_avx2(w, j->bits, k0 + i, v);
             for (int l = 0; l < 4; l++)
                 _mm256_storeu_ps(out + k0 + i + 8 * l, _mm256_add_ps(_mm256_mul_ps(s, v[l]), b));
         }
@@ -252,10 +257,7 @@ AVX2 static void dequant_col_avx2(const uint8_t *p, int64_t bits, int64_t k, con
     const int64_t ssz = code == F32 ? 4 : 2;
     __m256 v[4];
     for (int64_t c = 0; c < k; c += 32) {
-        if (bits == 4)
-            unpack4_avx2(p + c / 2, v);
-        else
-            unpack8_avx2(p + c, v);
+        unpack32_avx2(p, bits, c, v);
         for (int l = 0; l < 4; l++) {
             const int64_t at = c + 8 * l;
             const __m256 t = _mm256_mul_ps(load8_scales(sr + at * ssz, code), v[l]);
@@ -270,10 +272,7 @@ AVX2 static void axpy_col_avx2(const uint8_t *p, int64_t bits, int64_t n, float 
     const __m256 hv = _mm256_set1_ps(h);
     __m256 v[4];
     for (int64_t c = 0; c < n; c += 32) {
-        if (bits == 4)
-            unpack4_avx2(p + c / 2, v);
-        else
-            unpack8_avx2(p + c, v);
+        unpack32_avx2(p, bits, c, v);
         for (int l = 0; l < 4; l++) {
             float *a = acc + c + 8 * l;
             _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_mul_ps(hv, v[l])));

@@ -158,6 +158,9 @@ class Runtime:
         if self.attention is not None:
             self.attention.close()
         self.attention = None
+        if self.kv is not None:  # (the KV cache on flash last made: its reader and its file)
+            self.kv.close()
+        self.kv = None
 
 
 def check_resident_fits(folder, manifest, config, streamed=()):

@@ -57,7 +57,7 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     say = progress or (lambda _: None)
     notes = []
     if file is None:
-        file = _probe_file()
+        file = probe_file()
     say(f"disk: uncached random reads of {file}, {threads} threads")
     disk = disk_curve([file], CHUNKS, threads, seconds)
     say("compute: one decode step's matrix-vector products, by weight form")
@@ -71,7 +71,7 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     return p
 
 
-def _probe_file():
+def probe_file():
     """A file of random bytes for the disk probe (written once; reads of it bypass the cache)."""
     path = profile_path().parent / "disk-probe.bin"
     if path.exists() and path.stat().st_size == PROBE_FILE_BYTES:

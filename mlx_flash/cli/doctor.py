@@ -173,10 +173,10 @@ def _storage(found, warnings, where, args):
                         "file system (MLX_FLASH_HOME), not a network mount")
     if args.no_probe:
         return
-    from ..bench.profile import _probe_file, disk_curve
+    from ..bench.profile import probe_file, disk_curve
 
     t = time.perf_counter()
-    rates = disk_curve([_probe_file()], [65536, 1 << 20], seconds=0.5)
+    rates = disk_curve([probe_file()], [65536, 1 << 20], seconds=0.5)
     found["read probe"] = ", ".join(f"{size // 1024} KiB {gbs:.2f} GB/s" for size, gbs in rates.items()) + \
         f" (uncached, random, {time.perf_counter() - t:.1f} s)"
 

@@ -25,7 +25,8 @@ def attend(queries, keys, values, cache, scale, mask):
 def chunked_attention(queries, offset, parts, scale):
     """queries (B, H, T, D) at positions offset .. offset + T - 1; parts: (keys, values, first
     position) with keys (B, H_kv, C, D), values (B, H_kv, C, Dv), in order of position, the
-    first including position 0. -> (B, H, T, Dv) in the queries' dtype."""
+    first including position 0, the last ending at the queries' last position. -> (B, H, T, Dv)
+    in the queries' dtype."""
     b, h, t, d = queries.shape
     q = None
     m = s_sum = acc = None
@@ -51,5 +52,6 @@ def chunked_attention(queries, offset, parts, scale):
             s_sum = s_sum * a + p.sum(axis=-1, keepdims=True)
             acc = acc * a + p @ v.astype(mx.float32)[:, :, None]
             m = m_new
-        mx.eval(m, s_sum, acc)  # (one chunk's keys, values and scores at a time)
+        if first + c < offset + t:  # (a chunk read back: evaluated before the next is read; the last
+            mx.eval(m, s_sum, acc)  # part, ending at the queries' own positions, is left to the caller)
     return (acc / s_sum).reshape(b, h, t, -1).astype(queries.dtype)

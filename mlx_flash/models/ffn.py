@@ -260,7 +260,8 @@ class FlashFFN(nn.Module):
                                             out=out)
                     else:
                         v = dequantize_rows(p.kernels, raws[i][k], sel, spec, scales_off, biases_off, d, out=out)
-                    w.setdefault(k, []).append(v)
+                    if arena is None:
+                        w.setdefault(k, []).append(v)
                 at_row += n
                 ids.append(p.ids[at])
                 masks.append(None if r.mask is None else r.mask[..., at])

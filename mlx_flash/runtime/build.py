@@ -339,7 +339,8 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     ffn_crcs = functools.cache(lambda: _checksums(folder, manifest, config, "ffn"))
     choice = None
     resident_work = resident_computed(model)
-    attention, streamed = _attention_store(model, folder, manifest, config)
+    arena = _resident_arena(model)
+    attention, streamed = _attention_store(model, folder, manifest, config, arena)
     resident = _with_attention(resident, attention)
     if config.mode == "auto":
         rows16 = not held_ffn and may_hold_float16(config, manifest)
@@ -374,13 +375,9 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
             resident = _with_extra(resident, tables, crcs)
             plan, store = _neuron_store(folder, manifest, config, dtype, resident, budget, source,
                                         held_ffn, tables, crcs, hold_most=choice is not None)
-    from ..models.quantized import native_modules
-
-    native = native_modules(model)
     for f in ffns:
         f.store = store
-        # a prompt's packed rows dequantized into the resident modules' arena (no new pages a chunk)
-        f.arena = native[0]._arena if native else None
+        f.arena = arena  # (a prompt's packed rows dequantized into it: no new pages a chunk)
     if attention is not None:
         attention.stats = store.stats  # (its waits and bytes join the FFN's rows)
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
@@ -422,10 +419,19 @@ def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables,
     return choose_mode(config, budget, plan_of, variants(rows16), predict_of)
 
 
-def _attention_store(model, folder, manifest, config):
+def _resident_arena(model):
+    """The float32 arena the quantized resident modules share (models/quantized.py), or None."""
+    from ..models.quantized import native_modules
+
+    native = native_modules(model)
+    return native[0]._arena if native else None
+
+
+def _attention_store(model, folder, manifest, config, arena=None):
     """(the AttentionStore of a model whose loader left some layers' attention on flash
-    (attention_to_stream), the modules it is attached to); (None, []) when it left none."""
-    from ..models.quantized import native_modules, streamed_modules
+    (attention_to_stream), the modules it is attached to); (None, []) when it left none.
+    arena: the resident modules' (_resident_arena), else one of its own."""
+    from ..models.quantized import streamed_modules
     from .stores.attention import AttentionStore
 
     modules = streamed_modules(model)
@@ -439,10 +445,7 @@ def _attention_store(model, folder, manifest, config):
     reader = FlashReader(threads=config.threads, direct=True)
     store = AttentionStore(st.path, {i: spans[i] for i in modules}, reader, kernels, verify=config.verify,
                            prefetch=config.prefetch)
-    native = native_modules(model)
-    if native:
-        arena = native[0]._arena
-    else:
+    if arena is None:
         from ..models.half import Arena
 
         arena = Arena()

@@ -270,7 +270,7 @@ class Peers:
             self.log(f"[peers] warning: {msg}")
             return UnconstrainedRunner(str(e))
 
-    def _config(self, system, workdir, probe=False, budget=None, limit=None):
+    def _config(self, system, workdir, probe=False, budget=None, limit=None, disk=None):
         # --flash-budget limit: mlx_flash gets the cgroup's limit as its --memory-limit (its KV
         # cache planned for `context`, the tokens llama.cpp's context holds too)
         memory_limit = (limit if limit is not None and system.runtime == "mlx_flash"
@@ -281,7 +281,8 @@ class Peers:
                "resident_dtype": system.resident_dtype,
                "prompt_ids": self.prompt, "tokens": self.tokens, "suppress_ids": self.suppress,
                "probe": probe, "threads": os.cpu_count(), "blas_module": str(BLAS_MODULE),
-               "events": str(workdir / "events.jsonl")}
+               "events": str(workdir / "events.jsonl"),
+               "disk_gbs": None if disk is None else {str(k): v for k, v in disk.items()}}
         (workdir / "config.json").write_text(json.dumps(cfg))
         return workdir / "config.json"
 
@@ -289,18 +290,15 @@ class Peers:
         """The disk's uncached rates now ({read size: GB/s}; a few seconds, from this process,
         outside any cgroup): the cost model predicts each mlx_flash run with the rates of its
         moment, because this machine's disk was measured to vary ~2x from hour to hour."""
-        from ..profile import _probe_file, disk_curve
+        from ..profile import probe_file, disk_curve
 
-        return disk_curve([_probe_file()], DISK_NOW_SIZES, seconds=DISK_NOW_SECONDS)
+        return disk_curve([probe_file()], DISK_NOW_SIZES, seconds=DISK_NOW_SECONDS)
 
     def _launch(self, runner, system, limit=None, budget=None, probe=False):
         with tempfile.TemporaryDirectory(prefix="mlx_flash_peers_") as tmp:
             tmp = Path(tmp)
-            cfg = self._config(system, tmp, probe=probe, budget=budget, limit=limit)
-            if system.runtime == "mlx_flash" and not probe and self.disk_probe:
-                disk = self.disk_now()
-                data = json.loads(cfg.read_text()) | {"disk_gbs": {str(k): v for k, v in disk.items()}}
-                cfg.write_text(json.dumps(data))
+            disk = self.disk_now() if system.runtime == "mlx_flash" and not probe and self.disk_probe else None
+            cfg = self._config(system, tmp, probe=probe, budget=budget, limit=limit, disk=disk)
             if self.cold and not drop_caches() and "drop" not in " ".join(self.notes):
                 self.notes.append("could not drop the page cache (not root): runs are not cold")
             with open(tmp / "log.txt", "wb") as logf:

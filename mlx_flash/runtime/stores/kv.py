@@ -202,12 +202,11 @@ class FlashKV(Store):
             self.stats.add(io_s=time.perf_counter() - t0, bytes_read=got[0], reads=got[1])
         return j
 
-    def _prefetch_after(self, layer, index):
-        """Start the read after chunk `index` of `layer`: its next chunk, else the first of
-        the next layer with any positions on flash (the layers of one token in turn)."""
+    def _prefetch_after(self, layer, chunks, index):
+        """Start the read after chunk `index` of `layer`'s `chunks`: its next chunk, else the
+        first of the next layer with any positions on flash (the layers of one token in turn)."""
         if not self.prefetch or len(self.buffers) < 2:
             return
-        chunks = self._chunks_of(layer)
         if index + 1 < len(chunks):
             nxt = (layer, *chunks[index + 1])
         else:
@@ -242,18 +241,19 @@ class FlashKV(Store):
             self._decode[0] += 1
             self._decode[1] += f * self.row
             self._decode[2] += len(chunks)
-        new = self._rows(k, v)
-        near = np.concatenate([self.tails[layer, : n - f], new]) if n > f else new  # positions [f, n + T)
-        self.append(layer, new)  # (writes blocks past f: the reads below are of blocks before it)
+        kn, vn = k.astype(self.dtype), v.astype(self.dtype)
+        if n > f:  # positions [f, n + T): the tail (copied out before append refills it), then the new ones
+            kt, vt = self._as_kv(self.tails[layer, : n - f])
+            kn, vn = mx.concatenate([kt, kn], axis=2), mx.concatenate([vt, vn], axis=2)
+        self.append(layer, self._rows(k, v))  # (writes blocks past f: the reads below are of blocks before it)
         for i, (first, count) in enumerate(chunks):
             j = self._take(layer, first, count)
             rows = self.buffers[j][:count].reshape(count * self.block, self.width)
             kc, vc = self._as_kv(rows)  # (copies: the buffer may take the next read)
-            self._prefetch_after(layer, i)
+            self._prefetch_after(layer, chunks, i)
             yield kc, vc, first * self.block
         if not chunks:
-            self._prefetch_after(layer, -1)
-        kn, vn = self._as_kv(near)
+            self._prefetch_after(layer, chunks, -1)
         yield kn, vn, f
 
     def close(self):

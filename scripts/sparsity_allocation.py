@@ -102,7 +102,7 @@ def main(argv=None):
     targets = [float(t) for t in a.targets.split(",")]
 
     t_start = time.perf_counter()
-    model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32")
+    model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32", ffn_rows="float32")
     ffns = [layer_ffn(layer) for layer in model.layers]
     n_layers, act = len(ffns), ffns[0]._act
     seqs = []

@@ -12,6 +12,10 @@ Rows (per token; d_in of x's dims, d_out of the neurons, top-k by score):
 --low-rank R (R-Sparse's idea): the pruned dims of x still reach gate / up through a
 resident rank-R SVD of each (g = G_S x_S + G_R (x - x_S)); only two-sided rows, and
 the resident bytes are printed.
+--rotate (LaRoSA's idea, arXiv 2507.01299): the input side's top-k is taken on z = Q_l^T x,
+Q_l the eigenvectors of layer l's E[x x^T] on --calib-tokens C4 tokens (never the
+evaluation text); gate / up then see Q_l z_kept (on flash: the columns of G Q_l, U Q_l).
+Rows with and without the rotation, in one run; Q_l's resident bytes are printed.
 """
 
 import argparse
@@ -21,10 +25,13 @@ import time
 import mlx_flash  # first: it chooses MLX's BLAS before MLX is imported
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_flash.eval.harness import evaluate_perplexity
 from mlx_flash.eval.tasks import load_text
 from mlx_flash.models.ffn import FFNRows, layer_ffn
+from mlx_flash.sparsity.allocation import record
+from mlx_flash.sparsity.calibrate import calibration_texts
 from sparsity_allocation import gate_up, low_rank  # this folder's; run as a script
 
 
@@ -41,23 +48,20 @@ ROWS = ([("two-sided", d_in, d_out, wina, False)
            ("one side", 0.75, 1.0, False, False)]
         + [("exact rows", d_in, d_out, False, True)
            for d_in, d_out in ((0.15, 0.4), (0.3, 0.3), (0.225, 0.35), (0.075, 0.45), (0.3, 0.4))])
+# (name, d_in, d_out, rotated)
+ROTATE_ROWS = [(name, d_in, d_out, rot) for name, d_in, d_out in
+               (("two-sided", 0.5, 0.5), ("two-sided", 0.6, 0.3), ("two-sided", 0.55, 0.4),
+                ("one side", 0.5, 1.0), ("one side", 0.25, 1.0), ("two-sided", 0.4, 0.4))
+               for rot in (False, True)]
 LOW_RANK_ROWS = [("two-sided", d_in, d_out, False, False)
                  for d_in, d_out in ((0.5, 0.5), (0.6, 0.3), (0.55, 0.4), (0.4, 0.4), (0.45, 0.3))]
-
-
-class Probe:
-    def __init__(self, inner):
-        self.inner, self.weights = inner, {}
-
-    def rows(self, layer, x):
-        self.weights[layer] = r = self.inner.rows(layer, x)
-        return r
 
 
 class Sides:
     def __init__(self, weights, act, rank=0):
         self.w, self.act, self.cfg = weights, act, None
         self.low = low_rank(weights, rank)
+        self.rot = None  # {layer: Q [d, d]} when rotating
         self.norms = {i: (mx.sqrt(mx.sum(r.gate * r.gate, 0) + mx.sum(r.up * r.up, 0)),
                           mx.sqrt(mx.sum(r.down * r.down, 1))) for i, r in weights.items()}
         mx.eval(self.norms)
@@ -65,7 +69,12 @@ class Sides:
     def rows(self, layer, x):
         r, (d_in, d_out, wina, exact) = self.w[layer], self.cfg
         n_in, n_out = self.norms[layer] if wina else (1, 1)
-        xs = x * top_k(mx.abs(x) * n_in, max(1, round(d_in * x.shape[-1])))
+        k_in = max(1, round(d_in * x.shape[-1]))
+        if self.rot is not None:
+            z = x @ self.rot[layer]
+            xs = (z * top_k(mx.abs(z), k_in)) @ self.rot[layer].T
+        else:
+            xs = x * top_k(mx.abs(x) * n_in, k_in)
         g, u = gate_up(r, None if self.low is None or exact else self.low[layer], x, xs)
         h = self.act(g) * u
         keep = top_k(mx.abs(h) * n_out, max(1, round(d_out * h.shape[-1])))
@@ -74,16 +83,34 @@ class Sides:
         return FFNRows(up=None, down=r.down, h=h * keep)
 
 
+def rotations(model, tok, tokens):
+    """Per layer Q [d, d]: eigenvectors of E[x x^T] of the FFN input on C4, largest first."""
+    seqs = []
+    for text in calibration_texts("c4"):
+        ids = tok.encode(text)
+        seqs += [ids[i : i + 257] for i in range(0, len(ids) - 256, 256)]
+        if len(seqs) * 256 >= tokens:
+            break
+    X, _, _ = record(model, seqs[: max(1, tokens // 256)], progress=False)
+    out = {}
+    for i, x in enumerate(X):
+        x = np.array(x, dtype=np.float64).reshape(-1, x.shape[-1])
+        w, v = np.linalg.eigh(x.T @ x / len(x))
+        out[i] = mx.array(v[:, ::-1].astype(np.float32))
+    mx.eval(out)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--low-rank", type=int, default=0, help="rank of the resident gate / up correction")
+    p.add_argument("--rotate", action="store_true", help="LaRoSA-like rotated input side, with and without")
+    p.add_argument("--calib-tokens", type=int, default=2048, help="C4 tokens for the rotations")
     a = p.parse_args(argv)
-    model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32")
-    probe = model.runtime.wrap_store(Probe)
-    mx.eval(model(mx.array([[1, 2, 3]])))
-    model.runtime.unwrap_store()
+    model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32", ffn_rows="float32")
+    _, _, weights = record(model, [list(range(1, 258))], progress=False)  # each layer's float rows
     text = load_text("wikitext")[0]
 
     def ppl():
@@ -91,12 +118,27 @@ def main(argv=None):
 
     dense = ppl()
     print(f"dense: WikiText-2 ppl {dense:.3f} ({a.eval_tokens} tokens)", flush=True)
-    sides = Sides(probe.weights, layer_ffn(model.layers[0])._act, a.low_rank)
+    sides = Sides(weights, layer_ffn(model.layers[0])._act, a.low_rank)
     if a.low_rank:
-        r0 = probe.weights[0]
+        r0 = weights[0]
         per = 2 * a.low_rank * (r0.gate.shape[0] + r0.gate.shape[1]) * 2  # float16
-        print(f"low rank {a.low_rank}: {per * len(probe.weights) / 1e6:.1f} MB resident at float16 "
-              f"(FFN at 4 bits: {3 * r0.gate.size * len(probe.weights) * 0.5625 / 1e6:.1f} MB)", flush=True)
+        print(f"low rank {a.low_rank}: {per * len(weights) / 1e6:.1f} MB resident at float16 "
+              f"(FFN at 4 bits: {3 * r0.gate.size * len(weights) * 0.5625 / 1e6:.1f} MB)", flush=True)
+    if a.rotate:
+        t = time.perf_counter()
+        rot = rotations(model, tok, a.calib_tokens)
+        d = rot[0].shape[0]
+        print(f"rotations from {a.calib_tokens} C4 tokens in {time.perf_counter() - t:.0f} s: "
+              f"{len(rot) * d * d * 4 / 1e6:.1f} MB resident at float32", flush=True)
+        model.runtime.wrap_store(lambda store: sides)
+        for name, d_in, d_out, rotated in ROTATE_ROWS:
+            sides.cfg, sides.rot = (d_in, d_out, False, False), rot if rotated else None
+            t = time.perf_counter()
+            v = ppl()
+            print(f"{name:10s} d_in {d_in:.3f} d_out {d_out:.2f} rotated {int(rotated)} "
+                  f"bytes {(2 * d_in + d_out) / 3:.2f} ppl {v:.3f} x{v / dense:.3f} "
+                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+        return 0
     model.runtime.wrap_store(lambda store: sides)
     rows = LOW_RANK_ROWS if a.low_rank else ROWS
     for name, d_in, d_out, wina, exact in rows:

@@ -65,6 +65,8 @@ def load(path_or_repo, progress=False, config=None, **options):
     profile = load_profile() if config.explain else None
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)
+    if manifest.experts:  # a mixture of experts: its own runtime (runtime/moe.py)
+        return _load_moe(folder, manifest, config, progress)
     asked = config
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked)
     try:
@@ -313,6 +315,42 @@ def _build_model(folder, manifest, config: FlashConfig):
     parameters = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     resident = ResidentWeights(sum(v.nbytes for v in weights.values()), compute_bytes, parameters, quantized)
     return model, tokenizer, resident, config, memory
+
+
+def _load_moe(folder, manifest, config, progress):
+    """A mixture-of-experts model: its resident weights (router, attention, embeddings, shared
+    experts) in DRAM, its experts in an expert buffer (runtime/moe.py)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from .models import model_args
+    from .runtime.moe import build_moe_runtime, check_moe_config
+
+    check_moe_config(config)
+    model_config = json.loads((folder / "config.json").read_text())
+    family, args = model_args(model_config)
+    dtype = compute_dtype(config, manifest)
+    try:
+        tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
+    except Exception as e:
+        raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
+    model = family.Model(args)
+    quantize_resident(model, model_config.get("quantization"), folder)
+    check_file(folder, manifest.resident, checksum=config.verify)
+    try:
+        weights = mx.load(str(folder / manifest.resident["file"]))
+    except Exception as e:
+        raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
+    weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    model.runtime = build_moe_runtime(model, folder, manifest, config, resident, progress)
+    model.eval()
+    return model, tokenizer
 
 
 def quantize_resident(model, quantization, folder):

@@ -206,3 +206,97 @@ def thresholded_ffn(tensors, layer, x, t_in, t_out, wina=False):
     g, u = G @ xm, U @ xm
     h = g / (1 + np.exp(-g)) * u
     return D @ np.where(np.abs(h) * n_out >= t_out, h, 0)
+
+
+MOE_BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+    num_experts_per_tok=2,
+)
+
+MOE_VARIANTS = {
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4),
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+                      moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=6,
+                      num_experts_per_tok=3, moe_intermediate_size=64, head_dim=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3),
+    "olmoe": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=4, intermediate_size=64,
+                  norm_topk_prob=False),
+}
+
+
+def moe_tensors(cfg, rng):
+    """Hugging Face tensors of a tiny MoE model of cfg's family (one tensor per expert)."""
+    from mlx_flash.models.moe import ModelArgs, expert_tensors
+
+    args = ModelArgs.from_dict(cfg)
+    d, h, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or d // h
+    v, t_ = cfg["vocab_size"], cfg["model_type"]
+    s = 0.08
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": 1 + w(d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + w(d)
+        t[p + "post_attention_layernorm.weight"] = 1 + w(d)
+        t[p + "self_attn.q_proj.weight"] = w(h * hd, d)
+        t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.o_proj.weight"] = w(d, h * hd)
+        if t_ == "qwen2_moe":
+            for n, o in (("q", h), ("k", kv), ("v", kv)):
+                t[p + f"self_attn.{n}_proj.bias"] = w(o * hd)
+        if t_ == "qwen3_moe":
+            t[p + "self_attn.q_norm.weight"] = 1 + w(hd)
+            t[p + "self_attn.k_norm.weight"] = 1 + w(hd)
+        if t_ == "olmoe":
+            t[p + "self_attn.q_norm.weight"] = 1 + w(h * hd)
+            t[p + "self_attn.k_norm.weight"] = 1 + w(kv * hd)
+        experts = expert_tensors(args, i)
+        if experts is None:  # a dense layer
+            f = cfg["intermediate_size"]
+            t[p + "mlp.gate_proj.weight"] = w(f, d)
+            t[p + "mlp.up_proj.weight"] = w(f, d)
+            t[p + "mlp.down_proj.weight"] = w(d, f)
+            continue
+        block = "block_sparse_moe" if t_ == "mixtral" else "mlp"
+        t[p + f"{block}.gate.weight"] = w(args.n_experts, d) * 4  # routers that prefer some experts
+        for kind, (_, names) in experts.items():
+            for name in names:
+                t[name] = w(d, args.d_expert) if kind == "down" else w(args.d_expert, d)
+        if cfg.get("shared_expert_intermediate_size"):
+            f = cfg["shared_expert_intermediate_size"]
+            t[p + "mlp.shared_expert.gate_proj.weight"] = w(f, d)
+            t[p + "mlp.shared_expert.up_proj.weight"] = w(f, d)
+            t[p + "mlp.shared_expert.down_proj.weight"] = w(d, f)
+            t[p + "mlp.shared_expert_gate.weight"] = w(1, d)
+    if not cfg["tie_word_embeddings"]:
+        t["lm_head.weight"] = w(v, d)
+    return t
+
+
+def make_moe_folder(folder, variant="mixtral", seed=0, dtype="float32", **overrides):
+    """A Hugging Face-style MoE folder: config.json, model.safetensors, tokenizer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder)
+    cfg = dict(MOE_BASE, **MOE_VARIANTS[variant], vocab_size=vocab, **overrides)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = moe_tensors(cfg, np.random.default_rng(seed))
+    write_safetensors(folder / "model.safetensors", tensors, dtype)
+    return folder, cfg, tensors

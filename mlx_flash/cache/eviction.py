@@ -99,3 +99,34 @@ def simulate_hits(policy, trace, capacity):
         cached = np.concatenate([cached, missing])
         policy.touch(need, step)
     return hits / max(total, 1)
+
+
+class EdgeMoE(LFU):
+    """EdgeMoE's expert-buffer eviction (§3.3.3): an expert's use frequency weighted by how soon
+    its layer runs again. Ids are layer * n_experts + expert; the layer being served is that of
+    the ids the current step needs (`protect`). The score kept is f / d, d = the layers until the
+    expert's layer runs next (1 for the next layer, n_layers for the current one): the lowest
+    score is evicted first (ties: the least recently used)."""
+
+    name = "edgemoe"
+
+    def __init__(self, n_ids, n_experts, n_layers):
+        super().__init__(n_ids)
+        self.n_experts, self.n_layers = n_experts, n_layers
+
+    def _lex(self, cand, step, current=None):
+        layer = cand // self.n_experts
+        distance = (layer - current - 1) % self.n_layers + 1
+        return (self.last[cand], self.count[cand] / distance)
+
+    def victims(self, cached, n, protect, step):
+        protect = np.asarray(protect)
+        current = int(protect.reshape(-1)[0]) // self.n_experts if protect.size else 0
+        cand = cached[~np.isin(cached, protect)]
+        if n > cand.size:
+            raise ValueError(f"need {n} victims, only {cand.size} evictable")
+        order = np.lexsort(self._lex(cand, step, current))
+        return cand[order[:n]]
+
+
+POLICIES["edgemoe"] = EdgeMoE

@@ -141,6 +141,16 @@ def run_batch(args, model, tokenizer, prompts):
               f"{r.bytes_per_step / 1e6:.2f} MB per decode step in {r.reads_per_step:.0f} reads")
 
 
+def expert_line(s):
+    """--stats of a mixture-of-experts model: the expert buffer's use."""
+    hit = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.3f}"
+    layers = s["hit_rate_per_layer"]
+    shown = ", ".join(f"{i}: {r:.2f}" for i, r in list(layers.items())[:8]) + (", ..." if len(layers) > 8 else "")
+    return (f"Experts: {s['expert_slots']} slots for {s['experts_total']} experts ({s['eviction']} eviction); "
+            f"{s['experts_asked']} asked for, {s['experts_read']} read ({s['bytes_read'] / 1e6:.1f} MB in "
+            f"{s['io_s']:.2f} s); hit rate {hit}" + (f" (per layer {shown})" if layers else ""))
+
+
 def memory_line(s):
     """--stats: the --memory-limit plan's parts beside the peak RSS (s: runtime.stats()'s summary)."""
     m = s["memory_limit"]
@@ -224,6 +234,8 @@ def main(argv=None):
             print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "
                   f"all weights in DRAM {s['weights_in_dram_bytes'] / 1e6:.1f} MB, "
                   + (f"budget {s['memory_budget_bytes'] / 1e6:.0f} MB" if s["memory_budget_bytes"] else "no budget"))
+            if "expert_slots" in s:
+                print(expert_line(s))
             if "mean_io_ms" in s:
                 print(f"Per token (decode means): I/O {s['mean_io_ms']:.1f} ms, memory management "
                       f"{s['mean_mem_ms']:.1f} ms, predict {s['mean_predict_ms']:.1f} ms, compute "

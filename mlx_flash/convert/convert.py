@@ -191,14 +191,20 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
 def _write_bundles(tmp, rel, layout, rows, bar, journal):
     """Pack {kind: [n, row]} into tmp/rel in chunks, and the CRC32C of every bundle part
     into its checksum file; both recorded in the journal -> the manifest entry."""
-    h = hashlib.sha256()
     n = next(iter(rows.values())).shape[0]
+    chunks = (layout.pack({k: v[start : start + NEURON_CHUNK] for k, v in rows.items()})
+              for start in range(0, n, NEURON_CHUNK))
+    return write_packed(tmp, rel, chunks, layout.parts(), bar, journal)
+
+
+def write_packed(tmp, rel, chunks, parts, bar, journal):
+    """Bundles (uint8 [n, stride] chunks, in file order) into tmp/rel, and the CRC32C of each
+    bundle's `parts` into its checksum file; both recorded in the journal -> the manifest entry."""
+    h = hashlib.sha256()
     crcs = []
     with open(tmp / rel, "wb") as f:
-        for start in range(0, n, NEURON_CHUNK):
-            chunk = {k: v[start : start + NEURON_CHUNK] for k, v in rows.items()}
-            packed = layout.pack(chunk)
-            crcs.append(parts_crc(packed, layout.parts()))
+        for packed in chunks:
+            crcs.append(parts_crc(packed, parts))
             data = memoryview(packed).cast("B")
             f.write(data)
             h.update(data)
@@ -212,10 +218,10 @@ def _write_bundles(tmp, rel, layout, rows, bar, journal):
         os.fsync(f.fileno())
     journal.record(crc_rel, sha256_file(tmp / crc_rel))
     journal.record(rel, h.hexdigest())
-    return _bundle_entry(tmp, rel, journal)
+    return bundle_entry(tmp, rel, journal)
 
 
-def _bundle_entry(tmp, rel, journal):
+def bundle_entry(tmp, rel, journal):
     crc_rel = checksum_name(rel)
     return {"file": rel, "size": journal.done[rel][0], "sha256": journal.done[rel][1],
             "crc32c": {"file": crc_rel, "size": journal.done[crc_rel][0], "sha256": journal.done[crc_rel][1]}}
@@ -250,6 +256,10 @@ def _resident_specs(new, shape, dtype, decision):
 def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, journal=None, options=None):
     options = options or QuantOptions()
     family, args = model_args(src.config)
+    if hasattr(family, "expert_tensors"):  # a mixture of experts: expert bundles (convert/experts.py)
+        from .experts import write_moe_folder
+
+        return write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal, options, family, args)
     kinds = family.ffn_kinds(args)
     n_layers = args.num_hidden_layers
     options.check_layers(n_layers)
@@ -309,26 +319,7 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     report(notes)
     bar = _progress(total, progress, "convert")
 
-    quantized_modules = {}
-    for orig, new, shape, (kind, spec) in resident:
-        if kind != "float":
-            quantized_modules[new[: -len(".weight")]] = {"group_size": spec.group_size, "bits": spec.bits}
-    if journal.has(RESIDENT):
-        bar.update(os.path.getsize(tmp / RESIDENT))
-    else:
-        writer = SafetensorsWriter(tmp / RESIDENT, resident_specs, {"format": "mlx"})
-        for name, new, shape, decision in resident:
-            w = read_weight(src, name, decision)
-            if decision[0] == "float":
-                writer.write(new, w)
-            else:
-                stem = new[: -len(".weight")]
-                writer.write(new, w.packed, raw=True)
-                writer.write(stem + ".scales", w.scales, raw=True)
-                writer.write(stem + ".biases", w.biases, raw=True)
-            bar.update(sum(_nbytes(s, dt) for _, s, dt in _resident_specs(new, shape, dtype, decision)))
-        writer.close()
-        journal.record(RESIDENT, sha256_file(tmp / RESIDENT))
+    quantized_modules = _write_resident(src, tmp, resident, resident_specs, dtype, bar, journal)
 
     (tmp / "ffn").mkdir(exist_ok=True)
     ffn_files, scale_files = [], []
@@ -338,10 +329,10 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         dip_rels = [f"dip/{name}_{layer:03d}.bin" for name in ("in", "down")] if dip else []
         if all(journal.has(r) and journal.has(checksum_name(r)) for r in [rel] + dip_rels) and \
                 all(journal.has(r) for r in scales_rel):  # written by an earlier run
-            ffn_files.append(_bundle_entry(tmp, rel, journal))
+            ffn_files.append(bundle_entry(tmp, rel, journal))
             scale_files += [_entry(tmp, r, journal.done[r][1]) for r in scales_rel]
             for name, r in zip(("in", "down"), dip_rels):
-                dip_files[name].append(_bundle_entry(tmp, r, journal))
+                dip_files[name].append(bundle_entry(tmp, r, journal))
             bar.update(sum(journal.done[r][0] for r in [rel] + dip_rels))
             continue
         rows, tables, dip_in, dip_tables = {}, {}, {}, {}
@@ -372,17 +363,7 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         ffn_files.append(entry)
         del rows, tables, dip_in, dip_tables
 
-    resident_entry = {
-        "file": RESIDENT,
-        "size": os.path.getsize(tmp / RESIDENT),
-        "sha256": journal.done.get(RESIDENT, (0, None))[1] or sha256_file(tmp / RESIDENT),
-    }
-    src.write_tokenizer(tmp)
-    config = dict(src.config)
-    if quantized_modules:  # mlx-lm's form: a default and one entry per quantized module
-        common = Counter(tuple(v.items()) for v in quantized_modules.values()).most_common(1)[0][0]
-        config["quantization"] = dict(common) | quantized_modules
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    resident_entry = _write_config(src, tmp, journal, quantized_modules)
     manifest = Manifest(
         model_type=args.model_type,
         dtype=dtype,
@@ -397,6 +378,46 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     )
     write_manifest(tmp, manifest)
     bar.close()
+
+
+def _write_resident(src, tmp, resident, resident_specs, dtype, bar, journal):
+    """resident.safetensors (unless the journal has it) -> {module: its quantization} of the
+    quantized modules (config.json's mlx-lm form)."""
+    quantized_modules = {}
+    for orig, new, shape, (kind, spec) in resident:
+        if kind != "float":
+            quantized_modules[new[: -len(".weight")]] = {"group_size": spec.group_size, "bits": spec.bits}
+    if journal.has(RESIDENT):
+        bar.update(os.path.getsize(tmp / RESIDENT))
+        return quantized_modules
+    writer = SafetensorsWriter(tmp / RESIDENT, resident_specs, {"format": "mlx"})
+    for name, new, shape, decision in resident:
+        w = read_weight(src, name, decision)
+        if decision[0] == "float":
+            writer.write(new, w)
+        else:
+            stem = new[: -len(".weight")]
+            writer.write(new, w.packed, raw=True)
+            writer.write(stem + ".scales", w.scales, raw=True)
+            writer.write(stem + ".biases", w.biases, raw=True)
+        bar.update(sum(_nbytes(s, dt) for _, s, dt in _resident_specs(new, shape, dtype, decision)))
+    writer.close()
+    journal.record(RESIDENT, sha256_file(tmp / RESIDENT))
+    return quantized_modules
+
+
+
+def _write_config(src, tmp, journal, quantized_modules):
+    """The tokenizer files and config.json (mlx-lm's `quantization` naming each quantized
+    module) -> the resident file's manifest entry."""
+    src.write_tokenizer(tmp)
+    config = dict(src.config)
+    if quantized_modules:  # mlx-lm's form: a default and one entry per quantized module
+        common = Counter(tuple(v.items()) for v in quantized_modules.values()).most_common(1)[0][0]
+        config["quantization"] = dict(common) | quantized_modules
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    return {"file": RESIDENT, "size": os.path.getsize(tmp / RESIDENT),
+            "sha256": journal.done.get(RESIDENT, (0, None))[1] or sha256_file(tmp / RESIDENT)}
 
 
 _STORAGE_NAME = {"<f2": "float16", "<f4": "float32", "<u2": "bfloat16"}

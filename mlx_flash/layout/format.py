@@ -59,7 +59,8 @@ from .safetensors_io import from_storage
 
 FORMAT_NAME = "mlx_flash"
 FORMAT_VERSION = 2  # 2: quantized layouts (layout.quant, scales.safetensors)
-READ_VERSIONS = (1, 2)
+MOE_VERSION = 3  # 3: expert bundles (layout/experts.py); written for mixture-of-experts models only
+READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -231,6 +232,7 @@ class Manifest:
     dip: dict = field(default_factory=dict)  # {"input"|"down": {"layout": BundleLayout, "files": [...]}}
     scales: list = field(default_factory=list)  # quantized layouts: per layer {"file", "size", "sha256"}
     options: dict = field(default_factory=dict)  # the conversion's options ({"quant": ...})
+    experts: dict = field(default_factory=dict)  # MoE: {"layout": ExpertLayout, "files": [entry | None per layer]}
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
 
@@ -256,6 +258,10 @@ class Manifest:
             d["layout"] = BundleLayout.from_dict(d["layout"])
             d["dip"] = {name: {"layout": BundleLayout.from_dict(part["layout"]), "files": part["files"]}
                         for name, part in d.get("dip", {}).items()}
+            if d.get("experts"):
+                from .experts import ExpertLayout
+
+                d["experts"] = dict(d["experts"], layout=ExpertLayout.from_dict(d["experts"]["layout"]))
             return cls(**d)
         except (KeyError, TypeError, ValueError) as e:
             raise FlashError(f"{where}: malformed manifest ({e})")

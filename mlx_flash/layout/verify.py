@@ -27,6 +27,8 @@ def bundle_files(manifest):
     out = [(e, manifest.layout) for e in manifest.ffn_files]
     for part in manifest.dip.values():
         out += [(e, part["layout"]) for e in part["files"]]
+    if manifest.experts:
+        out += [(e, manifest.experts["layout"]) for e in manifest.experts["files"] if e is not None]
     return out
 
 

@@ -15,6 +15,10 @@ FAMILIES = {
     "qwen3": "llama",
     "smollm2": "llama",
     "opt": "opt",
+    "mixtral": "moe",
+    "qwen2_moe": "moe",
+    "qwen3_moe": "moe",
+    "olmoe": "moe",
 }
 
 

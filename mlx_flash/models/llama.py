@@ -61,9 +61,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=args.attention_bias)
+        # qk_norm: True (Qwen3: per head) or "full" (OLMoE: over the whole projection, before the split)
+        self.qk_norm_full = args.qk_norm == "full"
         if args.qk_norm:
-            self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+            q_dim, k_dim = (n_heads * head_dim, n_kv_heads * head_dim) if self.qk_norm_full else (head_dim, head_dim)
+            self.q_norm = nn.RMSNorm(q_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(k_dim, eps=args.rms_norm_eps)
         self.rope = initialize_rope(
             head_dim,
             args.rope_theta,
@@ -75,9 +78,11 @@ class Attention(nn.Module):
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, L, self.n_heads, -1)
         k = k.reshape(B, L, self.n_kv_heads, -1)
-        if "q_norm" in self:
+        if "q_norm" in self and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.transpose(0, 2, 1, 3)
         k = k.transpose(0, 2, 1, 3)

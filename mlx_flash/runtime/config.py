@@ -45,6 +45,9 @@ class FlashConfig:
                          "with --dip; predictor a calibrated one)", "--sparsity", _sparsity_names)
     gamma: float = _opt(0.2, "DIP-CA re-weighting of uncached entries", "--gamma")
     eviction: str = _opt("lfu", "DIP caches' eviction policy", "--eviction", ("lru", "lfu"))
+    expert_eviction: str = _opt("edgemoe", "mixture-of-experts models under --memory-budget: which expert the "
+                                "full buffer gives up (lru, lfu, or edgemoe: EdgeMoE's use frequency weighted by "
+                                "how soon its layer runs again)", "--expert-eviction", ("lru", "lfu", "edgemoe"))
     density: float = _opt(1.0, "kept fraction of neurons (top-k sources); of the FFN's weights per token, on "
                             "average (dip, calibrated)", "--density")
     memory_budget: str | None = _opt(None, "weights in DRAM: '50%%' of the model or '4GB' (the paper's "

@@ -1,0 +1,52 @@
+"""The expert buffer (EdgeMoE §3.3): preallocated slots shared by every layer's experts.
+
+Knows ids and slots, never files or models: an id is layer * n_experts + expert; a slot
+is a row of the store's slab matrices. `place(ids)` says where each wanted id lives,
+choosing slots for the missing ones (free slots first, then the eviction policy's
+victims, never an id of this call) and recording every use with the policy.
+"""
+
+import numpy as np
+
+from .eviction import POLICIES
+
+
+class ExpertCache:
+    def __init__(self, n_slots, n_experts, n_layers, policy="edgemoe"):
+        if policy not in ("lru", "lfu", "edgemoe"):
+            raise ValueError(f"unknown expert eviction policy {policy!r}")
+        n_ids = n_experts * n_layers
+        self.n_slots, self.n_experts = n_slots, n_experts
+        self.policy = POLICIES[policy](n_ids, n_experts, n_layers) if policy == "edgemoe" else POLICIES[policy](n_ids)
+        self.slot_of = np.full(n_ids, -1, dtype=np.int64)
+        self.id_in = np.full(n_slots, -1, dtype=np.int64)
+        self.step = 0
+
+    def ids(self, layer, experts):
+        return layer * self.n_experts + np.asarray(experts, dtype=np.int64)
+
+    def place(self, ids):
+        """Unique ids -> (their slots, the missing ids, the slots to read them into)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size > self.n_slots:
+            raise ValueError(f"{ids.size} experts at once, the buffer has {self.n_slots} slots")
+        missing = ids[self.slot_of[ids] < 0]
+        free = np.flatnonzero(self.id_in < 0)[: missing.size]
+        if free.size < missing.size:
+            cached = self.id_in[self.id_in >= 0]
+            gone = self.policy.victims(cached, missing.size - free.size, ids, self.step)
+            slots = self.slot_of[gone]
+            self.slot_of[gone] = -1
+            free = np.concatenate([free, slots])
+        self.slot_of[missing] = free
+        self.id_in[free] = missing
+        self.policy.touch(ids, self.step)
+        self.step += 1
+        return self.slot_of[ids], missing, free
+
+    def forget(self, ids):
+        """Drop ids whose slots did not get their bytes (a failed read)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        slots = self.slot_of[ids]
+        self.id_in[slots[slots >= 0]] = -1
+        self.slot_of[ids] = -1

@@ -1,0 +1,292 @@
+"""Mixture-of-experts families on the llama attention: Mixtral, Qwen2-MoE (shared expert with
+its gate), Qwen3-MoE, OLMoE (q/k norm over the whole projection).
+
+Routing follows each family's mlx_lm module, so that with every expert in DRAM the logits
+match mlx_lm's. The experts themselves are never held here: `ExpertFFN` asks a store
+(runtime/stores/experts.py) for the slots that hold the routed experts, and multiplies on
+the store's slabs with `mx.gather_qmm` / `mx.gather_mm` as mlx_lm's SwitchGLU does on its
+stacked weights. The router, attention, norms and shared experts are resident.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask
+
+from ..errors import FlashError
+from .llama import Attention
+
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# where each family keeps its MoE block, and what mlx_lm names its experts' stacked weights
+BLOCK = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp", "olmoe": "mlp"}
+HF_EXPERT = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}  # the others: gate_proj, up_proj, down_proj
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    rms_norm_eps: float
+    vocab_size: int
+    num_experts_per_tok: int = 2
+    num_experts: Optional[int] = None  # qwen2_moe, qwen3_moe, olmoe
+    num_local_experts: Optional[int] = None  # mixtral
+    moe_intermediate_size: Optional[int] = None  # qwen: the experts' size (intermediate_size: dense layers)
+    shared_expert_intermediate_size: Optional[int] = None  # qwen2_moe
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    head_dim: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float = 1000000
+    rope_traditional: bool = False
+    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.n_experts = self.num_local_experts if self.model_type == "mixtral" else self.num_experts
+        self.d_expert = self.moe_intermediate_size or self.intermediate_size
+        self.qkv_bias = self.attention_bias or self.model_type == "qwen2_moe"
+        self.qk_norm = {"qwen3_moe": True, "olmoe": "full"}.get(self.model_type, False)
+
+    def is_moe_layer(self, layer):
+        if self.model_type != "qwen3_moe":
+            return True
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass
+class ExpertRows:
+    """What a store hands an ExpertFFN for one layer's routed experts."""
+
+    idx: mx.array  # slot of each (token, k) choice, the shape of the router's indices
+    weights: dict  # {kind: (weight, scales, biases)} (quantized) or {kind: weight}: [slots, out, in...]
+    bits: Optional[int] = None  # quantized: gather_qmm's bits and group size
+    group_size: Optional[int] = None
+    mask: Optional[mx.array] = None  # 0/1 per choice: this part serves only some (a prompt, in groups)
+
+
+def _gather_sort(x, indices):  # as mlx_lm's switch_layers: many tokens, experts in order
+    *_, m = indices.shape
+    indices = indices.flatten()
+    order = mx.argsort(indices)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // m], indices[order], inv_order
+
+
+def _switch_linear(x, w, idx, rows, sorted_indices):
+    if rows.bits is None:
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sorted_indices)
+    weight, scales, biases = w
+    return mx.gather_qmm(x, weight, scales, biases, rhs_indices=idx, transpose=True, group_size=rows.group_size,
+                         bits=rows.bits, sorted_indices=sorted_indices)
+
+
+def switch_glu(x, rows: ExpertRows):
+    """mlx_lm's SwitchGLU on a store's slabs: [..., D] -> [..., k, D]."""
+    indices = rows.idx
+    x = mx.expand_dims(x, (-2, -3))
+    do_sort = indices.size >= 64
+    idx, inv_order = indices, None
+    if do_sort:
+        x, idx, inv_order = _gather_sort(x, indices)
+    up = _switch_linear(x, rows.weights["up"], idx, rows, do_sort)
+    gate = _switch_linear(x, rows.weights["gate"], idx, rows, do_sort)
+    x = _switch_linear(swiglu(gate, up), rows.weights["down"], idx, rows, do_sort)
+    if do_sort:
+        x = mx.unflatten(x[inv_order], 0, indices.shape)
+    return x.squeeze(-2)
+
+
+class ExpertFFN:
+    """A layer's experts, asked of `store` (set by the runtime): `store.experts(layer, inds)`
+    -> ExpertRows or a list of them (a prompt whose experts are more than the slots: each
+    part's output is evaluated before the store reads the next)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.store = None
+
+    def __call__(self, x, inds):
+        if self.store is None:
+            raise FlashError("the experts have no store; load the model with mlx_flash.load")
+        parts = self.store.experts(self.layer, inds)
+        if isinstance(parts, ExpertRows):
+            return switch_glu(x, parts)
+        y = None
+        for part in parts:
+            if callable(part):  # its reads overwrite slots the sum so far reads: evaluate it first
+                mx.eval(y)
+                part = part()
+            out = switch_glu(x, part) * part.mask[..., None].astype(x.dtype)
+            y = out if y is None else y + out
+        return y
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.family = args.model_type
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.n_experts, bias=False)
+        if args.shared_expert_intermediate_size:
+            self.shared_expert = MLP(args.hidden_size, args.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        self.experts = ExpertFFN(layer)
+
+    def route(self, x):
+        """-> (expert indices [..., k], their weights [..., k]) as the family's mlx_lm module."""
+        gates = self.gate(x)
+        k = self.top_k
+        if self.family == "mixtral":
+            inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
+            scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
+            return inds, scores
+        gates = mx.softmax(gates, axis=-1, precise=True)
+        if self.family == "qwen3_moe":
+            inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
+        else:
+            inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if self.norm_topk_prob and self.family != "qwen2_moe":  # (mlx_lm's qwen2_moe ignores it)
+            scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        return inds, scores
+
+    def __call__(self, x):
+        inds, scores = self.route(x)
+        y = self.experts(x, inds)
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.block_name = BLOCK[args.model_type]
+        if args.is_moe_layer(layer):
+            setattr(self, self.block_name, MoEBlock(args, layer))
+        else:  # a dense layer of a MoE model (Qwen3-MoE's mlp_only_layers): resident
+            setattr(self, self.block_name, MLP(args.hidden_size, args.intermediate_size))
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self[self.block_name](self.post_attention_layernorm(h))
+
+
+class MoEModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, cache=c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = MoEModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        out = self.model(inputs, cache, input_embeddings)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(out)
+        return self.lm_head(out)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def expert_ffns(self):
+        """{layer: ExpertFFN} of the layers with experts."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            block = layer[layer.block_name]
+            if isinstance(block, MoEBlock):
+                out[i] = block.experts
+        return out
+
+
+# --- how a checkpoint maps onto this model (used by the converter)
+
+
+def expert_tensors(args: ModelArgs, layer: int):
+    """{kind: (stacked mlx-lm name, [per-expert Hugging Face names])} of a MoE layer, or None."""
+    if not args.is_moe_layer(layer):
+        return None
+    p = f"model.layers.{layer}.{BLOCK[args.model_type]}."
+    hf = HF_EXPERT.get(args.model_type, {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+    return {kind: (f"{p}switch_mlp.{kind}_proj.weight",
+                   [f"{p}experts.{e}.{hf[kind]}.weight" for e in range(args.n_experts)])
+            for kind in ("gate", "up", "down")}
+
+
+def resident_name(args: ModelArgs, hf_name: str):
+    """HF tensor name -> this model's parameter name, or None to drop it."""
+    if "rotary_emb.inv_freq" in hf_name:
+        return None
+    if hf_name == "lm_head.weight" and args.tie_word_embeddings:
+        return None
+    return hf_name
+
+
+def ffn_kinds(args: ModelArgs):
+    return ()
+
+
+def ffn_tensors(args: ModelArgs, layer: int):
+    return {}  # no neuron bundles: the experts are expert bundles (expert_tensors)
+
+
+def check_supported(args: ModelArgs):
+    if not args.n_experts:
+        raise FlashError(f"{args.model_type}: config.json gives no number of experts "
+                         f"({'num_local_experts' if args.model_type == 'mixtral' else 'num_experts'})")
+    if not 1 <= args.num_experts_per_tok <= args.n_experts:
+        raise FlashError(f"{args.model_type}: num_experts_per_tok {args.num_experts_per_tok} is not in "
+                         f"1..{args.n_experts}")
+    if args.mlp_bias:
+        raise FlashError(f"{args.model_type} models with mlp_bias=true are not supported yet")
+    if args.hidden_act not in ("silu", "swish"):
+        raise FlashError(f"{args.model_type}: hidden_act '{args.hidden_act}' is not supported (the experts are SwiGLU)")

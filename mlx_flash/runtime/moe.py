@@ -1,0 +1,126 @@
+"""A mixture-of-experts model's runtime (issue 12): the expert buffer sized from the budget,
+the store that fills it, attached to every layer's ExpertFFN.
+
+Modes: `dense` holds every expert (read once at load); `auto` is dense without a budget, and
+under `--memory-budget` an expert buffer of as many slots as the budget leaves after the
+resident weights (router, attention, embeddings, shared experts), the routed experts read
+as they are asked for, evicted by `--expert-eviction` (EdgeMoE's score by default). The
+neuron modes (naive, hybrid, flash) and sparsity sources do not apply to experts: refused.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import BudgetTooSmall, FlashError
+from ..io import FlashReader
+from .budget import parse_budget
+from .stores.experts import ExpertStore
+
+
+@dataclass
+class MoERuntime:
+    """`model.runtime` of a mixture-of-experts model."""
+
+    config: object  # FlashConfig
+    folder: Path
+    manifest: object
+    compute_dtype: str
+    resident_bytes: int
+    store: ExpertStore
+    mode: str  # dense | experts
+    budget_bytes: int | None
+    model_bytes: int
+    ffns: list = field(default_factory=list, repr=False)
+
+    def stats(self):
+        """{"tokens": [], "summary": ...}: the expert buffer's use, per layer and in all."""
+        from .memory import peak_rss
+
+        s = self.store
+        summary = {"mode": self.mode, "memory_budget_bytes": self.budget_bytes, "model_bytes": self.model_bytes,
+                   "resident_bytes": self.resident_bytes, "expert_slots": s.slots,
+                   "experts_total": len(s.layers) * s.layout.n_experts, "expert_bytes": s.layout.bundle_bytes,
+                   "ffn_dram_bytes": s.weights_bytes, "eviction": self.config.expert_eviction,
+                   "weights_in_dram_bytes": self.resident_bytes + s.weights_bytes, "peak_rss_bytes": peak_rss()}
+        summary.update(s.stats.summary())
+        return {"tokens": [], "summary": summary}
+
+    def close(self):
+        for f in self.ffns:
+            f.store = None
+        if self.store is not None:
+            self.store.close()
+            self.store.reader.close()
+        self.store = None
+
+
+def check_moe_config(config):
+    """What a MoE model's runtime cannot do, said before anything loads."""
+    if config.mode not in ("auto", "dense"):
+        raise FlashError(f"--mode {config.mode}: a mixture-of-experts model runs dense (every expert in DRAM) or, "
+                         "under --memory-budget, with an expert buffer (--mode auto); the neuron modes do not apply")
+    if config.sparse_options:
+        raise FlashError("sparsity options (--sparsity, --density, ...) choose neurons; a mixture-of-experts "
+                         "model's router chooses its experts: drop them")
+    if config.memory_limit is not None:
+        raise FlashError("--memory-limit is not planned for mixture-of-experts models yet: give --memory-budget "
+                         "(the weights in DRAM)")
+    if config.mode == "dense" and config.memory_budget is not None:
+        raise FlashError("--mode dense holds every expert: --memory-budget does not apply (use --mode auto)")
+
+
+def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=False):
+    check_moe_config(config)
+    lay = manifest.experts["layout"]
+    layers = [i for i, e in enumerate(manifest.experts["files"]) if e is not None]
+    total = len(layers) * lay.n_experts
+    dtype = mx.float32 if config.dtype in (None, "float32") else getattr(mx, config.dtype)
+    slot = _slot_bytes(lay, dtype)
+    model_bytes = resident_bytes + total * slot
+    budget = parse_budget(config.memory_budget, model_bytes)
+    top_k = model.args.num_experts_per_tok
+    if budget is None:
+        slots, mode = total, "dense"
+    else:
+        slots, mode = min(total, max(0, (budget - resident_bytes) // slot)), "experts"
+        if slots < top_k:
+            need = resident_bytes + top_k * slot
+            reason = (f"the resident weights ({_mb(resident_bytes)}) and one token's {top_k} experts of a layer "
+                      f"({top_k} x {_mb(slot)}) need at least {_mb(need)}")
+            raise BudgetTooSmall(f"memory budget {_mb(budget)} is too small: {reason}", budget, need, reason)
+        if slots == total:
+            mode = "dense"
+    reader = FlashReader(threads=config.threads)
+    try:
+        store = ExpertStore(folder, manifest, slots, dtype, reader, config.expert_eviction, config.verify)
+        if mode == "dense":
+            store.load_all()
+            store.reset_stats()  # (what loading read is not a token's)
+    except BaseException:
+        reader.close()
+        raise
+    ffns = list(model.expert_ffns().values())
+    for f in ffns:
+        f.store = store
+    return MoERuntime(config, Path(folder), manifest, str(dtype).split(".")[-1], resident_bytes, store, mode,
+                      budget, model_bytes, ffns)
+
+
+def _slot_bytes(lay, dtype):
+    """DRAM of one expert in the buffer: packed values as stored, scales (or float weights) at the
+    compute dtype."""
+    size = mx.zeros((), dtype=dtype).itemsize
+    out = 0
+    for kind in ("gate", "up", "down"):
+        for name, shape, storage in lay.arrays(kind):
+            n = 1
+            for s in shape:
+                n *= s
+            out += n * (4 if storage == "uint32" else size)
+    return out
+
+
+def _mb(n):
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.2f} MB"

@@ -1,0 +1,165 @@
+"""Mixture-of-experts models (issue 12): expert bundles on flash, an expert buffer sized by the
+budget, parity with mlx_lm's own implementation of each family on the same weights."""
+
+import json
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+from mlx_lm import convert as mlx_lm_convert
+from mlx_lm.utils import load_model
+
+import mlx_flash
+from mlx_flash.cache.eviction import EdgeMoE, simulate_hits
+from mlx_flash.cache.expert_cache import ExpertCache
+from mlx_flash.convert import convert
+from mlx_flash.convert.quantize import QuantOptions
+from mlx_flash.errors import BudgetTooSmall, FlashError
+from mlx_flash.layout.format import read_manifest
+from mlx_flash.layout.verify import verify_folder
+from helpers import make_moe_folder
+from test_parity import TOKENS, greedy
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+def _budget(folder, slots):
+    """A --memory-budget (bytes) that leaves the expert buffer `slots` slots."""
+    model, _ = mlx_flash.load(folder)
+    rt = model.runtime
+    budget = rt.resident_bytes + slots * rt.store.slot_bytes
+    rt.close()
+    return str(budget)
+
+
+def _check(out, ref, tol=1e-4):
+    x = mx.array([TOKENS])
+    want = ref(x)
+    top_k = ref.args.num_experts_per_tok
+    for options in (dict(), dict(memory_budget=_budget(out, top_k)), dict(memory_budget=_budget(out, 2 * top_k + 1))):
+        model, _ = mlx_flash.load(out, **options)
+        diff = mx.abs(model(x) - want).max().item()
+        assert diff <= tol, f"{options}: max |logit diff| {diff}"
+        assert greedy(model, TOKENS) == greedy(ref, TOKENS), options
+        s = model.runtime.stats()["summary"]
+        if options:
+            assert model.runtime.mode == "experts" and s["expert_slots"] < s["experts_total"]
+            assert s["experts_read"] > 0 and 0 <= s["hit_rate"] < 1
+        else:
+            assert model.runtime.mode == "dense" and s["experts_read"] == 0 and s["hit_rate"] == 1
+        model.runtime.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float_experts_match_mlx_lm(tmp_path, family):
+    src, cfg, _ = make_moe_folder(tmp_path / "hf", family)
+    out = convert(src, tmp_path / "flash", progress=False, dtype="float32")
+    m = read_manifest(out)
+    assert m.version == 3 and m.ffn_files == [] and m.experts["layout"].quant is None
+    n_moe = sum(e is not None for e in m.experts["files"])
+    assert n_moe == (cfg["num_hidden_layers"] - len(cfg.get("mlp_only_layers", [])))
+    ref, _ = load_model(src)
+    ref.set_dtype(mx.float32)
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mlx_lm_quantized_experts_are_kept_and_match_mlx_lm(tmp_path, family, bits):
+    src, _, _ = make_moe_folder(tmp_path / "hf", family)
+    q = tmp_path / f"mlx-q{bits}"
+    mlx_lm_convert(str(src), str(q), quantize=True, q_bits=bits, q_group_size=32, dtype="float16")
+    out = convert(q, tmp_path / "flash", progress=False)
+    lay = read_manifest(out).experts["layout"]
+    assert (lay.quant.bits, lay.quant.group_size) == (bits, 32)
+    ref, _ = load_model(q)
+    ref.set_dtype(mx.float32)
+    _check(out, ref)
+
+
+def test_quantize_float_experts_gives_mlx_lm_convert_values(tmp_path):
+    """`convert -q` of a float MoE model stores the experts mlx_lm.convert -q makes, bit for bit."""
+    src, _, _ = make_moe_folder(tmp_path / "hf", "qwen3_moe")
+    q = tmp_path / "mlx-q4"
+    mlx_lm_convert(str(src), str(q), quantize=True, q_bits=4, q_group_size=64, dtype="float16")
+    ours = convert(src, tmp_path / "ours", progress=False, quant=QuantOptions(quantize=True, bits=4, group_size=64))
+    theirs = convert(q, tmp_path / "theirs", progress=False)
+    for a, b in zip(read_manifest(ours).experts["files"], read_manifest(theirs).experts["files"]):
+        assert (a is None and b is None) or a["sha256"] == b["sha256"]
+
+
+def test_a_flipped_byte_in_an_expert_is_found_on_the_token_that_reads_it(tmp_path):
+    src, _, _ = make_moe_folder(tmp_path / "hf", "mixtral")
+    out = convert(src, tmp_path / "flash", progress=False)
+    lay = read_manifest(out).experts["layout"]
+    path = out / "experts" / "layer_001.bin"
+    data = bytearray(path.read_bytes())
+    expert, offset = 2, lay.array_offset("up", "weight") + 10
+    data[expert * lay.stride + offset] ^= 0x40
+    path.write_bytes(bytes(data))
+    damage = verify_folder(out)
+    assert len(damage) == 1 and "bundle 2 (up" in str(damage[0])
+    for options in (dict(mode="dense", verify=False), dict(memory_budget=_budget_unchecked(out), verify=False)):
+        with pytest.raises(FlashError, match=r"layer 1, expert 2 \(up\)"):
+            model, _ = mlx_flash.load(out, **options)
+            for t in range(lay.n_experts * 4):  # until a token routes to it
+                model(mx.array([[t % 200, (7 * t) % 200, (13 * t + 5) % 200]]))
+
+
+def _budget_unchecked(folder):
+    lay = read_manifest(folder).experts["layout"]
+    resident = (folder / "resident.safetensors").stat().st_size * 2  # float16 on disk, float32 in DRAM
+    return str(resident + 3 * lay.bundle_bytes * 2)
+
+
+def test_what_a_moe_model_cannot_do_is_said(tmp_path):
+    src, cfg, _ = make_moe_folder(tmp_path / "hf", "mixtral")
+    out = convert(src, tmp_path / "flash", progress=False)
+    with pytest.raises(BudgetTooSmall, match="one token's 2 experts of a layer .* need at least"):
+        mlx_flash.load(out, memory_budget="1000")
+    for options, match in ((dict(mode="naive"), "neuron modes do not apply"),
+                           (dict(mode="flash", sparsity="oracle", density=0.5), "neuron modes do not apply"),
+                           (dict(memory_limit="2GB"), "--memory-limit is not planned"),
+                           (dict(mode="dense", memory_budget="50%"), "does not apply")):
+        with pytest.raises(FlashError, match=match):
+            mlx_flash.load(out, **options)
+    with pytest.raises(FlashError, match="--dip"):
+        convert(src, tmp_path / "dip", progress=False, dip=True)
+    other = tmp_path / "deepseek"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v3")))
+    (src / "model.safetensors").rename(other / "model.safetensors")
+    with pytest.raises(FlashError, match="unsupported model type 'deepseek_v3'"):
+        convert(other, tmp_path / "ds", progress=False)
+
+
+def test_edgemoe_evicts_rarely_used_experts_of_far_layers_first():
+    n_layers, n_experts = 4, 4
+    policy = EdgeMoE(n_layers * n_experts, n_experts, n_layers)
+    ids = lambda layer, e: layer * n_experts + e  # noqa: E731
+    policy.touch(np.array([ids(1, 0), ids(3, 0)]), 0)  # as often, as recently: layer 1 runs sooner
+    policy.touch(np.array([ids(1, 0), ids(3, 0)]), 1)
+    policy.touch(np.array([ids(2, 1)]), 2)  # used once
+    cached = np.array([ids(1, 0), ids(3, 0), ids(2, 1)])
+    # serving layer 0: layer 1 is next (distance 1), layer 2 at 2, layer 3 at 3
+    assert policy.victims(cached, 1, np.array([ids(0, 3)]), 3).tolist() == [ids(2, 1)]  # 1/2 < 2/3 < 2/1
+    assert policy.victims(cached, 2, np.array([ids(0, 3)]), 3).tolist() == [ids(2, 1), ids(3, 0)]
+    # serving layer 2: layer 3 is next (2/1), layer 1 farthest (2/3)
+    assert policy.victims(cached[:2], 1, np.array([ids(2, 3)]), 3).tolist() == [ids(1, 0)]
+
+
+def test_expert_cache_places_every_wanted_expert_and_never_evicts_one_of_the_same_call():
+    rng = np.random.default_rng(0)
+    for policy in ("lru", "lfu", "edgemoe"):
+        cache = ExpertCache(5, 8, 3, policy)
+        for step in range(200):
+            layer = step % 3
+            ids = cache.ids(layer, np.unique(rng.integers(0, 8, size=3)))
+            slots, missing, into = cache.place(ids)
+            assert (slots >= 0).all() and len(set(slots.tolist())) == len(slots)
+            assert (cache.id_in[slots] == ids).all()
+            assert np.isin(missing, ids).all() and len(into) == len(missing)
+        trace = [cache.ids(s % 3, np.unique(rng.integers(0, 8, size=3))) for s in range(300)]
+        hits = simulate_hits(EdgeMoE(24, 8, 3) if policy == "edgemoe" else cache.policy.__class__(24), trace, 5)
+        assert 0 <= hits <= 1

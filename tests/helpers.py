@@ -295,7 +295,7 @@ def make_moe_folder(folder, variant="mixtral", seed=0, dtype="float32", **overri
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(folder)
-    cfg = dict(MOE_BASE, **MOE_VARIANTS[variant], vocab_size=vocab, **overrides)
+    cfg = {**MOE_BASE, **MOE_VARIANTS[variant], "vocab_size": vocab, **overrides}
     (folder / "config.json").write_text(json.dumps(cfg))
     tensors = moe_tensors(cfg, np.random.default_rng(seed))
     write_safetensors(folder / "model.safetensors", tensors, dtype)

@@ -59,6 +59,12 @@ def main(argv=None):
         ffn = sum(f["size"] for f in m.ffn_files)
         q = m.layout.quant
         precision = m.dtype if q is None else f"{q.bits}-bit group {q.group_size} ({q.scale_dtype} scales)"
+        if m.experts:  # a mixture of experts
+            lay, files = m.experts["layout"], [f for f in m.experts["files"] if f is not None]
+            print(f"{out}: {m.model_type}, {len(files)} layers x {lay.n_experts} experts, expert {lay.bundle_bytes / 1e6:.2f} MB "
+                  f"(stride {lay.stride} B), {precision}; experts {sum(f['size'] for f in files) / 1e6:.1f} MB on "
+                  f"flash, resident {m.resident['size'] / 1e6:.1f} MB ({time.perf_counter() - t0:.1f} s)")
+            return
         print(
             f"{out}: {m.model_type}, {len(m.ffn_files)} layers x {m.layout.n_neurons} neurons, "
             f"bundle {m.layout.bundle_bytes} B (stride {m.layout.stride}), {precision}; "

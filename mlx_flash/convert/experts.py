@@ -19,7 +19,7 @@ from ..layout.experts import KINDS, ExpertLayout
 from ..layout.format import MOE_VERSION, BundleLayout, Manifest, checksum_name, write_manifest
 from ..layout.quant import QuantSpec, QuantTensor, quantize
 from ..layout.safetensors_io import to_storage
-from .convert import (_nbytes, _progress, _resident_specs, _write_config, _write_resident, bundle_entry,
+from .writer import (_nbytes, _progress, _resident_specs, _write_config, _write_resident, bundle_entry,
                       write_packed)
 from .quantize import report, target
 

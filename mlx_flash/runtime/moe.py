@@ -33,6 +33,7 @@ class MoERuntime:
     budget_bytes: int | None
     model_bytes: int
     ffns: list = field(default_factory=list, repr=False)
+    resident_dtype: str = ""  # what the router, attention and embeddings are held at
 
     def stats(self):
         """{"tokens": [], "summary": ...}: the expert buffer's use, per layer and in all."""
@@ -104,8 +105,11 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=
     ffns = list(model.expert_ffns().values())
     for f in ffns:
         f.store = store
+    from mlx.utils import tree_flatten
+
+    held = "quantized" if any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters())) else str(dtype)
     return MoERuntime(config, Path(folder), manifest, str(dtype).split(".")[-1], resident_bytes, store, mode,
-                      budget, model_bytes, ffns)
+                      budget, model_bytes, ffns, held.split(".")[-1])
 
 
 def _slot_bytes(lay, dtype):

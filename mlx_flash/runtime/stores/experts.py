@@ -70,7 +70,6 @@ class ExpertStore:
         for i in self.layers:
             entry = exp["files"][i]
             self.files[i] = reader.open(folder / entry["file"], expected_size=entry["size"])
-            crc = entry["crc32c"]
             self.crc[i] = read_checksums(folder, entry, lay, verify)
         self.weights, segments = self._slabs()
         self.segments = tuple(segments)

@@ -163,3 +163,26 @@ def test_expert_cache_places_every_wanted_expert_and_never_evicts_one_of_the_sam
         trace = [cache.ids(s % 3, np.unique(rng.integers(0, 8, size=3))) for s in range(300)]
         hits = simulate_hits(EdgeMoE(24, 8, 3) if policy == "edgemoe" else cache.policy.__class__(24), trace, 5)
         assert 0 <= hits <= 1
+
+
+def test_the_router_look_ahead_reads_ahead_and_changes_nothing(tmp_path):
+    """The next layer's router on this layer's residual names experts read in the background, right
+    far more often than chance; the logits and tokens are the same (a wrong guess costs reads, never
+    correctness)."""
+    src, _, _ = make_moe_folder(tmp_path / "hf", "qwen3_moe", num_hidden_layers=4, num_experts=12, mlp_only_layers=[])
+    out = convert(src, tmp_path / "flash", progress=False, dtype="float32")
+    budget = _budget(out, 9)
+    runs = {}
+    for prefetch in (True, False):
+        model, _ = mlx_flash.load(out, memory_budget=budget, prefetch=prefetch)
+        logits = model(mx.array([TOKENS]))
+        tokens = greedy(model, TOKENS, 24)
+        runs[prefetch] = (logits, tokens, model.runtime.stats()["summary"])
+        model.runtime.close()
+    (a, ta, sa), (b, tb, sb) = runs[True], runs[False]
+    assert mx.array_equal(a, b) and ta == tb
+    assert "prefetch" not in sb
+    p = sa["prefetch"]
+    assert p["predicted"] > 0 and 0 <= p["predicted_used"] <= p["predicted"] and p["read_s"] >= p["waited_s"] >= 0
+    chance = 3 / 12  # top-3 of 12 experts
+    assert p["predicted_used"] / p["predicted"] > 1.5 * chance, p

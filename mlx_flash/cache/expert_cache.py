@@ -25,23 +25,27 @@ class ExpertCache:
     def ids(self, layer, experts):
         return layer * self.n_experts + np.asarray(experts, dtype=np.int64)
 
-    def place(self, ids):
-        """Unique ids -> (their slots, the missing ids, the slots to read them into)."""
+    def place(self, ids, protect=None, touch=True):
+        """Unique ids -> (their slots, the missing ids, the slots to read them into). protect:
+        more ids that must stay (a prefetch keeps the experts the current layer computes on);
+        touch=False: a prediction, not a use (the policy hears of the use when it comes)."""
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size > self.n_slots:
-            raise ValueError(f"{ids.size} experts at once, the buffer has {self.n_slots} slots")
+        keep = ids if protect is None else np.concatenate([ids, np.asarray(protect, dtype=np.int64)])
+        if keep.size > self.n_slots:
+            raise ValueError(f"{keep.size} experts at once, the buffer has {self.n_slots} slots")
         missing = ids[self.slot_of[ids] < 0]
         free = np.flatnonzero(self.id_in < 0)[: missing.size]
         if free.size < missing.size:
             cached = self.id_in[self.id_in >= 0]
-            gone = self.policy.victims(cached, missing.size - free.size, ids, self.step)
+            gone = self.policy.victims(cached, missing.size - free.size, keep, self.step)
             slots = self.slot_of[gone]
             self.slot_of[gone] = -1
             free = np.concatenate([free, slots])
         self.slot_of[missing] = free
         self.id_in[free] = missing
-        self.policy.touch(ids, self.step)
-        self.step += 1
+        if touch:
+            self.policy.touch(ids, self.step)
+            self.step += 1
         return self.slot_of[ids], missing, free
 
     def forget(self, ids):

@@ -148,7 +148,16 @@ def expert_line(s):
     shown = ", ".join(f"{i}: {r:.2f}" for i, r in list(layers.items())[:8]) + (", ..." if len(layers) > 8 else "")
     return (f"Experts: {s['expert_slots']} slots for {s['experts_total']} experts ({s['eviction']} eviction); "
             f"{s['experts_asked']} asked for, {s['experts_read']} read ({s['bytes_read'] / 1e6:.1f} MB in "
-            f"{s['io_s']:.2f} s); hit rate {hit}" + (f" (per layer {shown})" if layers else ""))
+            f"{s['io_s']:.2f} s); hit rate {hit}" + (f" (per layer {shown})" if layers else "")
+            + _prefetch_text(s.get("prefetch")))
+
+
+def _prefetch_text(p):
+    if not p:
+        return ""
+    hidden = "-" if p["hidden_share"] is None else f"{100 * p['hidden_share']:.0f} %"
+    return (f"; look-ahead read {p['predicted']} experts ({p['bytes'] / 1e6:.1f} MB), {p['predicted_used']} of them "
+            f"used ({100 * p['precision']:.0f} %); of all expert reading, {hidden} hidden behind compute")
 
 
 def memory_line(s):

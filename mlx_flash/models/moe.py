@@ -118,20 +118,31 @@ class ExpertFFN:
     def __init__(self, layer):
         self.layer = layer
         self.store = None
+        self.lookahead = None  # (next MoE layer, its post-attention norm, its MoEBlock): set by Model
 
-    def __call__(self, x, inds):
+    def __call__(self, x, inds, residual=None):
         if self.store is None:
             raise FlashError("the experts have no store; load the model with mlx_flash.load")
         parts = self.store.experts(self.layer, inds)
+        if self.lookahead is not None and residual is not None and getattr(self.store, "prefetch", False):
+            # the router look-ahead: the next MoE layer's router on this layer's residual stream
+            # (before the next attention), its experts read while this layer computes
+            layer, norm, block = self.lookahead
+            self.store.read_ahead(layer, block.route(norm(residual))[0], self.store.busy)
         if isinstance(parts, ExpertRows):
-            return switch_glu(x, parts)
-        y = None
-        for part in parts:
-            if callable(part):  # its reads overwrite slots the sum so far reads: evaluate it first
-                mx.eval(y)
-                part = part()
-            out = switch_glu(x, part) * part.mask[..., None].astype(x.dtype)
-            y = out if y is None else y + out
+            y = switch_glu(x, parts)
+        else:
+            y = None
+            for part in parts:
+                if callable(part):  # its reads overwrite slots the sum so far reads: evaluate it first
+                    mx.eval(y)
+                    part = part()
+                out = switch_glu(x, part) * part.mask[..., None].astype(x.dtype)
+                y = out if y is None else y + out
+        # Evaluated here, so that no lazy result outlives this call still reading the slots: a
+        # caller may hold this call's output unevaluated while later calls refill them. (The
+        # router's read-back has synchronised this layer anyway; the look-ahead's read goes on.)
+        mx.eval(y)
         return y
 
 
@@ -176,9 +187,9 @@ class MoEBlock(nn.Module):
             scores = scores / mx.sum(scores, axis=-1, keepdims=True)
         return inds, scores
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         inds, scores = self.route(x)
-        y = self.experts(x, inds)
+        y = self.experts(x, inds, residual)
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -199,7 +210,10 @@ class TransformerBlock(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self[self.block_name](self.post_attention_layernorm(h))
+        block = self[self.block_name]
+        if isinstance(block, MoEBlock):
+            return h + block(self.post_attention_layernorm(h), residual=h)
+        return h + block(self.post_attention_layernorm(h))
 
 
 class MoEModel(nn.Module):
@@ -208,6 +222,9 @@ class MoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        moe = [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer[layer.block_name], MoEBlock)]
+        for (_, layer), (j, after) in zip(moe, moe[1:]):
+            layer[layer.block_name].experts.lookahead = (j, after.post_attention_layernorm, after[after.block_name])
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)

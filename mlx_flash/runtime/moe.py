@@ -95,7 +95,8 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=
             mode = "dense"
     reader = FlashReader(threads=config.threads)
     try:
-        store = ExpertStore(folder, manifest, slots, dtype, reader, config.expert_eviction, config.verify)
+        store = ExpertStore(folder, manifest, slots, dtype, reader, config.expert_eviction, config.verify,
+                            config.prefetch)
         if mode == "dense":
             store.load_all()
             store.reset_stats()  # (what loading read is not a token's)

@@ -15,6 +15,7 @@ built on the CPU (and Apple's unified memory) only.
 """
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -31,27 +32,41 @@ NP = {mx.float32: np.float32, mx.float16: np.float16}
 
 
 class ExpertStats:
-    """Per layer: experts asked for, found in the buffer, read; bytes and seconds of reads."""
+    """Per layer: experts asked for, found in the buffer (read ahead or kept), read when asked;
+    bytes and seconds of those reads; the look-ahead's predictions, how many came true, what
+    its reads cost and how long a layer still waited for them."""
 
     def __init__(self, n_layers):
         self.asked = np.zeros(n_layers, dtype=np.int64)
         self.hits = np.zeros(n_layers, dtype=np.int64)
         self.bytes = 0
         self.io_s = 0.0
+        self.predicted = 0  # experts the look-ahead named for a layer (not already in the buffer)
+        self.predicted_used = 0  # of those, asked for by that layer
+        self.prefetched_bytes = 0
+        self.prefetch_s = 0.0  # the worker's reading time
+        self.wait_s = 0.0  # of it, what a layer waited for (the rest was hidden by compute)
         self.trace = []  # [(layer, unique experts)] in order: the offline policies' input (Belady)
 
     def summary(self):
         asked = int(self.asked.sum())
         per_layer = {i: round(float(h / a), 4) for i, (h, a) in enumerate(zip(self.hits, self.asked)) if a}
-        return {"experts_asked": asked, "experts_read": asked - int(self.hits.sum()),
-                "hit_rate": float(self.hits.sum() / asked) if asked else None, "hit_rate_per_layer": per_layer,
-                "bytes_read": self.bytes, "io_s": self.io_s}
+        out = {"experts_asked": asked, "experts_read": asked - int(self.hits.sum()),
+               "hit_rate": float(self.hits.sum() / asked) if asked else None, "hit_rate_per_layer": per_layer,
+               "bytes_read": self.bytes, "io_s": self.io_s}
+        if self.predicted:
+            read = self.io_s + self.prefetch_s
+            out["prefetch"] = {"predicted": self.predicted, "predicted_used": self.predicted_used,
+                               "precision": self.predicted_used / self.predicted,
+                               "bytes": self.prefetched_bytes, "read_s": self.prefetch_s, "waited_s": self.wait_s,
+                               "hidden_share": (self.prefetch_s - self.wait_s) / read if read else None}
+        return out
 
 
 class ExpertStore:
     """A model's experts: `experts(layer, inds)` -> ExpertRows (or a list of parts)."""
 
-    def __init__(self, folder, manifest, slots, dtype, reader, policy="edgemoe", verify=True):
+    def __init__(self, folder, manifest, slots, dtype, reader, policy="edgemoe", verify=True, prefetch=True):
         exp = manifest.experts
         self.layout = lay = exp["layout"]
         self.folder = folder
@@ -76,6 +91,10 @@ class ExpertStore:
         self.checks_parts = tuple((o, n, j) for j, (o, n) in enumerate(lay.parts()))
         q = lay.quant
         self.bits, self.group_size = (q.bits, q.group_size) if q is not None else (None, None)
+        self.prefetch = prefetch and slots < total  # (dense: nothing to read ahead)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-experts") if self.prefetch else None
+        self._pending = None  # (layer, ids being read, their predicted set, future)
+        self._predicted = {}  # {layer: global ids the look-ahead read for it}
 
     def _slabs(self):
         """The slab matrices {kind: (weight, scales, biases) | weight} and the reader's segments
@@ -118,22 +137,65 @@ class ExpertStore:
     def reset_stats(self):
         self.stats = ExpertStats(len(self.manifest_files))
 
+    def _read(self, layer, missing, into):
+        """Read experts (global ids) of `layer` into their slots; a failure leaves them out of the buffer."""
+        try:
+            self.reader.read_bundles(self.files[layer], missing - layer * self.layout.n_experts,
+                                     self.layout.stride, self.segments, into,
+                                     checks=(self.crc[layer], self.checks_parts))
+        except ChecksumError as e:
+            self.cache.forget(missing)
+            raise FlashError(f"layer {layer}, expert {e.bundle} ({KINDS[e.part]}): {e}") from None
+        except BaseException:
+            self.cache.forget(missing)
+            raise
+
+    def _drain(self):
+        """Wait for the look-ahead's read in flight (its failure raises here)."""
+        if self._pending is None:
+            return
+        layer, missing, fut = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        try:
+            self.stats.prefetch_s += fut.result()
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+
+    def _timed_read(self, layer, missing, into):
+        t0 = time.perf_counter()
+        self._read(layer, missing, into)
+        return time.perf_counter() - t0
+
+    def read_ahead(self, layer, inds, busy):
+        """The look-ahead's guess of `layer`'s experts (router indices): read the ones not in the
+        buffer in the background, into slots that `busy` (the current layer's experts, global
+        ids) does not hold. A wrong guess costs reads, never correctness."""
+        if not self.prefetch or layer not in self.files:
+            return
+        self._drain()
+        guess = np.unique(np.array(inds).astype(np.int64))
+        ids = self.cache.ids(layer, guess)
+        ids = ids[self.cache.slot_of[ids] < 0][: max(0, self.slots - busy.size)]
+        if not ids.size:
+            return
+        _, missing, into = self.cache.place(ids, protect=busy, touch=False)
+        self._predicted[layer] = missing
+        self.stats.predicted += missing.size
+        self.stats.prefetched_bytes += missing.size * self.layout.bundle_bytes
+        self._pending = (layer, missing, self._worker.submit(self._timed_read, layer, missing, into))
+
     def _ensure(self, layer, experts):
         """Unique experts of `layer` into the buffer -> their slots."""
+        self._drain()
         ids = self.cache.ids(layer, experts)
+        guessed = self._predicted.pop(layer, None)
+        if guessed is not None:
+            self.stats.predicted_used += int(np.isin(guessed, ids).sum())
         slots, missing, into = self.cache.place(ids)
         if missing.size:
             t0 = time.perf_counter()
-            try:
-                self.reader.read_bundles(self.files[layer], missing - layer * self.layout.n_experts,
-                                         self.layout.stride, self.segments, into,
-                                         checks=(self.crc[layer], self.checks_parts))
-            except ChecksumError as e:
-                self.cache.forget(missing)
-                raise FlashError(f"layer {layer}, expert {e.bundle} ({KINDS[e.part]}): {e}") from None
-            except BaseException:
-                self.cache.forget(missing)
-                raise
+            self._read(layer, missing, into)
             self.stats.io_s += time.perf_counter() - t0
             self.stats.bytes += missing.size * self.layout.bundle_bytes
         self.stats.asked[layer] += ids.size
@@ -144,6 +206,7 @@ class ExpertStore:
         chosen = np.array(inds).astype(np.int64)  # (waits for the router: see the module docstring)
         unique, inverse = np.unique(chosen, return_inverse=True)
         self.stats.trace.append((layer, unique))
+        self.busy = self.cache.ids(layer, unique)
         if unique.size <= self.slots:
             slots = self._ensure(layer, unique)
             return self._rows(slots[inverse].reshape(chosen.shape))
@@ -167,6 +230,13 @@ class ExpertStore:
         return ExpertRows(mx.array(slots.astype(np.int32)), self.weights, self.bits, self.group_size, mask)
 
     def close(self):
+        try:
+            self._drain()
+        except Exception:  # (closing: a failed read ahead has nobody left to tell)
+            pass
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
         for f in self.files.values():
             self.reader.close_file(f)
         self.files = {}

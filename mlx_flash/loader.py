@@ -345,6 +345,13 @@ def _load_moe(folder, manifest, config, progress):
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    if quantized_modules(model) and mx.default_device() == mx.cpu:  # as a dense model's (_build_model)
+        kernels, why = kernels_module()
+        if kernels is None:
+            log_once("qmv", "mlx_flash: quantized weights held at their bits go through MLX's quantized "
+                     "matmul on the CPU, 2x (decode) to 50x (prompt) slower than float32: %s", why)
+        else:
+            use_native_kernels(model, kernels, DTYPES[dtype])
     mx.eval(model.parameters())
     mx.clear_cache()
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -186,3 +186,19 @@ def test_the_router_look_ahead_reads_ahead_and_changes_nothing(tmp_path):
     assert p["predicted"] > 0 and 0 <= p["predicted_used"] <= p["predicted"] and p["read_s"] >= p["waited_s"] >= 0
     chance = 3 / 12  # top-3 of 12 experts
     assert p["predicted_used"] / p["predicted"] > 1.5 * chance, p
+
+
+def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):
+    from mlx_flash.bench.moe import ROWS, run_moe_bench
+
+    res = run_moe_bench("tiny-moe", budgets=("50%",), tokens=2, rounds=1, warmup=1, out=tmp_path / "out",
+                        progress=False, home=tmp_path / "home")
+    assert [e["row"] for e in res["rows"]] == list(ROWS)
+    rows = {e["row"]: e for e in res["rows"]}
+    assert rows["naive"]["slots"] == res["top_k"] and rows["lru"]["slots"] > res["top_k"]
+    assert rows["naive"]["hit_rate"] == 0 and rows["naive"]["read_mb_per_token"] > 0
+    assert rows["edgemoe+lookahead"]["predicted"] > 0 and rows["edgemoe"]["predicted"] == 0
+    sim = res["simulated_hit_rates"]["50%"]
+    assert sim["belady"] >= max(sim["lru"], sim["lfu"], sim["edgemoe"]) - 1e-9
+    text = (tmp_path / "out" / "moe-tiny-moe-q4.md").read_text()
+    assert "| 50% | edgemoe+lookahead |" in text and "Belady" in text

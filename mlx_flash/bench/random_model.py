@@ -47,6 +47,24 @@ SHAPES = {
     "tiny-opt": dict(OPT, hidden_size=64, ffn_dim=512, num_hidden_layers=2,
                      num_attention_heads=4, vocab_size=512, max_position_embeddings=256),
 }
+QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], rms_norm_eps=1e-6,
+                 rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=False, hidden_act="silu",
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=1, eos_token_id=2)
+MIXTRAL = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], rms_norm_eps=1e-5, rope_theta=1000000.0,
+               max_position_embeddings=4096, tie_word_embeddings=False, hidden_act="silu", bos_token_id=1,
+               eos_token_id=2)
+# mixtures of experts (benchmark moe): their real shapes, and a tiny one for tests
+SHAPES.update({
+    "qwen3-30b-a3b": dict(QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, vocab_size=151936),
+    "mixtral-8x7b": dict(MIXTRAL, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                         vocab_size=32000),
+    "tiny-moe": dict(QWEN3_MOE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     num_experts=16, num_experts_per_tok=4, vocab_size=512, max_position_embeddings=256),
+})
 # the two probes at 12 layers: the per-layer cost is the slope between 4 and 12 layers, what a
 # token costs once (embedding, lm_head, sampling, Python) the rest
 for _probe in ("tiny-llama", "probe-576"):
@@ -72,6 +90,8 @@ def tensor_shapes(cfg):
             t[q + "fc1.weight"], t[q + "fc1.bias"] = (f, d), (f,)
             t[q + "fc2.weight"], t[q + "fc2.bias"] = (d, f), (d,)
         return t
+    if cfg["model_type"] in ("qwen3_moe", "mixtral"):
+        return _moe_shapes(cfg)
     f, kv = cfg["intermediate_size"], cfg["num_key_value_heads"] * d // cfg["num_attention_heads"]
     t["model.embed_tokens.weight"] = (V, d)
     t["model.norm.weight"] = (d,)
@@ -86,6 +106,29 @@ def tensor_shapes(cfg):
     return t
 
 
+def _moe_shapes(cfg):
+    """{HF name: shape} of a mixture-of-experts checkpoint (one tensor per expert, as HF stores it)."""
+    from ..models.moe import BLOCK, ModelArgs, expert_tensors
+
+    args = ModelArgs.from_dict(cfg)
+    d, hd = args.hidden_size, args.head_dim or args.hidden_size // args.num_attention_heads
+    q, kv = args.num_attention_heads * hd, args.num_key_value_heads * hd
+    t = {"model.embed_tokens.weight": (args.vocab_size, d), "model.norm.weight": (d,),
+         "lm_head.weight": (args.vocab_size, d)}
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"], t[p + "self_attn.o_proj.weight"] = (q, d), (d, q)
+        t[p + "self_attn.k_proj.weight"] = t[p + "self_attn.v_proj.weight"] = (kv, d)
+        if args.qk_norm is True:
+            t[p + "self_attn.q_norm.weight"] = t[p + "self_attn.k_norm.weight"] = (hd,)
+        t[p + "input_layernorm.weight"] = t[p + "post_attention_layernorm.weight"] = (d,)
+        t[p + f"{BLOCK[args.model_type]}.gate.weight"] = (args.n_experts, d)
+        for kind, (_, names) in expert_tensors(args, i).items():
+            for name in names:
+                t[name] = (d, args.d_expert) if kind == "down" else (args.d_expert, d)
+    return t
+
+
 def shape_config(shape):
     if shape not in SHAPES:
         raise FlashError(f"unknown shape '{shape}' (available: {', '.join(SHAPES)})")
@@ -97,13 +140,36 @@ def parameter_count(shape):
 
 
 class RandomSource:
-    """A converter source: the tensors of `shape`, seeded noise, made when read."""
+    """A converter source: the tensors of `shape`, seeded noise, made when read.
 
-    def __init__(self, shape, seed=0, std=0.02):
+    bits: the 2-D weights are random `bits`-bit values (group 64, float16 scales and biases that
+    spread them over about +-2.5 std) held as an mlx-lm quantized folder holds them, kept as they
+    are by the converter: a checkpoint of tens of GB is then written at the disk's pace, with no
+    float weights to draw and quantize."""
+
+    def __init__(self, shape, seed=0, std=0.02, bits=None):
         self.config = shape_config(shape)
         self.shapes = tensor_shapes(self.config)
-        self.seed, self.std = seed, std
-        self.name = f"random:{shape}:seed{seed}"
+        self.seed, self.std, self.bits = seed, std, bits
+        self.name = f"random:{shape}:seed{seed}" + (f":q{bits}" if bits else "")
+
+    def quant(self, name):
+        from ..layout.quant import QuantSpec
+
+        if self.bits is None or len(self.shapes[name]) != 2:
+            return None
+        return QuantSpec(self.bits, 64, "float16")
+
+    def read_quantized(self, name):
+        from ..layout.quant import QuantTensor
+
+        out, n_in = self.shapes[name]
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        packed = rng.integers(0, 2**32, size=(out, n_in * self.bits // 32), dtype=np.uint32)
+        scale = np.float16(5 * self.std / (2**self.bits - 1))
+        scales = np.full((out, n_in // 64), scale, dtype=np.float16)
+        biases = np.full((out, n_in // 64), np.float16(-2.5 * self.std), dtype=np.float16)
+        return QuantTensor(packed, scales, biases, self.quant(name))
 
     def names(self):
         return list(self.shapes)
@@ -165,5 +231,10 @@ def build_checkpoint(shape, dtype="float16", home=None, progress=True, seed=0):
     quant = None
     if dtype in QUANTIZED:
         quant = QuantOptions(quantize=True, bits=QUANTIZED[dtype], group_size=64)
+    if shape_config(shape)["model_type"] in ("qwen3_moe", "mixtral"):  # random values at their bits (RandomSource)
+        if dtype not in QUANTIZED:
+            raise FlashError(f"{shape}: the mixture-of-experts shapes are built at q4 or q8")
+        return convert(RandomSource(shape, seed=seed, bits=QUANTIZED[dtype]), checkpoint_dir(shape, dtype, home),
+                       dtype="float16", progress=progress)
     return convert(RandomSource(shape, seed=seed), checkpoint_dir(shape, dtype, home),
                    dtype="float16" if quant else dtype, progress=progress, quant=quant)

@@ -78,6 +78,7 @@ def build_parser():
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     add_paper_parser(sub)
     add_peers_parser(sub)
+    add_moe_parser(sub)
     add_profile_parser(sub)
     add_batch_parser(sub)
     return p
@@ -207,6 +208,40 @@ def add_batch_parser(sub):
     s.add_argument("--out", default="results/batch")
 
 
+def add_moe_parser(sub):
+    from ..bench.moe import ROWS
+    from ..bench.random_model import SHAPES
+
+    s = sub.add_parser("moe", help="a mixture of experts of a real shape (random 4-bit weights) from flash: "
+                       "naive, expert buffer with LRU / LFU / EdgeMoE eviction, + router look-ahead (EdgeMoE)")
+    moe = sorted(k for k, v in SHAPES.items() if v["model_type"] in ("qwen3_moe", "mixtral"))
+    s.add_argument("--shape", default="qwen3-30b-a3b", choices=moe)
+    s.add_argument("--budgets", type=_list(str), default=["25%", "50%"],
+                   help="expert buffers: shares of the model's weights as held (default 25%%,50%%)")
+    s.add_argument("--rows", type=_list(str), default=list(ROWS), help=f"of {', '.join(ROWS)}")
+    s.add_argument("--tokens", type=int, default=8, help="measured decode tokens per row and round")
+    s.add_argument("--warmup", type=int, default=4, help="decode tokens before measuring (fill the buffer)")
+    s.add_argument("--rounds", type=int, default=2, help="alternating rounds over the rows (medians)")
+    s.add_argument("--out", default="results/moe")
+    s.add_argument("--quiet", action="store_true", help="no progress")
+
+
+def moe_main(args):
+    from ..bench import moe
+    from ..errors import FlashError
+
+    bad = [r for r in args.rows if r not in moe.ROWS]
+    if bad:
+        raise FlashError(f"--rows: unknown {', '.join(bad)} (choose from {', '.join(moe.ROWS)})")
+    if args.tokens < 1 or args.rounds < 1 or args.warmup < 0:
+        raise FlashError("--tokens and --rounds must be positive, --warmup not negative")
+    res = moe.run_moe_bench(args.shape, tuple(args.budgets), args.tokens, args.rounds, args.warmup,
+                            tuple(args.rows), args.out, progress=not args.quiet)
+    path = Path(args.out) / f"moe-{res['shape']}-q4.md"
+    print(path.read_text())
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+
+
 def batch_main(args, argv):
     from ..bench import batch
     from ..errors import FlashError
@@ -253,6 +288,8 @@ def main(argv=None):
         return run(lambda: paper_main(args, argv), "mlx_flash.benchmark")
     if args.what == "batch":
         return run(lambda: batch_main(args, argv), "mlx_flash.benchmark")
+    if args.what == "moe":
+        return run(lambda: moe_main(args), "mlx_flash.benchmark")
 
     def body():
         from ..bench import storage

@@ -78,7 +78,7 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=
     layers = [i for i, e in enumerate(manifest.experts["files"]) if e is not None]
     total = len(layers) * lay.n_experts
     dtype = mx.float32 if config.dtype in (None, "float32") else getattr(mx, config.dtype)
-    slot = _slot_bytes(lay, dtype)
+    slot = slot_bytes(lay, dtype)
     model_bytes = resident_bytes + total * slot
     budget = parse_budget(config.memory_budget, model_bytes)
     top_k = model.args.num_experts_per_tok
@@ -113,7 +113,7 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=
                       budget, model_bytes, ffns, held.split(".")[-1])
 
 
-def _slot_bytes(lay, dtype):
+def slot_bytes(lay, dtype):
     """DRAM of one expert in the buffer: packed values as stored, scales (or float weights) at the
     compute dtype."""
     size = mx.zeros((), dtype=dtype).itemsize

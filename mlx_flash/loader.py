@@ -319,7 +319,8 @@ def _build_model(folder, manifest, config: FlashConfig):
 
 def _load_moe(folder, manifest, config, progress):
     """A mixture-of-experts model: its resident weights (router, attention, embeddings, shared
-    experts) in DRAM, its experts in an expert buffer (runtime/moe.py)."""
+    experts) in DRAM, its experts in an expert buffer (runtime/moe.py) of what --memory-budget,
+    or --memory-limit less the runtime, the KV cache and the prompt's temporaries, leaves."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from .models import model_args
@@ -329,22 +330,36 @@ def _load_moe(folder, manifest, config, progress):
     model_config = json.loads((folder / "config.json").read_text())
     family, args = model_args(model_config)
     dtype = compute_dtype(config, manifest)
+    if config.memory_limit is not None:
+        check_limit_before_loading(config.memory_limit, manifest.resident["size"])
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
     except Exception as e:
         raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
+    release_heap()
     model = family.Model(args)
     quantize_resident(model, model_config.get("quantization"), folder)
     check_file(folder, manifest.resident, checksum=config.verify)
+    memory = None
+    if config.memory_limit is not None:  # (measured before the weights load: they are in the budget)
+        shape = model_shape(model, args.hidden_size, args.num_experts_per_tok * args.d_expert)
+        memory = plan_memory(config.memory_limit, shape, DTYPES[dtype].size, config.ctx_size,
+                             kv_itemsize=kv_value_bytes(DTYPES[dtype].size, config.kv_bits, config.kv_group_size))
+        logging.getLogger("mlx_flash").warning("%s", memory.describe())
+        config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
     try:
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:
         raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
-    weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    for k in list(weights):  # one tensor at a time
+        v = weights[k]
+        weights[k] = v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
+        mx.eval(weights[k])
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    del weights
     if quantized_modules(model) and mx.default_device() == mx.cpu:  # as a dense model's (_build_model)
         kernels, why = kernels_module()
         if kernels is None:
@@ -354,8 +369,17 @@ def _load_moe(folder, manifest, config, progress):
             use_native_kernels(model, kernels, DTYPES[dtype])
     mx.eval(model.parameters())
     mx.clear_cache()
+    if config.memory_budget is not None:
+        mx.set_cache_limit(MLX_CACHE_LIMIT)
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    model.runtime = build_moe_runtime(model, folder, manifest, config, resident, progress)
+    try:
+        model.runtime = build_moe_runtime(model, folder, manifest, config, resident, progress)
+    except BudgetTooSmall as e:
+        raise (e if memory is None else memory.restate(e)) from None
+    model.runtime.memory = memory
+    if memory is not None or config.kv_bits is not None:
+        model.make_cache = partial(kv_caches, len(model.layers), memory.context if memory is not None else None,
+                                   config.kv_bits, config.kv_group_size)
     model.eval()
     return model, tokenizer
 

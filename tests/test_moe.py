@@ -120,7 +120,7 @@ def test_what_a_moe_model_cannot_do_is_said(tmp_path):
         mlx_flash.load(out, memory_budget="1000")
     for options, match in ((dict(mode="naive"), "neuron modes do not apply"),
                            (dict(mode="flash", sparsity="oracle", density=0.5), "neuron modes do not apply"),
-                           (dict(memory_limit="2GB"), "--memory-limit is not planned"),
+                           (dict(kv_cache="flash"), "keeps one sequence's KV cache in DRAM"),
                            (dict(mode="dense", memory_budget="50%"), "does not apply")):
         with pytest.raises(FlashError, match=match):
             mlx_flash.load(out, **options)
@@ -202,3 +202,33 @@ def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):
     assert sim["belady"] >= max(sim["lru"], sim["lfu"], sim["edgemoe"]) - 1e-9
     text = (tmp_path / "out" / "moe-tiny-moe-q4.md").read_text()
     assert "| 50% | edgemoe+lookahead |" in text and "Belady" in text
+
+
+def test_generate_under_a_cgroup_of_the_limit(tmp_path):
+    """A mixture of experts larger than its --memory-limit decodes inside a memory cgroup of that size:
+    no OOM kill, the peak RSS under the limit, the expert buffer holding part of the experts; a limit
+    too small is a clear error naming the limit that would do."""
+    import re
+    import subprocess
+    import sys
+
+    from mlx_flash.bench.random_model import build_checkpoint
+    from test_memory_limit import MB, _cgroup_runner
+
+    folder = build_checkpoint("small-moe", "q4", home=tmp_path, progress=False)
+    experts = sum(p.stat().st_size for p in (folder / "experts").glob("*.bin"))
+    assert experts > 200 * MB
+    for limit_mb, ok in ((300, True), (120, False)):
+        cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(folder), "--memory-limit",
+               f"{limit_mb}MB", "--prompt", "the sea", "--max-tokens", "12", "--stats"]
+        log = tmp_path / f"out-{limit_mb}.txt"
+        with _cgroup_runner() as runner, open(log, "w") as out:
+            r = runner.run(cmd, limit_bytes=limit_mb * MB, timeout=600, stdout=out, stderr=subprocess.STDOUT)
+        text = log.read_text()
+        assert not r.oom_killed, (r, text[-2000:])
+        if not ok:
+            assert r.returncode == 2 and "raise --memory-limit to at least" in text, text[-2000:]
+            continue
+        assert r.returncode == 0 and r.peak_bytes <= limit_mb * MB, (r, text[-2000:])
+        slots = re.search(r"Experts: (\d+) slots for (\d+) experts", text)
+        assert slots and 4 <= int(slots.group(1)) < int(slots.group(2)), text[-2000:]

@@ -61,6 +61,10 @@ SHAPES.update({
     "mixtral-8x7b": dict(MIXTRAL, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                          vocab_size=32000),
+    # a model of a few hundred MB for the tests under a memory cgroup
+    "small-moe": dict(QWEN3_MOE, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
+                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                      num_experts=64, num_experts_per_tok=4, vocab_size=512, max_position_embeddings=512),
     "tiny-moe": dict(QWEN3_MOE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                      num_experts=16, num_experts_per_tok=4, vocab_size=512, max_position_embeddings=256),

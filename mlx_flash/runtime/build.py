@@ -111,12 +111,7 @@ class Runtime:
                                              "bytes_per_token": self.attention.streamed_bytes,
                                              "buffer_bytes": self.attention.weights_bytes}
         if self.memory is not None:
-            m = self.memory
-            summary["memory_limit"] = {"limit_bytes": m.limit, "weights_bytes": m.weights,
-                                       "runtime_bytes": m.baseline, "kv_bytes": m.kv, "ctx_size": m.context,
-                                       "activation_bytes": m.activations, "prefill_step": m.prefill_step,
-                                       "mlx_cache_bytes": m.mlx_cache, "margin_bytes": m.margin,
-                                       "kv_on_flash": m.kv_on_flash, "batch": m.batch}
+            summary["memory_limit"] = self.memory.as_dict()
         from ..plan.profile import load_profile
 
         profile = load_profile()  # (a cached one: --stats never measures the machine)

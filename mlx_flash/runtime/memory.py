@@ -194,6 +194,13 @@ class MemoryPlan:
                 f"activations {mb(self.activations)} (prompt chunks of {self.prefill_step}), MLX cache "
                 f"{mb(self.mlx_cache)}, margin {mb(self.margin)}")
 
+    def as_dict(self):
+        """What --stats and the benchmarks show of the plan (runtime.stats()["summary"]["memory_limit"])."""
+        return {"limit_bytes": self.limit, "weights_bytes": self.weights, "runtime_bytes": self.baseline,
+                "kv_bytes": self.kv, "ctx_size": self.context, "activation_bytes": self.activations,
+                "prefill_step": self.prefill_step, "mlx_cache_bytes": self.mlx_cache, "margin_bytes": self.margin,
+                "kv_on_flash": self.kv_on_flash, "batch": self.batch}
+
     def describe(self):
         mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
         return f"memory limit {mb(self.limit)} ({self.source}): weights {mb(self.weights)}; besides them {self._besides()}"

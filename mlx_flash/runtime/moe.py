@@ -34,6 +34,7 @@ class MoERuntime:
     model_bytes: int
     ffns: list = field(default_factory=list, repr=False)
     resident_dtype: str = ""  # what the router, attention and embeddings are held at
+    memory: object = None  # memory.MemoryPlan under --memory-limit (set by load())
 
     def stats(self):
         """{"tokens": [], "summary": ...}: the expert buffer's use, per layer and in all."""
@@ -46,6 +47,8 @@ class MoERuntime:
                    "ffn_dram_bytes": s.weights_bytes, "eviction": self.config.expert_eviction,
                    "weights_in_dram_bytes": self.resident_bytes + s.weights_bytes, "peak_rss_bytes": peak_rss()}
         summary.update(s.stats.summary())
+        if self.memory is not None:
+            summary["memory_limit"] = self.memory.as_dict()
         return {"tokens": [], "summary": summary}
 
     def close(self):
@@ -65,9 +68,9 @@ def check_moe_config(config):
     if config.sparse_options:
         raise FlashError("sparsity options (--sparsity, --density, ...) choose neurons; a mixture-of-experts "
                          "model's router chooses its experts: drop them")
-    if config.memory_limit is not None:
-        raise FlashError("--memory-limit is not planned for mixture-of-experts models yet: give --memory-budget "
-                         "(the weights in DRAM)")
+    if config.kv_cache == "flash" or config.batch_size > 1:
+        raise FlashError("a mixture-of-experts model keeps one sequence's KV cache in DRAM (--kv-cache flash and "
+                         "batches under --memory-limit are not written for experts yet)")
     if config.mode == "dense" and config.memory_budget is not None:
         raise FlashError("--mode dense holds every expert: --memory-budget does not apply (use --mode auto)")
 

@@ -25,6 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 SHAPE = dict(d_model=4096, n_layers=32, n_heads=32, n_ff=11008, context=4096, eps=1e-5)
 
 
+def copy_tokenizer(w, src):
+    """The tokenizer metadata of GGUFReader `src`, as it is, into GGUFWriter `w`."""
+    import gguf
+
+    for f in src.fields.values():
+        if not f.name.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+
+
 def main():
     import gguf
     from gguf import quants
@@ -60,12 +72,7 @@ def main():
     w.add_layer_norm_rms_eps(SHAPE["eps"])
     w.add_rope_freq_base(10000.0)
     w.add_file_type(int(ftype))
-    for f in src.fields.values():  # the tokenizer, as it is
-        if not f.name.startswith("tokenizer."):
-            continue
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    copy_tokenizer(w, src)
 
     tensors = [("token_embd.weight", (vocab, d)), ("output_norm.weight", (d,))]
     for i in range(nl):

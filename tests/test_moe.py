@@ -232,3 +232,40 @@ def test_generate_under_a_cgroup_of_the_limit(tmp_path):
         assert r.returncode == 0 and r.peak_bytes <= limit_mb * MB, (r, text[-2000:])
         slots = re.search(r"Experts: (\d+) slots for (\d+) experts", text)
         assert slots and 4 <= int(slots.group(1)) < int(slots.group(2)), text[-2000:]
+
+
+def test_a_qwen3moe_gguf_keeps_its_q4_1_experts_bit_exact(tmp_path, smollm2_gguf):
+    """llama.cpp's merged *_exps tensors -> expert bundles holding the file's values, bit for bit."""
+    import sys
+    from pathlib import Path
+
+    import gguf
+
+    from mlx_flash.layout.quant import QuantSpec, dequantize
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from random_moe_gguf import SHAPE, write_random_moe_gguf
+
+    shape = dict(SHAPE, d_model=64, n_layers=2, n_heads=4, n_kv=2, head_dim=32, n_ff=128, expert_ff=64,
+                 experts=8, top_k=2)
+    path = write_random_moe_gguf(tmp_path / "m.gguf", shape, smollm2_gguf, progress=False)
+    out = convert(path, tmp_path / "flash", progress=False)
+    m = read_manifest(out)
+    lay = m.experts["layout"]
+    assert m.model_type == "qwen3_moe" and lay.quant == QuantSpec(4, 32, "float16") and lay.n_experts == 8
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    raw = np.frombuffer((out / "experts" / "layer_001.bin").read_bytes(), dtype=np.uint8)
+    for kind, name in (("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
+        t = tensors[f"blk.1.{name}.weight"]
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(8, *lay.shape(kind))
+        for e in (0, 5):
+            part = {}
+            for arr, shp, dt in lay.arrays(kind):
+                off = e * lay.stride + lay.array_offset(kind, arr)
+                part[arr] = raw[off : off + lay.array_bytes(kind, arr)].view(np.uint32 if dt == "uint32" else np.float16)
+            got = dequantize(part["weight"].reshape(shp[0], -1), part["scales"].reshape(shp[0], -1),
+                             part["biases"].reshape(shp[0], -1), 4, 32, lay.shape(kind)[1])
+            assert np.array_equal(got, want[e]), (kind, e)
+    model, tok = mlx_flash.load(out, memory_budget=_budget(out, 4))
+    text = mlx_flash.generate(model, tok, "The sea", max_tokens=4)
+    assert isinstance(text, str) and model.runtime.stats()["summary"]["experts_read"] > 0

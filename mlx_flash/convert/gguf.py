@@ -27,6 +27,9 @@ ARCHS = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "permuted": True},
     "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "permuted": False},
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "permuted": False},
+    # mixtures of experts: a layer's experts of each kind merged in one [E, out, in] tensor
+    # (llama.cpp's *_exps), read as mlx-lm's stacked switch_mlp weights
+    "qwen3moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "permuted": False},
 }
 
 # llama.cpp tensor names -> HF names. "{i}" is the layer index.
@@ -47,6 +50,10 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 LAYER_ORDER = {k: i for i, k in enumerate(LAYER_NAMES)}
 
@@ -167,7 +174,7 @@ def llama3_rope_scaling(freqs, theta, head_dim):
 
 
 class GGUFSource:
-    """A llama / qwen2 / qwen3 GGUF file, read lazily tensor by tensor."""
+    """A llama / qwen2 / qwen3 / qwen3moe GGUF file, read lazily tensor by tensor."""
 
     def __init__(self, path):
         import gguf
@@ -264,7 +271,15 @@ class GGUFSource:
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "hidden_act": "silu",
         }
-        if head_dim != default_head_dim or self.arch == "qwen3":
+        if self.arch == "qwen3moe":
+            experts = self._arch_get("expert_count")
+            if not experts:
+                raise FlashError(f"{self.path.name}: a qwen3moe GGUF without {self.arch}.expert_count")
+            config.update(num_experts=experts, num_experts_per_tok=self._arch_get("expert_used_count"),
+                          moe_intermediate_size=self._arch_get("expert_feed_forward_length"),
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+            config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+        if head_dim != default_head_dim or self.arch in ("qwen3", "qwen3moe"):
             config["head_dim"] = head_dim  # mlx-lm's qwen3 requires it
         if self.arch == "llama":
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
@@ -363,7 +378,8 @@ class GGUFSource:
 
         t = self._tensors[name]
         head, body, bits, offset = EXACT_BLOCKS[t.tensor_type.name]
-        rows, n = self.shape(name)
+        *lead, n = self.shape(name)  # ([E,] out, in: merged experts are one tensor)
+        rows = int(np.prod(lead))
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, n // 32, head + body)
         d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         qs = blocks[..., head:]
@@ -385,6 +401,8 @@ class GGUFSource:
                                  "keep exactly at float16; convert with --dequantize")
         packed = to_words(pack(q.reshape(rows, n), bits))
         w = QuantTensor(packed, np.ascontiguousarray(d), np.ascontiguousarray(bias), self.quant(name))
+        if len(lead) > 1:  # merged experts: [E, out, ...]
+            return QuantTensor(*(a.reshape(*lead, -1) for a in (w.packed, w.scales, w.biases)), w.spec)
         return w.rows(lambda a: self._unpermute(name, a))
 
     # --- tokenizer ---

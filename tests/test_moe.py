@@ -18,7 +18,7 @@ from mlx_flash.convert.quantize import QuantOptions
 from mlx_flash.errors import BudgetTooSmall, FlashError
 from mlx_flash.layout.format import read_manifest
 from mlx_flash.layout.verify import verify_folder
-from helpers import make_moe_folder
+from helpers import make_llama_folder, make_moe_folder
 from test_parity import TOKENS, greedy
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -126,6 +126,9 @@ def test_what_a_moe_model_cannot_do_is_said(tmp_path):
             mlx_flash.load(out, **options)
     with pytest.raises(FlashError, match="--dip"):
         convert(src, tmp_path / "dip", progress=False, dip=True)
+    dense, _, _ = make_llama_folder(tmp_path / "llama")
+    with pytest.raises(FlashError, match="has no experts"):
+        mlx_flash.load(convert(dense, tmp_path / "llama-flash", progress=False), expert_eviction="lru")
     other = tmp_path / "deepseek"
     other.mkdir()
     (other / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v3")))

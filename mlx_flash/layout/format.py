@@ -41,6 +41,10 @@ the CRC32C of each bundle's part of each weight kind (uint32 little-endian,
 (io/checksum.py); the manifest entry names it ("crc32c": {file, size, sha256}).
 A version 1 folder has none and loads unchecked, with a line that says so.
 
+Mixtures of experts (version 3): no neuron bundles (`ffn_files` empty); the
+manifest's `experts` section names an ExpertLayout and, per layer, its file of
+expert bundles with their checksums (layout/experts.py).
+
 A folder is complete only if manifest.json exists: the converter writes into
 a temporary folder and renames it into place last.
 """

@@ -7,7 +7,9 @@
     stats.py    per-token statistics (the paper's Table 3 columns)
     stores/     base.py (what every store shares), dense.py, streamed.py (naive / hybrid),
                 flash.py (windowed neuron caches), dip.py (DIP / DIP-CA), attention.py (quantized
-                attention read from the resident file every token, when the budget leaves no room)
+                attention read from the resident file every token, when the budget leaves no room),
+                kv.py (the KV cache on flash), experts.py (a mixture's experts in an expert buffer)
+    moe.py      a mixture of experts' runtime: the expert buffer from the budget, its store
 
 May import: errors, sizes, io, kernels, cache, layout, models.ffn / models.half, sparsity. Never
 the loader, the CLI or the benchmarks. Outside this package only this module's names

@@ -316,6 +316,11 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
 
     source: a sparsity source object for the flash mode instead of config.sparsity's
     (the paper benchmark's traces)."""
+    from .config import DEFAULTS_BY_NAME
+
+    if config.expert_eviction != DEFAULTS_BY_NAME["expert_eviction"]:
+        raise FlashError(f"--expert-eviction {config.expert_eviction}: {folder} has no experts (a mixture-of-experts "
+                         "model's option)")
     dtype_name = compute_dtype(config, manifest)
     dtype = DTYPES[dtype_name]
     held = config.held_dtype(manifest.dtype, dtype_name)

@@ -90,8 +90,12 @@ class MLXFlashRuntime:
             memory_limit=cfg.get("memory_limit"), ctx_size=cfg["context"] if cfg.get("memory_limit") else None,
             resident_dtype=cfg.get("resident_dtype"), progress=False)
         rt = self.model.runtime
-        out = {"memory_budget_bytes": rt.budget_bytes, "plan_weights_bytes": rt.plan.weights_bytes,
-               "plan_mode": rt.mode}
+        out = {"memory_budget_bytes": rt.budget_bytes, "plan_mode": rt.mode}
+        if not hasattr(rt, "plan"):  # a mixture of experts (runtime/moe.py): its expert buffer, no cost model
+            s = rt.stats()["summary"]
+            return out | {"plan_weights_bytes": s["weights_in_dram_bytes"], "expert_slots": s["expert_slots"],
+                          "experts_total": s["experts_total"]} | self._limit(rt)
+        out["plan_weights_bytes"] = rt.plan.weights_bytes
         if rt.attention is not None:  # the layers whose attention it reads from flash every token
             out["streamed_attention_layers"] = list(rt.attention.order)
             out["streamed_attention_bytes"] = rt.attention.streamed_bytes
@@ -105,11 +109,16 @@ class MLXFlashRuntime:
         prediction = rt.predict(profile) if profile is not None else None
         if prediction is not None:
             out["predicted_ms"] = prediction.total_ms
-        if rt.memory is not None:  # --memory-limit's plan: what it set aside besides the weights
-            m = rt.memory
-            out |= {"memory_limit_bytes": m.limit, "runtime_bytes": m.baseline, "kv_bytes": m.kv,
-                    "activation_bytes": m.activations}
-        return out
+        return out | self._limit(rt)
+
+    @staticmethod
+    def _limit(rt):
+        """--memory-limit's plan: what it set aside besides the weights."""
+        m = rt.memory
+        if m is None:
+            return {}
+        return {"memory_limit_bytes": m.limit, "runtime_bytes": m.baseline, "kv_bytes": m.kv,
+                "activation_bytes": m.activations}
 
     def stream_generate(self):
         return self.mlx_flash.stream_generate
@@ -135,6 +144,10 @@ class MLXFlashRuntime:
         out = self.lib_stats()
         try:
             stats = self.model.runtime.stats()
+            if "expert_slots" in stats["summary"]:  # a mixture of experts: its buffer's use
+                keep = ("hit_rate", "experts_asked", "experts_read", "bytes_read", "io_s", "prefetch")
+                out["expert_stats"] = {k: stats["summary"].get(k) for k in keep}
+                return out
             if self.model.runtime.store.stats is not None:
                 out["flash_stats"] = {k: v for k, v in stats["summary"].items() if k.startswith("mean_")
                                       or k == "n_tokens"}

@@ -25,7 +25,8 @@ def model_stored_bytes(folder):
 
     folder = Path(folder)
     manifest = read_manifest(folder)
-    return (folder / manifest.resident["file"]).stat().st_size + sum(f["size"] for f in manifest.ffn_files)
+    experts = [f for f in manifest.experts.get("files", []) if f is not None]
+    return (folder / manifest.resident["file"]).stat().st_size + sum(f["size"] for f in manifest.ffn_files + experts)
 
 
 def model_float32_bytes(folder):
@@ -42,6 +43,9 @@ def model_float32_bytes(folder):
     resident = sum(_prod(shape) for shape in value_shapes(st, quantization).values())
     lay = manifest.layout
     ffn = len(manifest.ffn_files) * len(lay.kinds) * lay.d_model * lay.n_neurons
+    if manifest.experts:  # a mixture of experts: every expert's three matrices
+        ex = manifest.experts["layout"]
+        ffn += sum(f is not None for f in manifest.experts["files"]) * ex.n_experts * 3 * ex.d_model * ex.d_expert
     return 4 * (resident + ffn)
 
 

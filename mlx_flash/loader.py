@@ -289,12 +289,8 @@ def _build_model(folder, manifest, config: FlashConfig):
         weights = dict(tree_flatten(model.parameters()))
         quantized = False
     elif quantized and on_cpu:
-        kernels, why = kernels_module()
-        if kernels is None:
-            log_once("qmv", "mlx_flash: quantized weights held at their bits go through MLX's quantized "
-                     "matmul on the CPU, 2x (decode) to 50x (prompt) slower than float32: %s", why)
-        else:
-            arena = use_native_kernels(model, kernels, DTYPES[dtype])
+        arena = _on_native_kernels(model, dtype)
+        if arena is not None:
             weights = dict(tree_flatten(model.parameters())) | {"<float32 arena>": arena.array}
     compute_bytes = streamed_bytes + sum(v.size * (DTYPES[dtype].size if mx.issubdtype(v.dtype, mx.floating)
                                                    else v.itemsize) for v in weights.values())  # what "50%" is of
@@ -361,12 +357,7 @@ def _load_moe(folder, manifest, config, progress):
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
     del weights
     if quantized_modules(model) and mx.default_device() == mx.cpu:  # as a dense model's (_build_model)
-        kernels, why = kernels_module()
-        if kernels is None:
-            log_once("qmv", "mlx_flash: quantized weights held at their bits go through MLX's quantized "
-                     "matmul on the CPU, 2x (decode) to 50x (prompt) slower than float32: %s", why)
-        else:
-            use_native_kernels(model, kernels, DTYPES[dtype])
+        _on_native_kernels(model, dtype)
     mx.eval(model.parameters())
     mx.clear_cache()
     if config.memory_budget is not None:
@@ -382,6 +373,17 @@ def _load_moe(folder, manifest, config, progress):
                                    config.kv_bits, config.kv_group_size)
     model.eval()
     return model, tokenizer
+
+
+def _on_native_kernels(model, dtype):
+    """A quantized model's resident modules onto the native kernels (the CPU) -> their arena, or None
+    (said once) where the kernels are not built."""
+    kernels, why = kernels_module()
+    if kernels is None:
+        log_once("qmv", "mlx_flash: quantized weights held at their bits go through MLX's quantized "
+                 "matmul on the CPU, 2x (decode) to 50x (prompt) slower than float32: %s", why)
+        return None
+    return use_native_kernels(model, kernels, DTYPES[dtype])
 
 
 def quantize_resident(model, quantization, folder):

@@ -37,6 +37,32 @@ def copy_tokenizer(w, src):
         w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
 
 
+def write_tensors(w, tensors, make, progress=True):
+    """[(name, shape, "f32" | a GGMLQuantizationType)] into GGUFWriter `w`: their sizes first (the
+    header), then each one's data as make(name, shape) makes it (F32 values, or the type's raw bytes),
+    one at a time. -> bytes written."""
+    import gguf
+
+    for name, shape, qtype in tensors:
+        if qtype == "f32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            nbytes = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+            w.add_tensor_info(name, nbytes, np.dtype(np.uint8), int(np.prod(nbytes)), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = 0
+    for i, (name, shape, _) in enumerate(tensors):
+        t = make(name, shape)
+        w.write_tensor_data(t)
+        total += t.nbytes
+        if progress:
+            print(f"\r{i + 1}/{len(tensors)} tensors, {total / 1e9:.2f} GB", end="", flush=True)
+    w.close()
+    return total
+
+
 def main():
     import gguf
     from gguf import quants
@@ -82,28 +108,12 @@ def main():
                     (f"blk.{i}.ffn_down.weight", (d, nff))]
     rng = np.random.default_rng(a.seed)
 
-    def make(shape):
+    def make(name, shape):
         if len(shape) == 1:
             return np.ones(shape, np.float32)
         return quants.quantize((rng.standard_normal(shape, dtype=np.float32) * 0.02), qtype)
 
-    # sizes first (the header), then the data, one tensor at a time
-    for name, shape in tensors:
-        if len(shape) == 1:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
-        else:
-            nbytes = quants.quant_shape_to_byte_shape(shape, qtype)
-            w.add_tensor_info(name, nbytes, np.dtype(np.uint8), int(np.prod(nbytes)), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    total = 0
-    for i, (name, shape) in enumerate(tensors):
-        t = make(shape)
-        w.write_tensor_data(t)
-        total += t.nbytes
-        print(f"\r{i + 1}/{len(tensors)} tensors, {total / 1e9:.2f} GB", end="", flush=True)
-    w.close()
+    total = write_tensors(w, [(n, s, "f32" if len(s) == 1 else qtype) for n, s in tensors], make)
     tmp.rename(out)
     print(f"\n{out}: {total / 1e9:.2f} GB, Llama-2-7B shape ({nl} layers), {a.type}, vocabulary {vocab}")
 

@@ -54,7 +54,7 @@ def write_random_moe_gguf(out, shape, tokenizer_from, seed=0, progress=True):
     """A random qwen3moe GGUF of `shape` (SHAPE's keys) with the tokenizer of `tokenizer_from`."""
     import gguf
 
-    from random_llama_gguf import copy_tokenizer
+    from random_llama_gguf import copy_tokenizer, write_tensors
 
     qtype = gguf.GGMLQuantizationType.Q4_1
     src = gguf.GGUFReader(tokenizer_from)
@@ -87,36 +87,22 @@ def write_random_moe_gguf(out, shape, tokenizer_from, seed=0, progress=True):
         tensors += [(b + "attn_norm.weight", (d,)), (b + "ffn_norm.weight", (d,)),
                     (b + "attn_q_norm.weight", (shape["head_dim"],)), (b + "attn_k_norm.weight", (shape["head_dim"],)),
                     (b + "attn_q.weight", (q, d)), (b + "attn_k.weight", (kv, d)), (b + "attn_v.weight", (kv, d)),
-                    (b + "attn_output.weight", (d, q)), (b + "ffn_gate_inp.weight", ("f32", e, d)),
+                    (b + "attn_output.weight", (d, q)), (b + "ffn_gate_inp.weight", (e, d)),
                     (b + "ffn_gate_exps.weight", (e, f, d)), (b + "ffn_up_exps.weight", (e, f, d)),
                     (b + "ffn_down_exps.weight", (e, d, f))]
     rng = np.random.default_rng(seed)
 
-    def make(shape):
+    def f32(name, shape):  # norms, and the routers (ffn_gate_inp: F32, as llama.cpp's converter writes them)
+        return len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
+
+    def make(name, shape):
         if len(shape) == 1:
             return np.ones(shape, np.float32)
-        if shape[0] == "f32":
-            return (rng.standard_normal(shape[1:], dtype=np.float32) * STD)
+        if f32(name, shape):
+            return rng.standard_normal(shape, dtype=np.float32) * STD
         return q4_1_blocks(shape, rng)
 
-    for name, shape in tensors:  # sizes first (the header), then the data, one tensor at a time
-        if len(shape) == 1 or shape[0] == "f32":
-            dims = shape[-1:] if len(shape) == 1 else shape[1:]
-            w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
-        else:
-            nbytes = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
-            w.add_tensor_info(name, nbytes, np.dtype(np.uint8), int(np.prod(nbytes)), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    total = 0
-    for i, (name, shape) in enumerate(tensors):
-        t = make(shape)
-        w.write_tensor_data(t)
-        total += t.nbytes
-        if progress:
-            print(f"\r{i + 1}/{len(tensors)} tensors, {total / 1e9:.2f} GB", end="", flush=True)
-    w.close()
+    total = write_tensors(w, [(n, s, "f32" if f32(n, s) else qtype) for n, s in tensors], make, progress)
     tmp.rename(out)
     if progress:
         print(f"\n{out}: {total / 1e9:.2f} GB, Qwen3-30B-A3B shape ({nl} layers, {e} experts), q4_1, vocabulary {vocab}")

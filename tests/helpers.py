@@ -68,8 +68,6 @@ VARIANTS = {
 
 def llama_tensors(cfg, rng):
     d, f = cfg["hidden_size"], cfg["intermediate_size"]
-    h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or d // h
     v = cfg["vocab_size"]
     s = 0.08
 
@@ -79,25 +77,38 @@ def llama_tensors(cfg, rng):
     t = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": 1 + w(d)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = 1 + w(d)
-        t[p + "post_attention_layernorm.weight"] = 1 + w(d)
-        t[p + "self_attn.q_proj.weight"] = w(h * hd, d)
-        t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
-        t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
-        t[p + "self_attn.o_proj.weight"] = w(d, h * hd)
-        if cfg["model_type"] == "qwen2":
-            t[p + "self_attn.q_proj.bias"] = w(h * hd)
-            t[p + "self_attn.k_proj.bias"] = w(kv * hd)
-            t[p + "self_attn.v_proj.bias"] = w(kv * hd)
-        if cfg["model_type"] == "qwen3":
-            t[p + "self_attn.q_norm.weight"] = 1 + w(hd)
-            t[p + "self_attn.k_norm.weight"] = 1 + w(hd)
+        attention_tensors(t, p, cfg, w)
         t[p + "mlp.gate_proj.weight"] = w(f, d)
         t[p + "mlp.up_proj.weight"] = w(f, d)
         t[p + "mlp.down_proj.weight"] = w(d, f)
     if not cfg["tie_word_embeddings"]:
         t["lm_head.weight"] = w(v, d)
     return t
+
+
+def attention_tensors(t, p, cfg, w):
+    """A llama-family block's norms and attention (layer prefix p) into t; w(*shape) draws weights.
+    Qwen2 and Qwen2-MoE: q/k/v biases; Qwen3 and Qwen3-MoE: per-head q/k norms; OLMoE: q/k
+    norms over the whole projection."""
+    d, h, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or d // h
+    kind = cfg["model_type"]
+    t[p + "input_layernorm.weight"] = 1 + w(d)
+    t[p + "post_attention_layernorm.weight"] = 1 + w(d)
+    t[p + "self_attn.q_proj.weight"] = w(h * hd, d)
+    t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
+    t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
+    t[p + "self_attn.o_proj.weight"] = w(d, h * hd)
+    if kind in ("qwen2", "qwen2_moe"):
+        t[p + "self_attn.q_proj.bias"] = w(h * hd)
+        t[p + "self_attn.k_proj.bias"] = w(kv * hd)
+        t[p + "self_attn.v_proj.bias"] = w(kv * hd)
+    if kind in ("qwen3", "qwen3_moe"):
+        t[p + "self_attn.q_norm.weight"] = 1 + w(hd)
+        t[p + "self_attn.k_norm.weight"] = 1 + w(hd)
+    if kind == "olmoe":
+        t[p + "self_attn.q_norm.weight"] = 1 + w(h * hd)
+        t[p + "self_attn.k_norm.weight"] = 1 + w(kv * hd)
 
 
 def write_safetensors(path, tensors, dtype="float32"):
@@ -241,9 +252,7 @@ def moe_tensors(cfg, rng):
     from mlx_flash.models.moe import ModelArgs, expert_tensors
 
     args = ModelArgs.from_dict(cfg)
-    d, h, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or d // h
-    v, t_ = cfg["vocab_size"], cfg["model_type"]
+    d, v, t_ = cfg["hidden_size"], cfg["vocab_size"], cfg["model_type"]
     s = 0.08
 
     def w(*shape):
@@ -252,21 +261,7 @@ def moe_tensors(cfg, rng):
     t = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": 1 + w(d)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = 1 + w(d)
-        t[p + "post_attention_layernorm.weight"] = 1 + w(d)
-        t[p + "self_attn.q_proj.weight"] = w(h * hd, d)
-        t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
-        t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
-        t[p + "self_attn.o_proj.weight"] = w(d, h * hd)
-        if t_ == "qwen2_moe":
-            for n, o in (("q", h), ("k", kv), ("v", kv)):
-                t[p + f"self_attn.{n}_proj.bias"] = w(o * hd)
-        if t_ == "qwen3_moe":
-            t[p + "self_attn.q_norm.weight"] = 1 + w(hd)
-            t[p + "self_attn.k_norm.weight"] = 1 + w(hd)
-        if t_ == "olmoe":
-            t[p + "self_attn.q_norm.weight"] = 1 + w(h * hd)
-            t[p + "self_attn.k_norm.weight"] = 1 + w(kv * hd)
+        attention_tensors(t, p, cfg, w)
         experts = expert_tensors(args, i)
         if experts is None:  # a dense layer
             f = cfg["intermediate_size"]

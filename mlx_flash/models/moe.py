@@ -14,9 +14,10 @@ from typing import Dict, List, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import BaseModelArgs, create_attention_mask
+from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import FlashError
+from . import llama
 from .llama import Attention
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -216,44 +217,15 @@ class TransformerBlock(nn.Module):
         return h + block(self.post_attention_layernorm(h))
 
 
-class MoEModel(nn.Module):
+class Model(llama.Model):
+    """llama.py's model around MoE blocks; each MoE layer's experts know the next MoE layer's
+    norm and router (the look-ahead)."""
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        super().__init__(args, TransformerBlock)
         moe = [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer[layer.block_name], MoEBlock)]
         for (_, layer), (j, after) in zip(moe, moe[1:]):
             layer[layer.block_name].experts.lookahead = (j, after.post_attention_layernorm, after[after.block_name])
-
-    def __call__(self, inputs, cache=None, input_embeddings=None):
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, cache=c)
-        return self.norm(h)
-
-
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = MoEModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs, cache=None, input_embeddings=None):
-        out = self.model(inputs, cache, input_embeddings)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(out)
-        return self.lm_head(out)
-
-    @property
-    def layers(self):
-        return self.model.layers
 
     def expert_ffns(self):
         """{layer: ExpertFFN} of the layers with experts."""

@@ -76,6 +76,9 @@ def test_mlx_lm_quantized_experts_are_kept_and_match_mlx_lm(tmp_path, family, bi
     ref, _ = load_model(q)
     ref.set_dtype(mx.float32)
     _check(out, ref)
+    model, _ = mlx_flash.load(out, memory_budget=_budget(out, 6))
+    assert model.runtime.store.host is not None  # one position's experts went through the native kernels
+    model.runtime.close()
 
 
 def test_quantize_float_experts_gives_mlx_lm_convert_values(tmp_path):

@@ -153,6 +153,15 @@ def _simulate(results, manifest, lay):
                     "edgemoe": EdgeMoE(n_ids, lay.n_experts, n_layers), "belady": POLICIES["belady"](n_ids, ids)}
         out[budget] = {"slots": res["slots"], "steps": len(ids)} | {
             name: simulate_hits(p, ids, res["slots"]) for name, p in policies.items()}
+        # the same slots split evenly over the layers (a buffer per layer) instead of pooled, LRU in each
+        per = res["slots"] // n_layers
+        hits = total = 0
+        for layer in range(n_layers):
+            sub = [i for i in ids if i.size and i[0] // lay.n_experts == layer]
+            if sub and per >= max(i.size for i in sub):
+                rate = simulate_hits(POLICIES["lru"](n_ids), sub, per)
+                hits, total = hits + rate * sum(i.size for i in sub), total + sum(i.size for i in sub)
+        out[budget]["lru_per_layer"] = hits / total if total else None
     return out
 
 
@@ -184,8 +193,10 @@ def _write(report, out):
     if report["simulated_hit_rates"]:
         lines += ["", "Hit rates of every policy replayed on the routing of one run (its decode tokens, warm-up "
                   "included; one layer's experts a step), Belady's the offline optimum:", "",
-                  "| budget | slots | steps | LRU | LFU | EdgeMoE | Belady |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| budget | slots | steps | LRU | LFU | EdgeMoE | Belady | LRU, the slots split per layer |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for budget, h in report["simulated_hit_rates"].items():
+            per = "-" if h["lru_per_layer"] is None else f"{h['lru_per_layer']:.3f}"
             lines.append(f"| {budget} | {h['slots']} | {h['steps']} | {h['lru']:.3f} | {h['lfu']:.3f} | "
-                         f"{h['edgemoe']:.3f} | {h['belady']:.3f} |")
+                         f"{h['edgemoe']:.3f} | {h['belady']:.3f} | {per} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -24,9 +24,11 @@ import mlx.core as mx
 from ...cache.expert_cache import ExpertCache
 from ...errors import FlashError
 from ...io.reader import ChecksumError
+from ...kernels import QuantMatrix
 from ...layout.experts import KINDS
 from ...layout.format import read_checksums
 from ...models.moe import ExpertRows
+from .base import cpu_kernels
 
 NP = {mx.float32: np.float32, mx.float16: np.float16}
 
@@ -91,6 +93,7 @@ class ExpertStore:
         self.checks_parts = tuple((o, n, j) for j, (o, n) in enumerate(lay.parts()))
         q = lay.quant
         self.bits, self.group_size = (q.bits, q.group_size) if q is not None else (None, None)
+        self.host = self._host_matrices()
         self.prefetch = prefetch and slots < total  # (dense: nothing to read ahead)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-experts") if self.prefetch else None
         self._pending = None  # (layer, ids being read, their predicted set, future)
@@ -119,6 +122,19 @@ class ExpertStore:
                 arrays.append(m)
             weights[kind] = tuple(arrays) if len(arrays) > 1 else arrays[0]
         return weights, segments
+
+    def _host_matrices(self):
+        """{kind: [QuantMatrix of slot i]} over the slabs' memory, for the native kernels (the CPU, a
+        quantized layout, scales at float32), or None."""
+        kernels = cpu_kernels()
+        if kernels is None or self.bits is None or self.dtype != mx.float32:
+            return None
+        out = {}
+        for kind in KINDS:
+            w, s, b = (np.array(a, copy=False) for a in self.weights[kind])
+            out[kind] = [QuantMatrix.of_host(kernels, w[i], s[i], b[i], self.bits, self.group_size)
+                         for i in range(self.slots)]
+        return out
 
     @property
     def slot_bytes(self):
@@ -227,7 +243,8 @@ class ExpertStore:
         return load() if now else load
 
     def _rows(self, slots, mask=None):
-        return ExpertRows(mx.array(slots.astype(np.int32)), self.weights, self.bits, self.group_size, mask)
+        host = (slots, self.host) if self.host is not None and mask is None else None
+        return ExpertRows(mx.array(slots.astype(np.int32)), self.weights, self.bits, self.group_size, mask, host)
 
     def close(self):
         try:

@@ -197,7 +197,7 @@ def test_the_router_look_ahead_reads_ahead_and_changes_nothing(tmp_path):
 def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):
     from mlx_flash.bench.moe import ROWS, run_moe_bench
 
-    res = run_moe_bench("tiny-moe", budgets=("50%",), tokens=2, rounds=1, warmup=1, out=tmp_path / "out",
+    res = run_moe_bench("tiny-moe", budgets=("50%",), tokens=6, rounds=1, warmup=1, out=tmp_path / "out",
                         progress=False, home=tmp_path / "home")
     assert [e["row"] for e in res["rows"]] == list(ROWS)
     rows = {e["row"]: e for e in res["rows"]}
@@ -206,7 +206,7 @@ def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):
     assert rows["edgemoe+lookahead"]["predicted"] > 0 and rows["edgemoe"]["predicted"] == 0
     sim = res["simulated_hit_rates"]["50%"]
     assert sim["belady"] >= max(sim["lru"], sim["lfu"], sim["edgemoe"]) - 1e-9
-    text = (tmp_path / "out" / "moe-tiny-moe-q4.md").read_text()
+    text = (tmp_path / "out" / "moe-tiny-moe-q4-trace.md").read_text()
     assert "| 50% | edgemoe+lookahead |" in text and "Belady" in text
 
 
@@ -275,3 +275,19 @@ def test_a_qwen3moe_gguf_keeps_its_q4_1_experts_bit_exact(tmp_path, smollm2_gguf
     model, tok = mlx_flash.load(out, memory_budget=_budget(out, 4))
     text = mlx_flash.generate(model, tok, "The sea", max_tokens=4)
     assert isinstance(text, str) and model.runtime.stats()["summary"]["experts_read"] > 0
+
+
+def test_the_routing_trace_is_skewed_correlated_and_repeatable_and_the_path_predictor_learns_it():
+    from mlx_flash.bench.moe import RoutingTrace
+    from mlx_flash.sparsity.expert_paths import ExpertPathPredictor
+
+    a, b = RoutingTrace(6, 32, 4, seed=3).paths(300), RoutingTrace(6, 32, 4, seed=3).paths(300)
+    assert all(np.array_equal(x, y) for p, q in zip(a, b) for x, y in zip(p, q))
+    assert all(len(set(e.tolist())) == 4 for path in a for e in path)
+    counts = np.bincount(np.concatenate([path[2] for path in a]), minlength=32)
+    assert counts.max() > 2 * counts.mean() and counts.max() > 5 * counts.min()  # skewed
+    repeat = np.mean([len(set(a[t][1]) & set(a[t - 1][1])) / 4 for t in range(1, 300)])
+    assert repeat > 2 * 4 / 32  # consecutive tokens share experts more than chance
+    predictor = ExpertPathPredictor(6, 32).fit(RoutingTrace(6, 32, 4, seed=3, tokens=1).paths(500))
+    hits = np.mean([len(set(predictor.predict(2, path[2], 4)) & set(path[3])) / 4 for path in a])
+    assert hits > 2 * 4 / 32, hits

@@ -17,6 +17,75 @@ from pathlib import Path
 import numpy as np
 
 ROWS = ("naive", "lru", "lfu", "edgemoe", "edgemoe+lookahead")
+ROUTINGS = ("trace", "model")
+
+
+class RoutingTrace:
+    """A trained MoE's routing, as a generator: each layer prefers some experts (popularity
+    ~ Zipf(skew) over a random order per layer), a token often keeps an expert the previous
+    token chose at the same layer (`stay`), and a choice at layer l often implies one at l + 1
+    (`follow`: a fixed random map per layer pair) — the three regularities measured on real
+    models: skewed, power-law activation paths and cross-layer correlation (EdgeMoE §2.3 and
+    §3.3.2, Fig. 4 and 8), and consecutive tokens routed to the same expert more often than
+    chance (Mixtral of Experts, Jiang et al. 2024, §5). The parameters are chosen to be of that
+    order, not fitted to a trace. `seed` makes the model (popularities, maps), `tokens` the tokens
+    drawn from it: deterministic for both."""
+
+    def __init__(self, n_layers, n_experts, k, seed=0, tokens=0, skew=0.8, stay=0.3, follow=0.4):
+        self.n_layers, self.n_experts, self.k = n_layers, n_experts, k
+        self.stay, self.follow = stay, follow
+        rng = np.random.default_rng([seed, 1])
+        ranks = np.arange(1, n_experts + 1, dtype=np.float64) ** -skew
+        self.popularity = np.stack([ranks[rng.permutation(n_experts)] / ranks.sum() for _ in range(n_layers)])
+        self.maps = np.stack([rng.permutation(n_experts) for _ in range(n_layers)])
+        self.rng = np.random.default_rng([seed, 2, tokens])
+        self.previous = [None] * n_layers  # the last token's experts at each layer
+        self.below = None  # this token's experts at the layer before
+
+    def choose(self, layer):
+        """One token's k distinct experts at `layer`."""
+        rng, out = self.rng, []
+        for j in range(self.k):
+            r = rng.random()
+            if r < self.stay and self.previous[layer] is not None:
+                e = int(self.previous[layer][j])
+            elif r < self.stay + self.follow and layer > 0 and self.below is not None:
+                e = int(self.maps[layer - 1][self.below[j]])
+            else:
+                e = int(rng.choice(self.n_experts, p=self.popularity[layer]))
+            while e in out:
+                e = int(rng.choice(self.n_experts, p=self.popularity[layer]))
+            out.append(e)
+        out = np.array(out)
+        self.previous[layer], self.below = out, out
+        return out
+
+    def paths(self, tokens):
+        """`tokens` tokens' expert paths (calibration for the path predictor)."""
+        return [[self.choose(layer) for layer in range(self.n_layers)] for _ in range(tokens)]
+
+
+def drive_routing(model, trace, predictor=None):
+    """Route every MoE block of `model` by `trace` (weights 1/k) instead of its router; with a
+    predictor (sparsity/expert_paths.py), the look-ahead guesses from it instead of the next router."""
+    import mlx.core as mx
+
+    for i, layer in enumerate(model.layers):
+        block = layer[layer.block_name]
+        if not hasattr(block, "route"):
+            continue
+
+        def route(x, layer=i):
+            positions = x.shape[:-1]
+            n = int(np.prod(positions))
+            inds = np.stack([trace.choose(layer) for _ in range(n)]).reshape(*positions, trace.k)
+            return mx.array(inds.astype(np.int32)), mx.full(inds.shape, 1.0 / trace.k, dtype=x.dtype)
+
+        block.route = route
+        if predictor is not None and block.experts.lookahead is not None:
+            nxt = block.experts.lookahead[0]
+            block.experts.lookahead = (nxt, lambda residual, inds, layer=i: predictor.predict(
+                layer, np.array(inds), trace.k)[None])
 
 
 def _row_options(row, budget_bytes, top_k_bytes):
@@ -54,7 +123,7 @@ def _decode(model, prompt, tokens, warmup):
 
 
 def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, rounds=2, warmup=4,
-                  rows=ROWS, out="results/moe", progress=True, home=None):
+                  rows=ROWS, out="results/moe", progress=True, home=None, routing="trace"):
     import mlx.core as mx
 
     import mlx_flash
@@ -86,6 +155,12 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     model_bytes = resident + n_layers * lay.n_experts * slot
     mx.clear_cache()
     disk = {"at_start": disk_curve(files[:4], [lay.stride], seconds=2.0)[lay.stride]}
+    predictor = None
+    if routing == "trace":  # EdgeMoE's path statistics, from other tokens of the same generator
+        from ..sparsity.expert_paths import ExpertPathPredictor
+
+        calib = RoutingTrace(len(manifest.experts["files"]), lay.n_experts, top_k, tokens=1)
+        predictor = ExpertPathPredictor(len(manifest.experts["files"]), lay.n_experts).fit(calib.paths(2048))
     results = {}
     for budget in budgets:
         from ..runtime.budget import parse_budget
@@ -96,6 +171,9 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
             for row in order:
                 options = _row_options(row, budget_bytes, resident + top_k * slot)
                 model, _ = mlx_flash.load(folder, **options)
+                if routing == "trace":  # the same routing for every row and round
+                    drive_routing(model, RoutingTrace(len(manifest.experts["files"]), lay.n_experts, top_k),
+                                  predictor)
                 slots = model.runtime.store.slots
                 measured = _decode(model, prompt, tokens, warmup)
                 trace = list(model.runtime.store.stats.trace)
@@ -130,6 +208,7 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
               "model_bytes": model_bytes, "resident_bytes": resident, "slot_bytes": slot,
               "expert_bytes_on_flash": lay.bundle_bytes, "n_experts": lay.n_experts, "top_k": top_k,
               "disk_gbps_at_expert_size": disk, "tokens": tokens, "rounds": rounds, "warmup": warmup,
+              "routing": routing,
               "rows": table, "simulated_hit_rates": simulated}
     _write(report, Path(out))
     return report
@@ -165,9 +244,19 @@ def _simulate(results, manifest, lay):
     return out
 
 
+ROUTING_TEXT = {
+    "trace": ("a trace model (RoutingTrace: per-layer Zipf(0.8) popularity, 30 % of choices kept from the previous "
+              "token, 40 % following the previous layer's through a fixed map; of the order EdgeMoE §2.3/§3.3.2 and "
+              "Mixtral §5 report, not fitted), the same for every row; the look-ahead guesses from EdgeMoE's path "
+              "statistics (sparsity/expert_paths.py) fitted on 2048 other tokens of the generator."),
+    "model": ("the random model's own routers: a random model routes a token much as the one before it, so the "
+              "hit rates are flattering and the router look-ahead's guesses near chance; see --routing trace."),
+}
+
+
 def _write(report, out):
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"moe-{report['shape']}-q4"
+    stem = out / f"moe-{report['shape']}-q4-{report['routing']}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     d = report["disk_gbps_at_expert_size"]
     lines = [f"# benchmark moe: {report['shape']}, random 4-bit weights (group 64)", "",
@@ -178,7 +267,7 @@ def _write(report, out):
              f"part {report['resident_bytes'] / 1e9:.2f} GB. Uncached reads of one expert: {d['at_start']:.2f} GB/s "
              f"before the runs, {d['at_end']:.2f} after (the floor uses the lower). {report['tokens']} decode tokens "
              f"after {report['warmup']} of warm-up, {report['rounds']} alternating rounds, medians per token. Routing: "
-             "the random model's own routers (near uniform; a trained model's is skewed).", "",
+             + (ROUTING_TEXT[report["routing"]]), "",
              "| budget | row | slots | ms/token | vs naive | expert I/O ms | compute ms | read MB/token | hit rate "
              "| look-ahead precision | I/O hidden | I/O floor ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

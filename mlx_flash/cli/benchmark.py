@@ -222,6 +222,9 @@ def add_moe_parser(sub):
     s.add_argument("--tokens", type=int, default=8, help="measured decode tokens per row and round")
     s.add_argument("--warmup", type=int, default=4, help="decode tokens before measuring (fill the buffer)")
     s.add_argument("--rounds", type=int, default=2, help="alternating rounds over the rows (medians)")
+    s.add_argument("--routing", default="trace", choices=["trace", "model"],
+                   help="trace: a generator with a trained model's skew and correlations (the default: a random "
+                   "model's own routers route much alike token after token); model: the random model's routers")
     s.add_argument("--out", default="results/moe")
     s.add_argument("--quiet", action="store_true", help="no progress")
 
@@ -236,8 +239,8 @@ def moe_main(args):
     if args.tokens < 1 or args.rounds < 1 or args.warmup < 0:
         raise FlashError("--tokens and --rounds must be positive, --warmup not negative")
     res = moe.run_moe_bench(args.shape, tuple(args.budgets), args.tokens, args.rounds, args.warmup,
-                            tuple(args.rows), args.out, progress=not args.quiet)
-    path = Path(args.out) / f"moe-{res['shape']}-q4.md"
+                            tuple(args.rows), args.out, progress=not args.quiet, routing=args.routing)
+    path = Path(args.out) / f"moe-{res['shape']}-q4-{res['routing']}.md"
     print(path.read_text())
     print(f"wrote {path} and {path.with_suffix('.json')}")
 

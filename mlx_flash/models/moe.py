@@ -138,7 +138,9 @@ class ExpertFFN:
     def __init__(self, layer):
         self.layer = layer
         self.store = None
-        self.lookahead = None  # (next MoE layer, its post-attention norm, its MoEBlock): set by Model
+        # (next MoE layer, guess(residual, this layer's router indices) -> its indices): set by Model
+        # to the router look-ahead; a benchmark may put another predictor there
+        self.lookahead = None
 
     def __call__(self, x, inds, residual=None):
         if self.store is None:
@@ -147,8 +149,8 @@ class ExpertFFN:
         if self.lookahead is not None and residual is not None and getattr(self.store, "prefetch", False):
             # the router look-ahead: the next MoE layer's router on this layer's residual stream
             # (before the next attention), its experts read while this layer computes
-            layer, norm, block = self.lookahead
-            self.store.read_ahead(layer, block.route(norm(residual))[0], self.store.busy)
+            layer, guess = self.lookahead
+            self.store.read_ahead(layer, guess(residual, inds), self.store.busy)
         if isinstance(parts, ExpertRows):
             y = switch_glu(x, parts)
         else:
@@ -236,6 +238,13 @@ class TransformerBlock(nn.Module):
         return h + block(self.post_attention_layernorm(h))
 
 
+def router_lookahead(block):
+    """The next MoE layer's router applied to this layer's residual stream (before the next
+    attention): its guess of that layer's experts."""
+    norm, moe = block.post_attention_layernorm, block[block.block_name]
+    return lambda residual, inds: moe.route(norm(residual))[0]
+
+
 class Model(llama.Model):
     """llama.py's model around MoE blocks; each MoE layer's experts know the next MoE layer's
     norm and router (the look-ahead)."""
@@ -244,7 +253,7 @@ class Model(llama.Model):
         super().__init__(args, TransformerBlock)
         moe = [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer[layer.block_name], MoEBlock)]
         for (_, layer), (j, after) in zip(moe, moe[1:]):
-            layer[layer.block_name].experts.lookahead = (j, after.post_attention_layernorm, after[after.block_name])
+            layer[layer.block_name].experts.lookahead = (j, router_lookahead(after))
 
     def expert_ffns(self):
         """{layer: ExpertFFN} of the layers with experts."""

@@ -41,8 +41,8 @@ class ExpertSource:
                 if missing:
                     raise FlashError(f"{where}: no tensor {missing[0]} (nor mlx-lm's stacked {stacked}); "
                                      "is config.json right for these weights?")
-        self._layer = None  # (layer, kind) of the stacked tensor read last
-        self._stack = None
+        self._layer = None  # the layer whose stacked tensors are held (one layer's three kinds)
+        self._stack = {}
 
     def names(self):
         """The source names of every expert tensor (not resident)."""
@@ -67,11 +67,11 @@ class ExpertSource:
         exact = self.spec(layer, kind)
         if not self.stacked:
             return self.src.read_quantized(name) if exact is not None else self.src.read(name)
-        if self._layer != (layer, kind):  # one layer's experts of one kind at a time
-            self._stack = None
-            self._stack = self.src.read_quantized(name) if exact is not None else self.src.read(name)
-            self._layer = (layer, kind)
-        s = self._stack
+        if self._layer != layer:  # one layer's experts at a time (a bundle holds all three kinds)
+            self._stack, self._layer = {}, layer
+        if kind not in self._stack:
+            self._stack[kind] = self.src.read_quantized(name) if exact is not None else self.src.read(name)
+        s = self._stack[kind]
         if isinstance(s, QuantTensor):
             return QuantTensor(s.packed[e], s.scales[e], s.biases[e], s.spec)
         return s[e]

@@ -124,7 +124,8 @@ def test_what_a_moe_model_cannot_do_is_said(tmp_path):
     for options, match in ((dict(mode="naive"), "neuron modes do not apply"),
                            (dict(mode="flash", sparsity="oracle", density=0.5), "neuron modes do not apply"),
                            (dict(kv_cache="flash"), "keeps one sequence's KV cache in DRAM"),
-                           (dict(mode="dense", memory_budget="50%"), "does not apply")):
+                           (dict(mode="dense", memory_budget="50%"), "--memory-budget does not apply"),
+                           (dict(mode="dense", memory_limit="8GB"), "--memory-limit does not apply")):
         with pytest.raises(FlashError, match=match):
             mlx_flash.load(out, **options)
     with pytest.raises(FlashError, match="--dip"):

@@ -71,8 +71,9 @@ def check_moe_config(config):
     if config.kv_cache == "flash" or config.batch_size > 1:
         raise FlashError("a mixture-of-experts model keeps one sequence's KV cache in DRAM (--kv-cache flash and "
                          "batches under --memory-limit are not written for experts yet)")
-    if config.mode == "dense" and config.memory_budget is not None:
-        raise FlashError("--mode dense holds every expert: --memory-budget does not apply (use --mode auto)")
+    if config.mode == "dense" and (config.memory_budget is not None or config.memory_limit is not None):
+        given = "--memory-budget" if config.memory_budget is not None else "--memory-limit"
+        raise FlashError(f"--mode dense holds every expert: {given} does not apply (use --mode auto)")
 
 
 def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=False):

@@ -23,16 +23,14 @@ import mlx.core as mx
 
 from ...cache.expert_cache import ExpertCache
 from ...errors import FlashError
-from ...io.checksum import parts_crc
-from ...io.reader import log_once
-from ...layout.safetensors_io import bf16_to_f32
+from ...io.reader import ChecksumError
 from ...kernels import QuantMatrix
 from ...layout.experts import KINDS
 from ...layout.format import read_checksums
 from ...models.moe import ExpertRows
 from .base import cpu_kernels
 
-READ_BATCH = 16  # experts read at once (their bytes staged together: 42 MB at Qwen3-30B-A3B's)
+NP = {mx.float32: np.float32, mx.float16: np.float16}
 
 
 class ExpertStats:
@@ -92,6 +90,7 @@ class ExpertStore:
             self.crc[i] = read_checksums(folder, entry, lay, verify)
         self.weights, segments = self._slabs()
         self.segments = tuple(segments)
+        self.checks_parts = tuple((o, n, j) for j, (o, n) in enumerate(lay.parts()))
         q = lay.quant
         self.bits, self.group_size = (q.bits, q.group_size) if q is not None else (None, None)
         self.host = self._host_matrices()
@@ -155,46 +154,17 @@ class ExpertStore:
         self.stats = ExpertStats(len(self.manifest_files))
 
     def _read(self, layer, missing, into):
-        """Read experts (global ids) of `layer` into their slots; a failure leaves them out of the buffer.
-
-        An expert is megabytes: read as one bundle it is one read on one thread. So each expert's
-        bytes are asked for in pieces of the reader's read size, which its threads read at once
-        (READ_BATCH experts at a time, bounding the staging), then each part is checked against its
-        CRC32C (a mismatch read once more) and copied into the expert's slot, scales converted."""
+        """Read experts (global ids) of `layer` into their slots; a failure leaves them out of the buffer."""
         try:
-            experts = missing - layer * self.layout.n_experts
-            for start in range(0, experts.size, READ_BATCH):
-                self._read_batch(layer, experts[start : start + READ_BATCH], into[start : start + READ_BATCH])
+            self.reader.read_bundles(self.files[layer], missing - layer * self.layout.n_experts,
+                                     self.layout.stride, self.segments, into,
+                                     checks=(self.crc[layer], self.checks_parts))
+        except ChecksumError as e:
+            self.cache.forget(missing)
+            raise FlashError(f"layer {layer}, expert {e.bundle} ({KINDS[e.part]}): {e}") from None
         except BaseException:
             self.cache.forget(missing)
             raise
-
-    def _read_batch(self, layer, experts, slots):
-        lay, f = self.layout, self.files[layer]
-        piece = self.reader.max_read
-        starts = np.arange(0, lay.bundle_bytes, piece)
-        offsets = (experts[:, None] * lay.stride + starts[None, :]).reshape(-1)
-        lengths = np.tile(np.minimum(piece, lay.bundle_bytes - starts), experts.size)
-        for attempt in (0, 1):
-            raw = np.frombuffer(b"".join(self.reader.read(f, offsets, lengths, copy=False)), dtype=np.uint8)
-            raw = raw.reshape(experts.size, lay.bundle_bytes)
-            bad = np.argwhere(parts_crc(raw, lay.parts()) != self.crc[layer][experts])
-            if not bad.size:
-                break
-            if attempt:
-                i, j = (int(v) for v in bad[0])
-                e = int(experts[i])
-                raise FlashError(f"layer {layer}, expert {e} ({KINDS[j]}): {f.path}: bundle {e}, part {j} at offset "
-                                 f"{e * lay.stride + lay.parts()[j][0]} does not match its checksum (read twice)")
-            log_once(("expert-reread", f.path), "%s: an expert did not match its checksum; reading it again",
-                     f.path)
-        for off, n, src, dst in self.segments:
-            size = n * 4 if src in ("float32", "uint32") else n * 2
-            part = np.ascontiguousarray(raw[:, off : off + size])
-            if src == "bfloat16":
-                dst[slots] = bf16_to_f32(part.view(np.uint16))
-            else:
-                dst[slots] = part.view(np.float32 if src == "float32" else np.dtype(src))
 
     def _drain(self):
         """Wait for the look-ahead's read in flight (its failure raises here)."""

@@ -66,7 +66,7 @@ def load(path_or_repo, progress=False, config=None, **options):
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)
     if manifest.experts:  # a mixture of experts: its own runtime (runtime/moe.py)
-        return _load_moe(folder, manifest, config, progress)
+        return _load_moe(folder, manifest, config)
     asked = config
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked)
     try:
@@ -214,8 +214,10 @@ def _ranges(layers):
     return "layers " + shown
 
 
-def _build_model(folder, manifest, config: FlashConfig):
-    """The model with its resident weights (embeddings, attention, norms) in DRAM, and the tokenizer."""
+def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
+    """config.json -> (the family's model, its resident modules quantized as config.json says but no
+    weights loaded yet; the tokenizer; ModelArgs). Under --memory-limit, a limit that cannot hold the
+    runtime, the tokenizer's load and `loaded_bytes()` of the resident file is an error first."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from .models import model_args
@@ -225,10 +227,8 @@ def _build_model(folder, manifest, config: FlashConfig):
     except (OSError, ValueError) as e:
         raise FlashError(f"{folder}/config.json: unreadable ({e})")
     family, args = model_args(model_config)
-    dtype = compute_dtype(config, manifest)
-    held = config.held_dtype(manifest.dtype, dtype)
     if config.memory_limit is not None:  # (a limit too small: an error here, not a kill while loading)
-        check_limit_before_loading(config.memory_limit, loaded_resident_bytes(folder, manifest, config))
+        check_limit_before_loading(config.memory_limit, loaded_bytes())
     # The tokenizer first: its load peaks ~30 MB above what it keeps, before the weights arrive.
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
@@ -238,6 +238,15 @@ def _build_model(folder, manifest, config: FlashConfig):
     model = family.Model(args)
     quantize_resident(model, model_config.get("quantization"), folder)
     check_file(folder, manifest.resident, checksum=config.verify)
+    return model, tokenizer, args
+
+
+def _build_model(folder, manifest, config: FlashConfig):
+    """The model with its resident weights (embeddings, attention, norms) in DRAM, and the tokenizer."""
+    dtype = compute_dtype(config, manifest)
+    held = config.held_dtype(manifest.dtype, dtype)
+    model, tokenizer, _ = _model_and_tokenizer(folder, manifest, config,
+                                               lambda: loaded_resident_bytes(folder, manifest, config))
     memory = None
     if config.memory_limit is None:
         config, held, streamed, lines = _fit_weights(folder, manifest, config, held)
@@ -313,29 +322,15 @@ def _build_model(folder, manifest, config: FlashConfig):
     return model, tokenizer, resident, config, memory
 
 
-def _load_moe(folder, manifest, config, progress):
+def _load_moe(folder, manifest, config):
     """A mixture-of-experts model: its resident weights (router, attention, embeddings, shared
     experts) in DRAM, its experts in an expert buffer (runtime/moe.py) of what --memory-budget,
     or --memory-limit less the runtime, the KV cache and the prompt's temporaries, leaves."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from .models import model_args
     from .runtime.moe import build_moe_runtime, check_moe_config
 
     check_moe_config(config)
-    model_config = json.loads((folder / "config.json").read_text())
-    family, args = model_args(model_config)
     dtype = compute_dtype(config, manifest)
-    if config.memory_limit is not None:
-        check_limit_before_loading(config.memory_limit, manifest.resident["size"])
-    try:
-        tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
-    except Exception as e:
-        raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
-    release_heap()
-    model = family.Model(args)
-    quantize_resident(model, model_config.get("quantization"), folder)
-    check_file(folder, manifest.resident, checksum=config.verify)
+    model, tokenizer, args = _model_and_tokenizer(folder, manifest, config, lambda: manifest.resident["size"])
     memory = None
     if config.memory_limit is not None:  # (measured before the weights load: they are in the budget)
         shape = model_shape(model, args.hidden_size, args.num_experts_per_tok * args.d_expert)
@@ -356,7 +351,8 @@ def _load_moe(folder, manifest, config, progress):
     except ValueError as e:
         raise FlashError(f"{folder}: resident weights do not match the model ({e})")
     del weights
-    if quantized_modules(model) and mx.default_device() == mx.cpu:  # as a dense model's (_build_model)
+    held = "quantized" if quantized_modules(model) else dtype
+    if held == "quantized" and mx.default_device() == mx.cpu:  # as a dense model's (_build_model)
         _on_native_kernels(model, dtype)
     mx.eval(model.parameters())
     mx.clear_cache()
@@ -364,13 +360,11 @@ def _load_moe(folder, manifest, config, progress):
         mx.set_cache_limit(MLX_CACHE_LIMIT)
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     try:
-        model.runtime = build_moe_runtime(model, folder, manifest, config, resident, progress)
+        model.runtime = build_moe_runtime(model, folder, manifest, config, resident, held)
     except BudgetTooSmall as e:
         raise (e if memory is None else memory.restate(e)) from None
     model.runtime.memory = memory
-    if memory is not None or config.kv_bits is not None:
-        model.make_cache = partial(kv_caches, len(model.layers), memory.context if memory is not None else None,
-                                   config.kv_bits, config.kv_group_size)
+    _set_caches(model, model.runtime, config, memory, None)
     model.eval()
     return model, tokenizer
 

@@ -96,8 +96,16 @@ def _row_options(row, budget_bytes, top_k_bytes):
     return dict(memory_budget=str(budget_bytes), expert_eviction=policy, prefetch=row.endswith("+lookahead"))
 
 
+COUNTERS = ("io_s", "wait_s", "prefetch_s", "bytes", "prefetched_bytes", "asked", "hits", "predicted",
+            "predicted_used")  # the ExpertStats a measured token is charged with
+
+
+def _counters(stats):
+    return np.array([float(np.sum(getattr(stats, c))) for c in COUNTERS])
+
+
 def _decode(model, prompt, tokens, warmup):
-    """Greedy decode after `prompt`: -> per measured token (seconds, store-stat deltas)."""
+    """Sampled decode after `prompt` -> per measured token: (seconds, {counter: its change})."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -105,20 +113,16 @@ def _decode(model, prompt, tokens, warmup):
     mx.random.seed(0)  # sampled, not greedy: a random model's greedy tokens fall into a loop
     y = mx.random.categorical(model(mx.array([prompt]), cache=cache)[:, -1])
     mx.eval(y)
-    store = model.runtime.store
+    stats = model.runtime.store.stats
     out = []
     for i in range(warmup + tokens):
-        s = store.stats
-        before = (s.io_s, s.wait_s, s.prefetch_s, s.bytes, s.prefetched_bytes, int(s.asked.sum()),
-                  int(s.hits.sum()), s.predicted, s.predicted_used)
+        before = _counters(stats)
         t0 = time.perf_counter()
         y = mx.random.categorical(model(y[None], cache=cache)[:, -1])
         mx.eval(y)
         dt = time.perf_counter() - t0
-        after = (s.io_s, s.wait_s, s.prefetch_s, s.bytes, s.prefetched_bytes, int(s.asked.sum()),
-                 int(s.hits.sum()), s.predicted, s.predicted_used)
         if i >= warmup:
-            out.append((dt,) + tuple(a - b for a, b in zip(after, before)))
+            out.append((dt, dict(zip(COUNTERS, _counters(stats) - before))))
     return out
 
 
@@ -128,8 +132,9 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
 
     import mlx_flash
     from ..errors import BudgetTooSmall
-    from ..runtime.moe import slot_bytes as _slot_bytes
     from ..layout.format import read_manifest
+    from ..runtime.budget import parse_budget
+    from ..runtime.moe import slot_bytes
     from .profile import disk_curve
     from .random_model import build_checkpoint, shape_config
 
@@ -145,35 +150,33 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     prompt = [1, 2, 3, 4]
     # the model's bytes as the runtime holds them (what a share is of) and a slot's, from the
     # refusal of a budget of one byte (nothing of the experts read)
-    slot = _slot_bytes(lay, mx.float32)
+    slot = slot_bytes(lay, mx.float32)
     try:
         mlx_flash.load(folder, memory_budget="1")
         raise AssertionError("a budget of 1 byte was accepted")
     except BudgetTooSmall as e:
         resident = e.needed - top_k * slot
-    n_layers = sum(e is not None for e in manifest.experts["files"])
-    model_bytes = resident + n_layers * lay.n_experts * slot
+    n_all = len(manifest.experts["files"])  # (layers; ids are layer * n_experts + expert)
+    model_bytes = resident + len(files) * lay.n_experts * slot
     mx.clear_cache()
     disk = {"at_start": disk_curve(files[:4], [lay.stride], seconds=2.0)[lay.stride]}
     predictor = None
     if routing == "trace":  # EdgeMoE's path statistics, from other tokens of the same generator
         from ..sparsity.expert_paths import ExpertPathPredictor
 
-        calib = RoutingTrace(len(manifest.experts["files"]), lay.n_experts, top_k, tokens=1)
-        predictor = ExpertPathPredictor(len(manifest.experts["files"]), lay.n_experts).fit(calib.paths(2048))
+        calib = RoutingTrace(n_all, lay.n_experts, top_k, tokens=1)
+        predictor = ExpertPathPredictor(n_all, lay.n_experts).fit(calib.paths(2048))
     results = {}
     for budget in budgets:
-        from ..runtime.budget import parse_budget
-
         budget_bytes = parse_budget(budget, model_bytes)
         for r in range(rounds):
             order = list(rows) if r % 2 == 0 else list(reversed(rows))
             for row in order:
                 options = _row_options(row, budget_bytes, resident + top_k * slot)
                 model, _ = mlx_flash.load(folder, **options)
+                model.runtime.store.stats.trace = []  # (recorded for the offline policies)
                 if routing == "trace":  # the same routing for every row and round
-                    drive_routing(model, RoutingTrace(len(manifest.experts["files"]), lay.n_experts, top_k),
-                                  predictor)
+                    drive_routing(model, RoutingTrace(n_all, lay.n_experts, top_k), predictor)
                 slots = model.runtime.store.slots
                 measured = _decode(model, prompt, tokens, warmup)
                 trace = list(model.runtime.store.stats.trace)
@@ -182,25 +185,30 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
                 mx.clear_cache()
                 results.setdefault((budget, row), {"slots": slots, "tokens": [], "trace": trace})["tokens"] += measured
                 if progress:
-                    ms = 1e3 * np.median([m[0] for m in measured])
+                    ms = 1e3 * np.median([t for t, _ in measured])
                     print(f"[moe] {shape} {budget} {row}: {ms:.0f} ms/token ({slots} slots)", flush=True)
     disk["at_end"] = disk_curve(files[:4], [lay.stride], seconds=2.0)[lay.stride]
     table = []
+    gbps = min(disk.values())
     for (budget, row), res in results.items():
-        t = np.array([m for m in res["tokens"]], dtype=np.float64)
-        dt, io, wait, pre_s, b, pre_b, _, _, pred, _ = (np.median(t[:, i]) for i in range(10))
-        asked, hits, used = t[:, 6].sum(), t[:, 7].sum(), t[:, 9].sum()  # (rates over all measured tokens)
-        pred = t[:, 8].sum() if pred or t[:, 8].sum() else 0
-        read_bytes = b + pre_b
-        gbps = min(disk.values())
-        entry = {"budget": budget, "row": row, "slots": res["slots"], "ms_per_token": 1e3 * dt,
-                 "tokens_per_s": 1 / dt, "io_ms": 1e3 * (io + wait), "compute_ms": 1e3 * (dt - io - wait),
-                 "read_mb_per_token": read_bytes / 1e6, "hit_rate": hits / asked if asked else None,
-                 "floor_ms": 1e3 * read_bytes / (gbps * 1e9),
-                 "predicted": pred, "precision": used / pred if pred else None,
-                 "hidden_share": (pre_s - wait) / (io + pre_s) if pred and (io + pre_s) else None}
-        table.append(entry)
-    simulated = _simulate(results, manifest, lay)
+        dt = np.median([t for t, _ in res["tokens"]])
+
+        def median(c):
+            return float(np.median([d[c] for _, d in res["tokens"]]))
+
+        def total(c):  # (rates over all measured tokens)
+            return float(sum(d[c] for _, d in res["tokens"]))
+
+        io, wait, pre_s = median("io_s"), median("wait_s"), median("prefetch_s")
+        read_bytes = median("bytes") + median("prefetched_bytes")
+        asked, pred = total("asked"), total("predicted")
+        table.append({"budget": budget, "row": row, "slots": res["slots"], "ms_per_token": 1e3 * dt,
+                      "tokens_per_s": 1 / dt, "io_ms": 1e3 * (io + wait), "compute_ms": 1e3 * (dt - io - wait),
+                      "read_mb_per_token": read_bytes / 1e6, "hit_rate": total("hits") / asked if asked else None,
+                      "floor_ms": 1e3 * read_bytes / (gbps * 1e9), "predicted": pred,
+                      "precision": total("predicted_used") / pred if pred else None,
+                      "hidden_share": (pre_s - wait) / (io + pre_s) if pred and (io + pre_s) else None})
+    simulated = _simulate(results, n_all, lay, top_k)
     naive = {e["budget"]: e["ms_per_token"] for e in table if e["row"] == "naive"}
     for e in table:
         e["vs_naive"] = naive.get(e["budget"], float("nan")) / e["ms_per_token"]
@@ -214,19 +222,18 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     return report
 
 
-def _simulate(results, manifest, lay):
+def _simulate(results, n_layers, lay, top_k):
     """{budget: {policy: hit rate}}: every policy, Belady's offline optimum among them, replayed on
     the routing one run of that budget recorded (its decode tokens, warm-up included; the routing
     does not depend on the buffer, so every row of a budget saw the same), at its slot count."""
     from ..cache.eviction import POLICIES, EdgeMoE, simulate_hits
 
-    n_layers = len(manifest.experts["files"])
     n_ids = n_layers * lay.n_experts
     out = {}
     for (budget, row), res in results.items():
         if row != "lru":
             continue
-        top_k = max(len(e) for _, e in res["trace"][-8:])  # (a decode step's)
+        # a decode step's experts (a prompt's steps may want more than the slots)
         ids = [layer * lay.n_experts + np.asarray(e) for layer, e in res["trace"] if len(e) <= top_k]
         policies = {"lru": POLICIES["lru"](n_ids), "lfu": POLICIES["lfu"](n_ids),
                     "edgemoe": EdgeMoE(n_ids, lay.n_experts, n_layers), "belady": POLICIES["belady"](n_ids, ids)}

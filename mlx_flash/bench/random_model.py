@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
+from ..models.moe import MODEL_TYPES as MOE_TYPES
 
 OPT = dict(model_type="opt", architectures=["OPTForCausalLM"], activation_function="relu",
            do_layer_norm_before=True, enable_bias=True, tie_word_embeddings=True,
@@ -94,7 +95,7 @@ def tensor_shapes(cfg):
             t[q + "fc1.weight"], t[q + "fc1.bias"] = (f, d), (f,)
             t[q + "fc2.weight"], t[q + "fc2.bias"] = (d, f), (d,)
         return t
-    if cfg["model_type"] in ("qwen3_moe", "mixtral"):
+    if cfg["model_type"] in MOE_TYPES:
         return _moe_shapes(cfg)
     f, kv = cfg["intermediate_size"], cfg["num_key_value_heads"] * d // cfg["num_attention_heads"]
     t["model.embed_tokens.weight"] = (V, d)
@@ -235,7 +236,7 @@ def build_checkpoint(shape, dtype="float16", home=None, progress=True, seed=0):
     quant = None
     if dtype in QUANTIZED:
         quant = QuantOptions(quantize=True, bits=QUANTIZED[dtype], group_size=64)
-    if shape_config(shape)["model_type"] in ("qwen3_moe", "mixtral"):  # random values at their bits (RandomSource)
+    if shape_config(shape)["model_type"] in MOE_TYPES:  # random values at their bits (RandomSource)
         if dtype not in QUANTIZED:
             raise FlashError(f"{shape}: the mixture-of-experts shapes are built at q4 or q8")
         return convert(RandomSource(shape, seed=seed, bits=QUANTIZED[dtype]), checkpoint_dir(shape, dtype, home),

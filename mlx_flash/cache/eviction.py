@@ -28,10 +28,11 @@ class LRU:
         cand = cached[~np.isin(cached, protect)]
         if n > cand.size:
             raise ValueError(f"need {n} victims, only {cand.size} evictable")
-        order = np.lexsort(self._lex(cand, step))
+        order = np.lexsort(self._lex(cand, step, protect))
         return cand[order[:n]]
 
-    def _lex(self, cand, step):
+    def _lex(self, cand, step, protect):
+        """lexsort keys of the candidates (the last is primary): who leaves first."""
         return (self.last[cand],)
 
 
@@ -46,8 +47,8 @@ class LFU(LRU):
         super().touch(ids, step)
         self.count[ids] += 1
 
-    def _lex(self, cand, step):
-        return (self.last[cand], self.count[cand])  # lexsort: last key is primary
+    def _lex(self, cand, step, protect):
+        return (self.last[cand], self.count[cand])
 
 
 class Belady(LRU):
@@ -74,7 +75,7 @@ class Belady(LRU):
         self.ptr[i] = p
         return u[p] if p < len(u) else np.iinfo(np.int64).max
 
-    def _lex(self, cand, step):
+    def _lex(self, cand, step, protect):
         nxt = np.array([self._next_use(i, step) for i in cand.tolist()], dtype=np.int64)
         return (-nxt,)
 
@@ -114,19 +115,11 @@ class EdgeMoE(LFU):
         super().__init__(n_ids)
         self.n_experts, self.n_layers = n_experts, n_layers
 
-    def _lex(self, cand, step, current=None):
-        layer = cand // self.n_experts
-        distance = (layer - current - 1) % self.n_layers + 1
+    def _lex(self, cand, step, protect):
+        protect = np.asarray(protect).reshape(-1)
+        current = int(protect[0]) // self.n_experts if protect.size else 0
+        distance = (cand // self.n_experts - current - 1) % self.n_layers + 1
         return (self.last[cand], self.count[cand] / distance)
-
-    def victims(self, cached, n, protect, step):
-        protect = np.asarray(protect)
-        current = int(protect.reshape(-1)[0]) // self.n_experts if protect.size else 0
-        cand = cached[~np.isin(cached, protect)]
-        if n > cand.size:
-            raise ValueError(f"need {n} victims, only {cand.size} evictable")
-        order = np.lexsort(self._lex(cand, step, current))
-        return cand[order[:n]]
 
 
 POLICIES["edgemoe"] = EdgeMoE

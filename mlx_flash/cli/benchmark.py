@@ -210,11 +210,11 @@ def add_batch_parser(sub):
 
 def add_moe_parser(sub):
     from ..bench.moe import ROWS
-    from ..bench.random_model import SHAPES
+    from ..bench.random_model import MOE_TYPES, SHAPES
 
     s = sub.add_parser("moe", help="a mixture of experts of a real shape (random 4-bit weights) from flash: "
                        "naive, expert buffer with LRU / LFU / EdgeMoE eviction, + router look-ahead (EdgeMoE)")
-    moe = sorted(k for k, v in SHAPES.items() if v["model_type"] in ("qwen3_moe", "mixtral"))
+    moe = sorted(k for k, v in SHAPES.items() if v["model_type"] in MOE_TYPES)
     s.add_argument("--shape", default="qwen3-30b-a3b", choices=moe)
     s.add_argument("--budgets", type=_list(str), default=["25%", "50%"],
                    help="expert buffers: shares of the model's weights as held (default 25%%,50%%)")

@@ -77,7 +77,7 @@ class ExpertSource:
         return s[e]
 
 
-def expert_spec(experts, first_layer, options, dtype, notes, where):
+def expert_spec(experts, first_layer, options, dtype, notes):
     """The one QuantSpec the experts are stored at (None: float at dtype)."""
     exact = experts.spec(first_layer, "gate")
     if options.dequantize:
@@ -121,7 +121,7 @@ def write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal
     experts = ExpertSource(src, original, tensors, source_name)
     notes = set()
     first = min(i for i, t in tensors.items() if t is not None)
-    spec = expert_spec(experts, first, options, dtype, notes, source_name)
+    spec = expert_spec(experts, first, options, dtype, notes)
     if spec is not None and (args.hidden_size % spec.group_size or args.d_expert % spec.group_size):
         raise FlashError(f"{source_name}: hidden size {args.hidden_size} and expert size {args.d_expert} must be "
                          f"multiples of the quantization group size {spec.group_size}")

@@ -146,11 +146,11 @@ class ExpertFFN:
         if self.store is None:
             raise FlashError("the experts have no store; load the model with mlx_flash.load")
         parts = self.store.experts(self.layer, inds)
-        if self.lookahead is not None and residual is not None and getattr(self.store, "prefetch", False):
-            # the router look-ahead: the next MoE layer's router on this layer's residual stream
-            # (before the next attention), its experts read while this layer computes
+        if self.lookahead is not None and residual is not None and self.store.prefetch:
+            # the next MoE layer's experts, as guessed (by default its router on this layer's
+            # residual stream), read while this layer computes
             layer, guess = self.lookahead
-            self.store.read_ahead(layer, guess(residual, inds), self.store.busy)
+            self.store.read_ahead(layer, guess(residual, inds))
         if isinstance(parts, ExpertRows):
             y = switch_glu(x, parts)
         else:

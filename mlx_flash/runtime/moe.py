@@ -11,11 +11,13 @@ neuron modes (naive, hybrid, flash) and sparsity sources do not apply to experts
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
+import numpy as np
 
 from ..errors import BudgetTooSmall, FlashError
 from ..io import FlashReader
+from ..layout.experts import KINDS
 from .budget import parse_budget
+from .build import DTYPES, compute_dtype
 from .stores.experts import ExpertStore
 
 
@@ -76,12 +78,13 @@ def check_moe_config(config):
         raise FlashError(f"--mode dense holds every expert: {given} does not apply (use --mode auto)")
 
 
-def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=False):
-    check_moe_config(config)
+def build_moe_runtime(model, folder, manifest, config, resident_bytes, resident_dtype):
+    """-> MoERuntime (config checked by check_moe_config before the model loaded; resident_dtype:
+    what the loader holds the router, attention and embeddings at, for --stats)."""
     lay = manifest.experts["layout"]
-    layers = [i for i, e in enumerate(manifest.experts["files"]) if e is not None]
-    total = len(layers) * lay.n_experts
-    dtype = mx.float32 if config.dtype in (None, "float32") else getattr(mx, config.dtype)
+    total = sum(e is not None for e in manifest.experts["files"]) * lay.n_experts
+    dtype_name = compute_dtype(config, manifest)
+    dtype = DTYPES[dtype_name]
     slot = slot_bytes(lay, dtype)
     model_bytes = resident_bytes + total * slot
     budget = parse_budget(config.memory_budget, model_bytes)
@@ -110,25 +113,15 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, progress=
     ffns = list(model.expert_ffns().values())
     for f in ffns:
         f.store = store
-    from mlx.utils import tree_flatten
-
-    held = "quantized" if any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters())) else str(dtype)
-    return MoERuntime(config, Path(folder), manifest, str(dtype).split(".")[-1], resident_bytes, store, mode,
-                      budget, model_bytes, ffns, held.split(".")[-1])
+    return MoERuntime(config, Path(folder), manifest, dtype_name, resident_bytes, store, mode, budget, model_bytes,
+                      ffns, resident_dtype)
 
 
 def slot_bytes(lay, dtype):
     """DRAM of one expert in the buffer: packed values as stored, scales (or float weights) at the
-    compute dtype."""
-    size = mx.zeros((), dtype=dtype).itemsize
-    out = 0
-    for kind in ("gate", "up", "down"):
-        for name, shape, storage in lay.arrays(kind):
-            n = 1
-            for s in shape:
-                n *= s
-            out += n * (4 if storage == "uint32" else size)
-    return out
+    compute dtype `dtype` (an MLX dtype)."""
+    return sum(int(np.prod(shape)) * (4 if storage == "uint32" else dtype.size)
+               for kind in KINDS for _, shape, storage in lay.arrays(kind))
 
 
 def _mb(n):

@@ -30,9 +30,6 @@ from ...layout.format import read_checksums
 from ...models.moe import ExpertRows
 from .base import cpu_kernels
 
-NP = {mx.float32: np.float32, mx.float16: np.float16}
-
-
 class ExpertStats:
     """Per layer: experts asked for, found in the buffer (read ahead or kept), read when asked;
     bytes and seconds of those reads; the look-ahead's predictions, how many came true, what
@@ -48,7 +45,9 @@ class ExpertStats:
         self.prefetched_bytes = 0
         self.prefetch_s = 0.0  # the worker's reading time
         self.wait_s = 0.0  # of it, what a layer waited for (the rest was hidden by compute)
-        self.trace = []  # [(layer, unique experts)] in order: the offline policies' input (Belady)
+        # [(layer, unique experts)] in order, when a benchmark sets it to a list: the offline policies'
+        # input (Belady). None by default: a long chat would grow it by a layer's experts a layer
+        self.trace = None
 
     def summary(self):
         asked = int(self.asked.sum())
@@ -72,13 +71,10 @@ class ExpertStore:
         exp = manifest.experts
         self.layout = lay = exp["layout"]
         self.folder = folder
-        self.manifest_files = exp["files"]
         self.layers = [i for i, e in enumerate(exp["files"]) if e is not None]
-        n_layers = len(exp["files"])
+        self.n_layers = n_layers = len(exp["files"])
         total = len(self.layers) * lay.n_experts
-        if slots > total:
-            slots = total
-        self.slots = slots
+        self.slots = slots  # (at most `total`: runtime/moe.py sizes it)
         self.dtype = dtype
         self.reader = reader
         self.cache = ExpertCache(slots, lay.n_experts, n_layers, policy)
@@ -96,7 +92,8 @@ class ExpertStore:
         self.host = self._host_matrices()
         self.prefetch = prefetch and slots < total  # (dense: nothing to read ahead)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-experts") if self.prefetch else None
-        self._pending = None  # (layer, ids being read, their predicted set, future)
+        self._pending = None  # (layer, ids being read, future)
+        self.busy = np.zeros(0, dtype=np.int64)  # the global ids the current layer computes on
         self._predicted = {}  # {layer: global ids the look-ahead read for it}
 
     def _slabs(self):
@@ -151,7 +148,7 @@ class ExpertStore:
             self._ensure(layer, np.arange(self.layout.n_experts))
 
     def reset_stats(self):
-        self.stats = ExpertStats(len(self.manifest_files))
+        self.stats = ExpertStats(self.n_layers)
 
     def _read(self, layer, missing, into):
         """Read experts (global ids) of `layer` into their slots; a failure leaves them out of the buffer."""
@@ -183,19 +180,19 @@ class ExpertStore:
         self._read(layer, missing, into)
         return time.perf_counter() - t0
 
-    def read_ahead(self, layer, inds, busy):
+    def read_ahead(self, layer, inds):
         """The look-ahead's guess of `layer`'s experts (router indices): read the ones not in the
-        buffer in the background, into slots that `busy` (the current layer's experts, global
-        ids) does not hold. A wrong guess costs reads, never correctness."""
+        buffer in the background, into slots the current layer's experts (`busy`) do not hold.
+        A wrong guess costs reads, never correctness."""
         if not self.prefetch or layer not in self.files:
             return
         self._drain()
         guess = np.unique(np.array(inds).astype(np.int64))
         ids = self.cache.ids(layer, guess)
-        ids = ids[self.cache.slot_of[ids] < 0][: max(0, self.slots - busy.size)]
+        ids = ids[self.cache.slot_of[ids] < 0][: max(0, self.slots - self.busy.size)]
         if not ids.size:
             return
-        _, missing, into = self.cache.place(ids, protect=busy, touch=False)
+        _, missing, into = self.cache.place(ids, protect=self.busy, touch=False)
         self._predicted[layer] = missing
         self.stats.predicted += missing.size
         self.stats.prefetched_bytes += missing.size * self.layout.bundle_bytes
@@ -221,7 +218,8 @@ class ExpertStore:
     def experts(self, layer, inds):
         chosen = np.array(inds).astype(np.int64)  # (waits for the router: see the module docstring)
         unique, inverse = np.unique(chosen, return_inverse=True)
-        self.stats.trace.append((layer, unique))
+        if self.stats.trace is not None:
+            self.stats.trace.append((layer, unique))
         self.busy = self.cache.ids(layer, unique)
         if unique.size <= self.slots:
             slots = self._ensure(layer, unique)

@@ -9,14 +9,13 @@ stacked weights. The router, attention, norms and shared experts are resident.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import List, Optional
 
 import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import FlashError
 from . import llama
@@ -29,14 +28,9 @@ HF_EXPERT = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}  # the others:
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    rms_norm_eps: float
-    vocab_size: int
+class ModelArgs(llama.ModelArgs):
+    """llama.py's arguments (the attention is the same) and the experts'."""
+
     num_experts_per_tok: int = 2
     num_experts: Optional[int] = None  # qwen2_moe, qwen3_moe, olmoe
     num_local_experts: Optional[int] = None  # mixtral
@@ -45,16 +39,8 @@ class ModelArgs(BaseModelArgs):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = field(default_factory=list)
-    head_dim: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    rope_theta: float = 1000000
-    rope_traditional: bool = False
-    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
+    rope_theta: float = 1000000  # (the MoE families' defaults where config.json says nothing)
     tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
 
     def __post_init__(self):
         if self.num_key_value_heads is None:

@@ -265,13 +265,7 @@ def expert_tensors(args: ModelArgs, layer: int):
             for kind in ("gate", "up", "down")}
 
 
-def resident_name(args: ModelArgs, hf_name: str):
-    """HF tensor name -> this model's parameter name, or None to drop it."""
-    if "rotary_emb.inv_freq" in hf_name:
-        return None
-    if hf_name == "lm_head.weight" and args.tie_word_embeddings:
-        return None
-    return hf_name
+resident_name = llama.resident_name  # (the same names: HF tensor -> parameter, or None to drop it)
 
 
 def ffn_kinds(args: ModelArgs):

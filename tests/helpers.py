@@ -219,21 +219,7 @@ def thresholded_ffn(tensors, layer, x, t_in, t_out, wina=False):
     return D @ np.where(np.abs(h) * n_out >= t_out, h, 0)
 
 
-MOE_BASE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    bos_token_id=1,
-    eos_token_id=2,
-    num_experts_per_tok=2,
-)
+MOE_BASE = dict(LLAMA_BASE, intermediate_size=96, num_experts_per_tok=2)
 
 MOE_VARIANTS = {
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4),

@@ -292,3 +292,24 @@ def test_the_routing_trace_is_skewed_correlated_and_repeatable_and_the_path_pred
     predictor = ExpertPathPredictor(6, 32).fit(RoutingTrace(6, 32, 4, seed=3, tokens=1).paths(500))
     hits = np.mean([len(set(predictor.predict(2, path[2], 4)) & set(path[3])) / 4 for path in a])
     assert hits > 2 * 4 / 32, hits
+
+
+def test_a_random_mlx_lm_folder_is_one_mlx_lm_loads_and_converts_to_the_benchmark_checkpoint(tmp_path):
+    """scripts/moe_beyond_ram.py's input (a random model as mlx-lm folders hold one: stacked, quantized
+    experts in shards): mlx_lm loads it, and its conversion is build_checkpoint's, file for file."""
+    import hashlib
+
+    from mlx_flash.bench.random_model import build_checkpoint, write_mlx_lm_folder
+
+    src = write_mlx_lm_folder("tiny-moe", tmp_path / "src", shard_bytes=1 << 20, progress=False)
+    assert len(list(src.glob("model-*.safetensors"))) > 1 and not (tmp_path / "src.partial").exists()
+    ref_model, _ = load_model(src)
+    out = convert(str(src), tmp_path / "flash", progress=False)
+    ref = build_checkpoint("tiny-moe", "q4", home=tmp_path, progress=False)
+    files = [f.relative_to(ref) for f in ref.rglob("*") if f.is_file() and f.name != "manifest.json"]
+    assert len(files) > 8
+    for f in files:
+        assert hashlib.sha256((ref / f).read_bytes()).digest() == hashlib.sha256((out / f).read_bytes()).digest(), f
+    model, _ = mlx_flash.load(out, dtype="float16")
+    x = mx.array([TOKENS[:12]])
+    assert mx.allclose(model(x), ref_model(x), atol=2e-2).item()

@@ -243,3 +243,93 @@ def build_checkpoint(shape, dtype="float16", home=None, progress=True, seed=0):
                        dtype="float16", progress=progress)
     return convert(RandomSource(shape, seed=seed), checkpoint_dir(shape, dtype, home),
                    dtype="float16" if quant else dtype, progress=progress, quant=quant)
+
+
+
+def write_mlx_lm_folder(shape, folder, bits=4, seed=0, shard_bytes=4 << 30, progress=True):
+    """A random mixture of experts as an mlx-lm folder holds it (`mlx_lm.convert -q`'s form: every
+    2-D weight quantized at `bits`, group 64, float16 scales; a layer's experts of one kind stacked as
+    `switch_mlp.<kind>_proj` [E, out, in]), in safetensors shards of about `shard_bytes`: the input
+    a user converts. Its values are RandomSource(shape, seed, bits)'s, so that converting it gives
+    build_checkpoint(shape, "q<bits>")'s files. Written tensor by tensor (one layer's stacked kind at
+    a time) into `folder`.partial, then renamed: an interrupted run leaves no folder."""
+    import shutil
+
+    from ..convert.writer import _progress
+    from ..layout.safetensors_io import SafetensorsWriter
+    from ..models.moe import ModelArgs, expert_tensors
+
+    if bits not in QUANTIZED.values():
+        raise FlashError(f"bits {bits}: the random mlx-lm folders are written at 4 or 8 bits")
+    src = RandomSource(shape, seed=seed, bits=bits)
+    cfg = src.config
+    if cfg["model_type"] not in MOE_TYPES:
+        raise FlashError(f"{shape}: not a mixture-of-experts shape")
+    args = ModelArgs.from_dict(cfg)
+    stacks = {}  # stacked name -> its experts' per-expert names
+    for i in range(args.num_hidden_layers):
+        for name, per_expert in (expert_tensors(args, i) or {}).values():
+            stacks[name] = per_expert
+    in_stacks = {n for names in stacks.values() for n in names}
+    tensors = []  # (name, shape, dtype, source tensor or stack, part)
+    for name in src.names():
+        if name in in_stacks:
+            continue
+        shp = src.shape(name)
+        if src.quant(name) is None:
+            tensors.append((name, shp, "float16", name, None))
+        else:
+            tensors += _quantized_parts(name, shp, name, bits)
+    for name, per_expert in stacks.items():
+        out, n_in = src.shape(per_expert[0])
+        tensors += _quantized_parts(name, (len(per_expert), out, n_in), name, bits)
+
+    def produce(key):
+        if key in stacks:
+            parts = [src.read_quantized(n) for n in stacks[key]]
+            return [np.stack([getattr(p, a) for p in parts]) for a in ("packed", "scales", "biases")]
+        if src.quant(key) is None:
+            return src.read(key)
+        q = src.read_quantized(key)
+        return [q.packed, q.scales, q.biases]
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    nbytes = [int(np.prod(t[1])) * (4 if t[2] == "uint32" else 2) for t in tensors]
+    shards, size = [[]], 0
+    for t, n in zip(tensors, nbytes):
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    bar = _progress(sum(nbytes), progress, f"write {shape}")
+    weight_map, held = {}, (None, None)  # (the producer's last key, its arrays)
+    for j, shard in enumerate(shards):
+        fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+        w = SafetensorsWriter(tmp / fname, [t[:3] for t in shard], metadata={"format": "mlx"})
+        for name, _, _, key, part in shard:
+            if held[0] != key:
+                held = (key, produce(key))
+            array = held[1] if part is None else held[1][part]
+            w.write(name, array)
+            weight_map[name] = fname
+            bar.update(array.nbytes)
+        w.close()
+    bar.close()
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps(dict(cfg, quantization={"group_size": 64, "bits": bits}), indent=1))
+    write_byte_tokenizer(tmp, cfg["vocab_size"])
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def _quantized_parts(name, shape, key, bits):
+    """A quantized weight's three tensors in an mlx-lm folder: (name, shape, dtype, key, part)."""
+    stem, lead, (out, n_in) = name[: -len("weight")], tuple(shape[:-2]), shape[-2:]
+    return [(name, lead + (out, n_in * bits // 32), "uint32", key, 0),
+            (stem + "scales", lead + (out, n_in // 64), "float16", key, 1),
+            (stem + "biases", lead + (out, n_in // 64), "float16", key, 2)]

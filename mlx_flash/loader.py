@@ -326,7 +326,8 @@ def _load_moe(folder, manifest, config):
     """A mixture-of-experts model: its resident weights (router, attention, embeddings, shared
     experts) in DRAM, its experts in an expert buffer (runtime/moe.py) of what --memory-budget,
     or --memory-limit less the runtime, the KV cache and the prompt's temporaries, leaves."""
-    from .runtime.moe import build_moe_runtime, check_moe_config
+    from .layout.experts import expert_bits
+    from .runtime.moe import build_moe_runtime, check_moe_config, read_buffers
 
     check_moe_config(config)
     dtype = compute_dtype(config, manifest)
@@ -337,7 +338,13 @@ def _load_moe(folder, manifest, config):
         memory = plan_memory(config.memory_limit, shape, DTYPES[dtype].size, config.ctx_size,
                              kv_itemsize=kv_value_bytes(DTYPES[dtype].size, config.kv_bits, config.kv_group_size))
         logging.getLogger("mlx_flash").warning("%s", memory.describe())
-        config = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None)
+        _, buffers = read_buffers(manifest.experts["layout"], config.threads, expert_bits(manifest.experts) is not None)
+        if memory.weights - buffers <= 0:
+            raise FlashError(f"--memory-limit {memory.limit / 1e6:.0f} MB: the expert reader's buffers "
+                             f"({buffers / 1e6:.0f} MB) leave nothing for the weights: raise --memory-limit")
+        logging.getLogger("mlx_flash").warning("of the weights' share, %.0f MB are the expert reader's buffers",
+                                               buffers / 1e6)
+        config = replace(config, memory_limit=None, memory_budget=str(memory.weights - buffers), ctx_size=None)
     try:
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:

@@ -116,7 +116,10 @@ def main():
             print(text[-3000:], file=sys.stderr)
         print(f"[beyond-ram] generate: {report['generate']}", file=sys.stderr)
 
-    if not a.keep:
+    failed = report["generate"]["rc"] != 0
+    if failed:
+        print(f"[beyond-ram] generate failed: both folders kept ({src}, {dst})", file=sys.stderr)
+    if not a.keep and not failed:
         shutil.rmtree(dst, ignore_errors=True)
         shutil.rmtree(src, ignore_errors=True)
         report["deleted"] = [str(src), str(dst)]
@@ -134,7 +137,7 @@ def main():
           f"rc {g['rc']}, decode {g['decode_tok_s']} tok/s, prompt {g['prompt_tok_s']} tok/s, "
           f"{g['slots']:.0f} expert slots, hit rate {g['hit_rate']} |" if g["slots"] else
           f"| generate | {g['limit_bytes'] / GB:.1f} GB | | | | {g['wall_s']} s | rc {g['rc']} (see the log) |",
-          "", "Folders deleted after the run." if not a.keep else "Folders kept."]
+          "", "Folders kept." if a.keep or failed else "Folders deleted after the run."]
     (out / f"beyond-ram-{a.shape}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

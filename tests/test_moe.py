@@ -313,3 +313,74 @@ def test_a_random_mlx_lm_folder_is_one_mlx_lm_loads_and_converts_to_the_benchmar
     model, _ = mlx_flash.load(out, dtype="float16")
     x = mx.array([TOKENS[:12]])
     assert mx.allclose(model(x), ref_model(x), atol=2e-2).item()
+
+
+def test_experts_at_their_own_bits_are_read_narrow_and_compute_as_their_values(tmp_path):
+    """--expert-bits: each expert stored at 2, 4 or 8 bits (a file per width), widened exactly into the
+    expert buffer; the logits are those of the model whose experts hold exactly those values."""
+    import shutil
+
+    from mlx_flash.layout.quant import quantize
+    from mlx_flash.models.moe import ModelArgs, expert_tensors
+    from helpers import write_safetensors
+
+    src, cfg, tensors = make_moe_folder(tmp_path / "hf", "qwen3_moe")
+    args = ModelArgs.from_dict(cfg)
+    bits = ((2, 8, 4, 2, 8, 4), None, (4, 4, 4, 4, 4, 4))  # layer 1 is dense; layer 2 one width below the widest
+    fake = dict(tensors)  # the experts' values at their bits, as floats: the reference
+    for layer, layer_bits in enumerate(bits):
+        for kind, (_, names) in (expert_tensors(args, layer) or {}).items():
+            for e, name in enumerate(names):
+                fake[name] = quantize(tensors[name], layer_bits[e], 64, "float32").dequantized()
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, ref_dir / f.name)
+    write_safetensors(ref_dir / "model.safetensors", fake)
+    out = convert(src, tmp_path / "flash", progress=False, dtype="float32",
+                  quant=QuantOptions(expert_bits=bits))
+    m = read_manifest(out)
+    assert m.experts["layout"].quant.bits == 8
+    assert [g["bits"] for g in m.experts["files"][0]["groups"]] == [2, 4, 8]
+    assert [g["bits"] for g in m.experts["files"][2]["groups"]] == [4]
+    assert sorted(p.name for p in (out / "experts").glob("*.bin")) == [
+        "layer_000.b2.bin", "layer_000.b4.bin", "layer_000.b8.bin", "layer_002.b4.bin"]
+    assert verify_folder(out) == []
+    ref, _ = load_model(ref_dir)
+    ref.set_dtype(mx.float32)
+    _check(out, ref)
+    model, _ = mlx_flash.load(out, memory_budget=_budget(out, 3))
+    model(mx.array([TOKENS]))
+    s = model.runtime.stats()["summary"]  # bytes as stored: narrower experts read fewer
+    assert 0 < s["bytes_read"] < s["experts_read"] * model.runtime.store.layout.bundle_bytes
+    model.runtime.close()
+    with pytest.raises(FlashError, match="layer 1: the layer has no experts"):
+        convert(src, tmp_path / "bad", progress=False, quant=QuantOptions(expert_bits=(bits[0], bits[0], bits[2])))
+    with pytest.raises(FlashError, match="at 3 bits"):
+        QuantOptions(expert_bits=((3,) * 6, None, (4,) * 6))
+
+
+def test_expert_bits_auto_chooses_within_the_tolerance_and_the_folder_holds_its_choice(tmp_path):
+    """convert --expert-bits auto: the widths chosen on calibration text keep its perplexity within the
+    tolerance of the float experts; the folder holds them; the float reference is gone."""
+    from mlx_flash.convert.expert_bits import auto_expert_bits
+    from mlx_flash.layout.experts import expert_bits
+
+    src, _, _ = make_moe_folder(tmp_path / "hf", "mixtral")
+    out = tmp_path / "flash"
+    with pytest.raises(FlashError, match="expert size 96 must be multiples of the quantization group size 64"):
+        auto_expert_bits(src, out, QuantOptions(), 0.05, tokens=256, progress=False)
+    choice, options = auto_expert_bits(src, out, QuantOptions(group_size=32), 0.05, tokens=256, progress=False)
+    assert choice.ppl <= choice.reference_ppl * 1.05 and choice.high in (2, 4, 8)
+    assert len(choice.importance) == len(choice.bits) and choice.evaluations >= 4
+    convert(src, out, progress=False, quant=options)
+    held = expert_bits(read_manifest(out).experts)
+    if held is None:  # every expert at the widest: the plain files
+        assert all(b == choice.high for layer in choice.bits for b in layer)
+    else:
+        assert [tuple(b) for b in held] == list(choice.bits) and choice.k > 0
+    assert not any(p.name.endswith("expert-bits-reference") for p in tmp_path.iterdir())
+    model, _ = mlx_flash.load(out)
+    assert model(mx.array([TOKENS])).shape[-1] > 0
+    model.runtime.close()

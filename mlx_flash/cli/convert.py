@@ -31,6 +31,21 @@ def build_parser():
                         "only in layers A..B (e.g. attn:0-1,attn:30-31)")
     q.add_argument("--dequantize", action="store_true",
                    help="store every weight float at --dtype (4x the bytes of a 4-bit model)")
+    e = p.add_argument_group("mixtures of experts: each expert at its own bits (EdgeMoE §3.2)")
+    e.add_argument("--expert-bits", default=None, metavar="auto|FILE.json",
+                   help="auto: choose 2/4/8 bits per expert on calibration text within --max-ppl-loss (holds "
+                        "the model in DRAM at float32 while it searches); FILE.json: {\"bits\": [[bits of each "
+                        "expert] or null, per layer]} (what auto writes to the folder's expert_bits.json)")
+    e.add_argument("--max-ppl-loss", type=float, default=0.05,
+                   help="--expert-bits auto: the perplexity rise allowed over float experts (default 0.05)")
+    e.add_argument("--expert-importance", default="output", choices=["output", "perplexity"],
+                   help="--expert-bits auto: how an expert's importance is measured: output (the error its low "
+                        "bits add to its layer's output, one pass) or perplexity (EdgeMoE's: one evaluation per "
+                        "expert, hours for hundreds of experts)")
+    e.add_argument("--calibration-data", default="c4", help="--expert-bits auto: c4 | wikitext (validation) | "
+                                                            "a .txt or .jsonl file (default c4)")
+    e.add_argument("--calibration-tokens", type=int, default=2048,
+                   help="--expert-bits auto: tokens of calibration text (default 2048)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -52,18 +67,48 @@ def main(argv=None):
         quant = QuantOptions(args.quantize, args.q_bits, args.q_group_size, args.dequantize,
                              tuple(k.strip() for k in args.q_keep.split(",") if k.strip()))
         t0 = time.perf_counter()
+        choice = None
+        if args.expert_bits == "auto":
+            from pathlib import Path
+
+            from ..convert.expert_bits import auto_expert_bits
+
+            choice, quant = auto_expert_bits(args.model, Path(args.out).expanduser().resolve(), quant,
+                                             args.max_ppl_loss, args.calibration_data, args.calibration_tokens,
+                                             args.expert_importance, progress=not args.quiet, revision=args.revision)
+            print(choice.summary(), file=sys.stderr)
+        elif args.expert_bits is not None:
+            from dataclasses import replace
+
+            from ..convert.expert_bits import read_expert_bits
+
+            quant = replace(quant, expert_bits=read_expert_bits(args.expert_bits))
         out = convert(args.model, args.out, dtype=args.dtype, align=args.align,
                       force=args.force, progress=not args.quiet, revision=args.revision, dip=args.dip,
                       quant=quant)
+        if choice is not None:
+            import json
+
+            (out / "expert_bits.json").write_text(json.dumps(choice.as_dict(), indent=1))
         m = read_manifest(out)
         ffn = sum(f["size"] for f in m.ffn_files)
         q = m.layout.quant
         precision = m.dtype if q is None else f"{q.bits}-bit group {q.group_size} ({q.scale_dtype} scales)"
         if m.experts:  # a mixture of experts
-            lay, files = m.experts["layout"], [f for f in m.experts["files"] if f is not None]
-            print(f"{out}: {m.model_type}, {len(files)} layers x {lay.n_experts} experts, expert {lay.bundle_bytes / 1e6:.2f} MB "
-                  f"(stride {lay.stride} B), {precision}; experts {sum(f['size'] for f in files) / 1e6:.1f} MB on "
-                  f"flash, resident {m.resident['size'] / 1e6:.1f} MB ({time.perf_counter() - t0:.1f} s)")
+            import numpy as np
+
+            from ..layout.experts import expert_bits, expert_files
+
+            lay, layers = m.experts["layout"], sum(f is not None for f in m.experts["files"])
+            size = sum(f["size"] for f in expert_files(m.experts))
+            bits = expert_bits(m.experts)
+            if bits is not None:  # --expert-bits: how many experts at each width
+                counts = np.unique([b for layer in bits if layer for b in layer], return_counts=True)
+                precision = ", ".join(f"{n} experts at {b}-bit" for b, n in zip(*counts)) + \
+                    f" (group {lay.quant.group_size}; held at {lay.quant.bits}-bit in DRAM)"
+            print(f"{out}: {m.model_type}, {layers} layers x {lay.n_experts} experts, expert {lay.bundle_bytes / 1e6:.2f} "
+                  f"MB (stride {lay.stride} B), {precision}; experts {size / 1e6:.1f} MB on flash, resident "
+                  f"{m.resident['size'] / 1e6:.1f} MB ({time.perf_counter() - t0:.1f} s)")
             return
         print(
             f"{out}: {m.model_type}, {len(m.ffn_files)} layers x {m.layout.n_neurons} neurons, "

@@ -15,7 +15,7 @@ model.
 import numpy as np
 
 from ..errors import FlashError
-from ..layout.experts import KINDS, ExpertLayout
+from ..layout.experts import KINDS, ExpertLayout, group_layout
 from ..layout.format import MOE_VERSION, BundleLayout, Manifest, checksum_name, write_manifest
 from ..layout.quant import QuantSpec, QuantTensor, quantize
 from ..layout.safetensors_io import to_storage
@@ -78,10 +78,17 @@ class ExpertSource:
 
 
 def expert_spec(experts, first_layer, options, dtype, notes):
-    """The one QuantSpec the experts are stored at (None: float at dtype)."""
+    """The one QuantSpec the experts are stored at (None: float at dtype); with --expert-bits, the
+    widest experts' (what the expert buffer holds every expert at)."""
     exact = experts.spec(first_layer, "gate")
     if options.dequantize:
         return None
+    if options.expert_bits is not None:
+        bits = max(b for layer in options.expert_bits if layer for b in layer)
+        group = options.group_size or (exact.group_size if exact else 64)
+        notes.add("experts at their own bits (--expert-bits): those whose bits or group size differ from the "
+                  "source's are re-quantized (values change)")
+        return QuantSpec(bits, group, exact.scale_dtype if exact else dtype)
     if exact is not None and options.bits in (None, exact.bits) and options.group_size in (None, exact.group_size):
         return exact
     if exact is None and not options.quantize:
@@ -126,6 +133,7 @@ def write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal
         raise FlashError(f"{source_name}: hidden size {args.hidden_size} and expert size {args.d_expert} must be "
                          f"multiples of the quantization group size {spec.group_size}")
     layout = ExpertLayout(args.n_experts, args.hidden_size, args.d_expert, dtype, spec, align)
+    bits_of = _expert_bits(options.expert_bits, tensors, args.n_experts, source_name)
     expert_names = experts.names()
     resident = []
     for name, orig in original.items():
@@ -137,7 +145,8 @@ def write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal
             resident.append((orig, new, src.shape(orig), decision))
     resident_specs = [e for _, new, shape, dec in resident for e in _resident_specs(new, shape, dtype, dec)]
     moe_layers = [i for i, t in tensors.items() if t is not None]
-    total = sum(_nbytes(shape, dt) for _, shape, dt in resident_specs) + layout.file_size * len(moe_layers)
+    total = sum(_nbytes(shape, dt) for _, shape, dt in resident_specs) + sum(
+        g.file_size for i in moe_layers for g, _ in _groups(layout, bits_of[i]))
     report(notes)
     bar = _progress(total, progress, "convert")
     quantized_modules = _write_resident(src, tmp, resident, resident_specs, dtype, bar, journal)
@@ -147,13 +156,22 @@ def write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal
         if tensors[layer] is None:
             files.append(None)
             continue
-        rel = f"experts/layer_{layer:03d}.bin"
-        if journal.has(rel) and journal.has(checksum_name(rel)):  # written by an earlier run
-            files.append(bundle_entry(tmp, rel, journal))
-            bar.update(layout.file_size)
-            continue
-        files.append(write_packed(tmp, rel, _bundles(experts, layout, layer, source_name), layout.parts(), bar,
-                                  journal))
+        groups = _groups(layout, bits_of[layer])
+        entries = []
+        for glay, ids in groups:
+            rel = f"experts/layer_{layer:03d}.bin" if glay is layout else \
+                f"experts/layer_{layer:03d}.b{glay.quant.bits}.bin"
+            if journal.has(rel) and journal.has(checksum_name(rel)):  # written by an earlier run
+                entries.append(bundle_entry(tmp, rel, journal))
+                bar.update(glay.file_size)
+                continue
+            entries.append(write_packed(tmp, rel, _bundles(experts, glay, layer, source_name, ids), glay.parts(),
+                                        bar, journal))
+        if groups[0][0] is layout:  # every expert at the layout's precision: the plain form
+            files.append(entries[0])
+        else:
+            files.append({"groups": [dict(e, bits=glay.quant.bits, experts=ids.tolist())
+                                     for e, (glay, ids) in zip(entries, groups)]})
     resident_entry = _write_config(src, tmp, journal, quantized_modules)
     manifest = Manifest(
         model_type=args.model_type,
@@ -171,9 +189,36 @@ def write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal
     bar.close()
 
 
-def _bundles(experts, layout, layer, where):
-    """Layer `layer`'s expert bundles, one [1, stride] chunk each, in file order."""
-    for e in range(layout.n_experts):
+def _expert_bits(expert_bits, tensors, n_experts, where):
+    """--expert-bits checked against the model -> {layer: bits of each expert (array) | None}."""
+    if expert_bits is None:
+        return {i: None for i in tensors}
+    if len(expert_bits) != len(tensors):
+        raise FlashError(f"{where}: --expert-bits gives {len(expert_bits)} layers, the model has {len(tensors)}")
+    out = {}
+    for i, bits in enumerate(expert_bits):
+        if (bits is None) != (tensors[i] is None):
+            raise FlashError(f"{where}: --expert-bits layer {i}: " + ("the layer has experts: give their bits"
+                             if bits is None else "the layer has no experts (give null)"))
+        if bits is not None and len(bits) != n_experts:
+            raise FlashError(f"{where}: --expert-bits layer {i} gives {len(bits)} experts' bits, the layer has "
+                             f"{n_experts}")
+        out[i] = None if bits is None else np.array(bits, dtype=np.int64)
+    return out
+
+
+def _groups(layout, bits):
+    """[(layout, expert ids)] of one layer's files: one at the layout's precision, or one per width."""
+    if bits is None or np.all(bits == layout.quant.bits):
+        return [(layout, np.arange(layout.n_experts))]
+    return [(group_layout(layout, int(b), int((bits == b).sum())), np.flatnonzero(bits == b))
+            for b in np.unique(bits)]
+
+
+def _bundles(experts, layout, layer, where, ids=None):
+    """Layer `layer`'s expert bundles (of the experts `ids`; all by default), one [1, stride] chunk
+    each, in file order."""
+    for e in (range(layout.n_experts) if ids is None else ids):
         arrays = {}
         for kind in KINDS:
             arrays |= expert_arrays(experts.weight(layer, kind, e), layout, kind,

@@ -30,6 +30,7 @@ from ..layout.quant import QuantSpec, QuantTensor, check_quant, columns, pack, q
 KEEP_PARTS = ("embed", "lm_head", "attn")
 PER_LAYER_PARTS = ("attn",)  # parts a --q-keep item may restrict to layers (part:A-B)
 # GGUF types with no exact MLX form -> the bits they are re-quantized to by default
+EXPERT_BITS = (2, 4, 8)  # the widths an expert may have (widened exactly to the widest: layout/quant.widen)
 LOSSY_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 
 
@@ -40,10 +41,20 @@ class QuantOptions:
     group_size: int | None = None  # --q-group-size
     dequantize: bool = False  # --dequantize: everything float
     keep: tuple = ()  # --q-keep: parts that stay float ("attn", or "attn:0-1" for some layers)
+    # --expert-bits (a mixture of experts): per layer, each expert's bits (a tuple), or None (no experts)
+    expert_bits: tuple | None = None
 
     def __post_init__(self):
-        if self.dequantize and (self.quantize or self.bits or self.group_size):
-            raise FlashError("--dequantize cannot be combined with --quantize / --q-bits / --q-group-size")
+        if self.dequantize and (self.quantize or self.bits or self.group_size or self.expert_bits):
+            raise FlashError("--dequantize cannot be combined with --quantize / --q-bits / --q-group-size / "
+                             "--expert-bits")
+        if self.expert_bits is not None and self.bits is not None:
+            raise FlashError("--expert-bits gives the experts' bits: drop --q-bits")
+        for layer, bits in enumerate(self.expert_bits or ()):
+            bad = [b for b in bits or () if b not in EXPERT_BITS]
+            if bad:
+                raise FlashError(f"--expert-bits: layer {layer} has an expert at {bad[0]} bits "
+                                 f"(choose from {', '.join(map(str, EXPERT_BITS))})")
         check_quant(self.bits or 4, self.group_size or 64)
         for item in self.keep:
             _keep_item(item)
@@ -65,7 +76,8 @@ class QuantOptions:
                 raise FlashError(f"--q-keep {item}: the model has layers 0-{n_layers - 1}")
 
     def key(self):
-        return [self.quantize, self.bits, self.group_size, self.dequantize, sorted(self.keep)]
+        key = [self.quantize, self.bits, self.group_size, self.dequantize, sorted(self.keep)]
+        return key if self.expert_bits is None else key + [[list(b) if b else None for b in self.expert_bits]]
 
 
 def _keep_item(item):

@@ -11,11 +11,17 @@
 
 gate and up are [d_expert, d_model], down [d_model, d_expert] (mlx_lm's
 SwitchGLU). The router, attention, norms and shared experts are resident.
+
+Experts at their own bit widths (EdgeMoE §3.2, `convert --expert-bits`): a layer whose experts
+differ in bits has one file per width, `experts/layer_NNN.bB.bin` (+ .crc32c), holding its
+experts of that width in ascending order; its manifest entry is {"groups": [{"bits", "experts",
+file entry...}]}. The manifest's layout is then the widest experts': the form the expert buffer
+holds every expert in (narrower values widened exactly on reading: quant.widen).
 Layers without experts (Qwen3-MoE's `mlp_only_layers`) keep a dense MLP in the
 resident file and have no entry (None) in the manifest's list.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -121,3 +127,55 @@ class ExpertLayout:
         if d.get("quant") is not None:
             d["quant"] = QuantSpec(**d["quant"])
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """A file of one layer's experts at one precision: its manifest entry, its layout, the experts
+    (ascending) its bundles hold, in order."""
+
+    entry: dict
+    layout: ExpertLayout
+    experts: np.ndarray
+
+    @property
+    def bits(self):
+        return None if self.layout.quant is None else self.layout.quant.bits
+
+
+def group_layout(layout, bits, n_experts):
+    """The layout of `n_experts` of a layer stored at `bits` (the rest of `layout` kept)."""
+    return replace(layout, n_experts=n_experts, quant=replace(layout.quant, bits=bits))
+
+
+def layer_groups(section, layer):
+    """[ExpertGroup] of a layer of the manifest's experts section (empty: a layer without experts)."""
+    entry, lay = section["files"][layer], section["layout"]
+    if entry is None:
+        return []
+    if "groups" not in entry:
+        return [ExpertGroup(entry, lay, np.arange(lay.n_experts))]
+    return [ExpertGroup(g, group_layout(lay, g["bits"], len(g["experts"])), np.array(g["experts"], dtype=np.int64))
+            for g in entry["groups"]]
+
+
+def expert_files(section):
+    """Every file entry of the experts section (one per layer, or one per layer and bit width)."""
+    return [g.entry for i in range(len(section["files"])) for g in layer_groups(section, i)]
+
+
+def expert_bits(section):
+    """[bits of each expert | None per layer], or None when every expert has the layout's precision."""
+    if not any(e is not None and "groups" in e for e in section["files"]):
+        return None
+    out = []
+    for layer in range(len(section["files"])):
+        groups = layer_groups(section, layer)
+        if not groups:
+            out.append(None)
+            continue
+        bits = np.zeros(section["layout"].n_experts, dtype=np.int64)
+        for g in groups:
+            bits[g.experts] = g.bits
+        out.append(bits.tolist())
+    return out

@@ -91,6 +91,25 @@ def pack(q, bits):
     return np.packbits(b.reshape(q.shape[:-1] + (n * bits,)), axis=-1, bitorder="little")
 
 
+_WIDEN = {}  # (bits, to_bits) -> the table widening one packed byte
+
+
+def widen(packed, bits, to_bits):
+    """Packed values at `bits` -> the same values packed at `to_bits` (2 -> 4, 2 -> 8, 4 -> 8), uint32
+    words [..., w] -> [..., w * to_bits / bits]. With the same scales and biases (group size
+    unchanged) a weight keeps its every value: scale * q + bias. One table lookup per byte."""
+    if (bits, to_bits) not in ((2, 4), (2, 8), (4, 8)):
+        raise ValueError(f"packed values widen 2 -> 4, 2 -> 8 or 4 -> 8 bits, not {bits} -> {to_bits}")
+    table = _WIDEN.get((bits, to_bits))
+    if table is None:  # byte b holds 8 / bits values; they become 8 / bits values of to_bits each
+        per, mask = 8 // bits, (1 << bits) - 1
+        b = np.arange(256, dtype=np.uint32)
+        wide = sum(((b >> (bits * j)) & mask) << (to_bits * j) for j in range(per))
+        table = _WIDEN[(bits, to_bits)] = wide.astype(np.uint16 if per * to_bits == 16 else np.uint32)
+    raw = np.ascontiguousarray(packed).view(np.uint8)
+    return table[raw].view(np.uint32)
+
+
 def to_words(packed_bytes):
     """uint8 [..., k] (k a multiple of 4) -> the uint32 words MLX keeps."""
     return np.ascontiguousarray(packed_bytes).view("<u4").astype(np.uint32, copy=False)

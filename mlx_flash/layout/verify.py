@@ -28,7 +28,10 @@ def bundle_files(manifest):
     for part in manifest.dip.values():
         out += [(e, part["layout"]) for e in part["files"]]
     if manifest.experts:
-        out += [(e, manifest.experts["layout"]) for e in manifest.experts["files"] if e is not None]
+        from .experts import layer_groups
+
+        out += [(g.entry, g.layout) for i in range(len(manifest.experts["files"]))
+                for g in layer_groups(manifest.experts, i)]
     return out
 
 

@@ -86,21 +86,44 @@ def _switch_linear(x, w, idx, rows, sorted_indices):
                          bits=rows.bits, sorted_indices=sorted_indices)
 
 
+HOST_MATVECS = 16  # positions of one expert up to which a matrix-vector product each beats dequantizing
+HOST_CHUNK = 1024  # rows dequantized at a time for BLAS
+
+
+def _host_products(mat, xs):
+    """xs [n, K] float32 -> xs @ W.T [n, N] by the native kernels: a matrix-vector product per
+    position, or for many positions the weight dequantized in chunks of rows for BLAS."""
+    if xs.shape[0] <= HOST_MATVECS:
+        return np.stack([mat.matvec(x) for x in xs])
+    out = np.empty((xs.shape[0], mat.n), dtype=np.float32)
+    buf = np.empty((min(HOST_CHUNK, mat.n), mat.k), dtype=np.float32)
+    for start in range(0, mat.n, HOST_CHUNK):
+        stop = min(mat.n, start + HOST_CHUNK)
+        w = buf[: stop - start]
+        mat.dequantize(start, stop, w)
+        np.matmul(xs, w.T, out=out[:, start:stop])
+    return out
+
+
 def host_switch_glu(x, rows: ExpertRows):
-    """One position's routed experts by the native kernels: [..., D] -> [..., k, D] (float32 sums;
-    the same values as switch_glu to float32 rounding)."""
+    """The routed experts by the native kernels, expert by expert over the positions routed to it:
+    [..., D] -> [..., k, D] (float32 sums; the same values as switch_glu to float32 rounding)."""
     slots, mats = rows.host
-    xv = np.array(x.astype(mx.float32)).reshape(-1)
-    out = np.empty((slots.size, xv.size), dtype=np.float32)
-    for j, slot in enumerate(slots.reshape(-1).tolist()):
-        g, u = mats["gate"][slot].matvec(xv), mats["up"][slot].matvec(xv)
-        mats["down"][slot].matvec(g / (1 + np.exp(-g)) * u, out[j])
-    return mx.array(out).reshape(*x.shape[:-1], slots.size, xv.size).astype(x.dtype)
+    d = x.shape[-1]
+    xs = np.array(x.astype(mx.float32)).reshape(-1, d)
+    chosen = slots.reshape(xs.shape[0], -1)
+    out = np.empty(chosen.shape + (d,), dtype=np.float32)
+    for slot in np.unique(chosen).tolist():
+        pos, j = np.nonzero(chosen == slot)
+        xe = np.ascontiguousarray(xs[pos])
+        g, u = _host_products(mats["gate"][slot], xe), _host_products(mats["up"][slot], xe)
+        out[pos, j] = _host_products(mats["down"][slot], np.ascontiguousarray(g / (1 + np.exp(-g)) * u))
+    return mx.array(out).reshape(*x.shape[:-1], chosen.shape[1], d).astype(x.dtype)
 
 
 def switch_glu(x, rows: ExpertRows):
     """mlx_lm's SwitchGLU on a store's slabs: [..., D] -> [..., k, D]."""
-    if rows.host is not None and x.size == x.shape[-1]:
+    if rows.host is not None:
         return host_switch_glu(x, rows)
     indices = rows.idx
     x = mx.expand_dims(x, (-2, -3))

@@ -15,10 +15,11 @@ import numpy as np
 
 from ..errors import BudgetTooSmall, FlashError
 from ..io import FlashReader
-from ..layout.experts import KINDS
+from ..io.reader import DEFAULT_MAX_READ
+from ..layout.experts import KINDS, expert_bits
 from .budget import parse_budget
 from .build import DTYPES, compute_dtype
-from .stores.experts import ExpertStore
+from .stores.experts import NARROW_STAGING, ExpertStore
 
 
 @dataclass
@@ -37,6 +38,7 @@ class MoERuntime:
     ffns: list = field(default_factory=list, repr=False)
     resident_dtype: str = ""  # what the router, attention and embeddings are held at
     memory: object = None  # memory.MemoryPlan under --memory-limit (set by load())
+    read_buffer_bytes: int = 0  # the expert reader's buffers (not in --memory-budget; in --memory-limit)
 
     def stats(self):
         """{"tokens": [], "summary": ...}: the expert buffer's use, per layer and in all."""
@@ -47,6 +49,7 @@ class MoERuntime:
                    "resident_bytes": self.resident_bytes, "expert_slots": s.slots,
                    "experts_total": len(s.layers) * s.layout.n_experts, "expert_bytes": s.layout.bundle_bytes,
                    "ffn_dram_bytes": s.weights_bytes, "eviction": self.config.expert_eviction,
+                   "read_buffer_bytes": self.read_buffer_bytes, "read_threads": s.reader.threads,
                    "weights_in_dram_bytes": self.resident_bytes + s.weights_bytes, "peak_rss_bytes": peak_rss()}
         summary.update(s.stats.summary())
         if self.memory is not None:
@@ -89,6 +92,7 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, resident_
     model_bytes = resident_bytes + total * slot
     budget = parse_budget(config.memory_budget, model_bytes)
     top_k = model.args.num_experts_per_tok
+    threads, staging = read_buffers(lay, config.threads, expert_bits(manifest.experts) is not None)
     if budget is None:
         slots, mode = total, "dense"
     else:
@@ -100,7 +104,7 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, resident_
             raise BudgetTooSmall(f"memory budget {_mb(budget)} is too small: {reason}", budget, need, reason)
         if slots == total:
             mode = "dense"
-    reader = FlashReader(threads=config.threads)
+    reader = FlashReader(threads=threads)
     try:
         store = ExpertStore(folder, manifest, slots, dtype, reader, config.expert_eviction, config.verify,
                             config.prefetch)
@@ -114,7 +118,21 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, resident_
     for f in ffns:
         f.store = store
     return MoERuntime(config, Path(folder), manifest, dtype_name, resident_bytes, store, mode, budget, model_bytes,
-                      ffns, resident_dtype)
+                      ffns, resident_dtype, read_buffer_bytes=staging)
+
+
+READ_BUFFERS = 256 << 20  # what the expert reader's buffers may hold
+
+
+def read_buffers(lay, threads, narrow=False):
+    """(reader threads, bytes of their buffers). Each thread of the reader keeps a buffer of the
+    longest read it made (at least an expert), so experts of tens of MB (Mixtral-8x7B's: 99 MB at
+    4-bit) get fewer threads: 32 of them would hold 3 GB. Experts narrower than the buffer's
+    (--expert-bits) add the staging they are widened from. --memory-budget counts weights only;
+    under --memory-limit these buffers are taken from the weights' share (loader._load_moe)."""
+    per = max(lay.bundle_bytes, DEFAULT_MAX_READ) + 4096
+    threads = max(1, min(threads, READ_BUFFERS // per))
+    return threads, threads * per + (max(NARROW_STAGING, lay.bundle_bytes) if narrow else 0)
 
 
 def slot_bytes(lay, dtype):

@@ -25,7 +25,9 @@ def model_stored_bytes(folder):
 
     folder = Path(folder)
     manifest = read_manifest(folder)
-    experts = [f for f in manifest.experts.get("files", []) if f is not None]
+    from ...layout.experts import expert_files
+
+    experts = expert_files(manifest.experts) if manifest.experts else []
     return (folder / manifest.resident["file"]).stat().st_size + sum(f["size"] for f in manifest.ffn_files + experts)
 
 

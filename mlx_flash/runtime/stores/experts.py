@@ -25,10 +25,14 @@ from ...cache.expert_cache import ExpertCache
 from ...errors import FlashError
 from ...io.reader import ChecksumError
 from ...kernels import QuantMatrix
-from ...layout.experts import KINDS
+from ...layout.experts import KINDS, layer_groups
 from ...layout.format import read_checksums
+from ...layout.quant import widen
 from ...models.moe import ExpertRows
 from .base import cpu_kernels
+
+NARROW_STAGING = 64 << 20  # bytes of narrower experts staged at a time before widening
+
 
 class ExpertStats:
     """Per layer: experts asked for, found in the buffer (read ahead or kept), read when asked;
@@ -79,14 +83,12 @@ class ExpertStore:
         self.reader = reader
         self.cache = ExpertCache(slots, lay.n_experts, n_layers, policy)
         self.stats = ExpertStats(n_layers)
-        self.files, self.crc = {}, {}
+        self.groups = {}  # layer -> [(ExpertGroup, open file, checksums)]: one file, or one per bit width
         for i in self.layers:
-            entry = exp["files"][i]
-            self.files[i] = reader.open(folder / entry["file"], expected_size=entry["size"])
-            self.crc[i] = read_checksums(folder, entry, lay, verify)
+            self.groups[i] = [(g, reader.open(folder / g.entry["file"], expected_size=g.entry["size"]),
+                               read_checksums(folder, g.entry, g.layout, verify)) for g in layer_groups(exp, i)]
         self.weights, segments = self._slabs()
         self.segments = tuple(segments)
-        self.checks_parts = tuple((o, n, j) for j, (o, n) in enumerate(lay.parts()))
         q = lay.quant
         self.bits, self.group_size = (q.bits, q.group_size) if q is not None else (None, None)
         self.host = self._host_matrices()
@@ -150,18 +152,55 @@ class ExpertStore:
     def reset_stats(self):
         self.stats = ExpertStats(self.n_layers)
 
+    def read_bytes(self, layer, missing):
+        """Bytes on flash of experts (global ids) of `layer`."""
+        local = missing - layer * self.layout.n_experts
+        return sum(int(np.isin(local, g.experts).sum()) * g.layout.bundle_bytes for g, _, _ in self.groups[layer])
+
     def _read(self, layer, missing, into):
         """Read experts (global ids) of `layer` into their slots; a failure leaves them out of the buffer."""
-        try:
-            self.reader.read_bundles(self.files[layer], missing - layer * self.layout.n_experts,
-                                     self.layout.stride, self.segments, into,
-                                     checks=(self.crc[layer], self.checks_parts))
-        except ChecksumError as e:
-            self.cache.forget(missing)
-            raise FlashError(f"layer {layer}, expert {e.bundle} ({KINDS[e.part]}): {e}") from None
-        except BaseException:
-            self.cache.forget(missing)
-            raise
+        local = missing - layer * self.layout.n_experts
+        for g, f, crc in self.groups[layer]:
+            sel = np.isin(local, g.experts)
+            if not sel.any():
+                continue
+            pos = np.searchsorted(g.experts, local[sel])
+            checks = (crc, tuple((o, n, j) for j, (o, n) in enumerate(g.layout.parts())))
+            try:
+                if g.bits == self.bits:
+                    self.reader.read_bundles(f, pos, g.layout.stride, self.segments, into[sel], checks=checks)
+                else:  # narrower values: read, then widened into their slots
+                    self._read_narrow(g, f, pos, into[sel], checks)
+            except ChecksumError as e:
+                self.cache.forget(missing)
+                raise FlashError(f"layer {layer}, expert {g.experts[e.bundle]} ({KINDS[e.part]}): {e}") from None
+            except BaseException:
+                self.cache.forget(missing)
+                raise
+
+    def _read_narrow(self, group, f, pos, slots, checks):
+        """Experts stored at fewer bits than the buffer's: their bundles into a staging buffer (a few at
+        a time), then the packed values widened (exact: layout/quant.widen), scales and biases copied."""
+        lay = group.layout
+        per = max(1, NARROW_STAGING // lay.bundle_bytes)
+        for start in range(0, pos.size, per):
+            p, into = pos[start : start + per], slots[start : start + per]
+            staging, segments = [], []
+            for (off, n, storage, view), (kind, name) in zip(self.segments, self._segment_names()):
+                if storage == "float32" and name == "weight" and self.bits is not None:  # packed words
+                    n = lay.array_bytes(kind, name) // 4
+                buf = np.empty((p.size, n), dtype=np.float32 if storage == "float32" else view.dtype)
+                staging.append(buf)
+                segments.append((lay.array_offset(kind, name), n, storage, buf))
+            self.reader.read_bundles(f, p, lay.stride, tuple(segments), np.arange(p.size), checks=checks)
+            for buf, (_, _, _, view), (kind, name) in zip(staging, self.segments, self._segment_names()):
+                if name == "weight" and self.bits is not None:
+                    view.view(np.uint32)[into] = widen(buf.view(np.uint32), group.bits, self.bits)
+                else:
+                    view[into] = buf
+
+    def _segment_names(self):
+        return [(kind, name) for kind in KINDS for name, _, _ in self.layout.arrays(kind)]
 
     def _drain(self):
         """Wait for the look-ahead's read in flight (its failure raises here)."""
@@ -184,7 +223,7 @@ class ExpertStore:
         """The look-ahead's guess of `layer`'s experts (router indices): read the ones not in the
         buffer in the background, into slots the current layer's experts (`busy`) do not hold.
         A wrong guess costs reads, never correctness."""
-        if not self.prefetch or layer not in self.files:
+        if not self.prefetch or layer not in self.groups:
             return
         self._drain()
         guess = np.unique(np.array(inds).astype(np.int64))
@@ -195,7 +234,7 @@ class ExpertStore:
         _, missing, into = self.cache.place(ids, protect=self.busy, touch=False)
         self._predicted[layer] = missing
         self.stats.predicted += missing.size
-        self.stats.prefetched_bytes += missing.size * self.layout.bundle_bytes
+        self.stats.prefetched_bytes += self.read_bytes(layer, missing)
         self._pending = (layer, missing, self._worker.submit(self._timed_read, layer, missing, into))
 
     def _ensure(self, layer, experts):
@@ -210,7 +249,7 @@ class ExpertStore:
             t0 = time.perf_counter()
             self._read(layer, missing, into)
             self.stats.io_s += time.perf_counter() - t0
-            self.stats.bytes += missing.size * self.layout.bundle_bytes
+            self.stats.bytes += self.read_bytes(layer, missing)
         self.stats.asked[layer] += ids.size
         self.stats.hits[layer] += ids.size - missing.size
         return slots
@@ -252,6 +291,7 @@ class ExpertStore:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
-        for f in self.files.values():
-            self.reader.close_file(f)
-        self.files = {}
+        for groups in self.groups.values():
+            for _, f, _ in groups:
+                self.reader.close_file(f)
+        self.groups = {}

@@ -361,26 +361,44 @@ def test_experts_at_their_own_bits_are_read_narrow_and_compute_as_their_values(t
         QuantOptions(expert_bits=((3,) * 6, None, (4,) * 6))
 
 
-def test_expert_bits_auto_chooses_within_the_tolerance_and_the_folder_holds_its_choice(tmp_path):
-    """convert --expert-bits auto: the widths chosen on calibration text keep its perplexity within the
-    tolerance of the float experts; the folder holds them; the float reference is gone."""
+@pytest.mark.slow  # (about 40 s: 13 evaluations of SmolLM2 and three conversions)
+def test_expert_bits_auto_chooses_within_the_tolerance_and_the_folder_holds_its_choice(tmp_path, smollm2_gguf):
+    """convert --expert-bits auto on real weights (SmolLM2 as 4 experts a layer, all routed:
+    bench/dense_as_moe.py): every expert at 4-bit is past 5 %, so some experts stay at 8 bits and the
+    least important go to 4; the calibration perplexity stays within the tolerance; the folder holds the
+    choice; the float reference is gone."""
+    from mlx_flash.bench.dense_as_moe import write_dense_as_moe
     from mlx_flash.convert.expert_bits import auto_expert_bits
     from mlx_flash.layout.experts import expert_bits
 
-    src, _, _ = make_moe_folder(tmp_path / "hf", "mixtral")
+    src = write_dense_as_moe(smollm2_gguf, tmp_path / "hf", n_experts=4)
     out = tmp_path / "flash"
-    with pytest.raises(FlashError, match="expert size 96 must be multiples of the quantization group size 64"):
-        auto_expert_bits(src, out, QuantOptions(), 0.05, tokens=256, progress=False)
-    choice, options = auto_expert_bits(src, out, QuantOptions(group_size=32), 0.05, tokens=256, progress=False)
-    assert choice.ppl <= choice.reference_ppl * 1.05 and choice.high in (2, 4, 8)
-    assert len(choice.importance) == len(choice.bits) and choice.evaluations >= 4
+    with pytest.raises(FlashError, match="expert size 384 must be multiples of the quantization group size 128"):
+        auto_expert_bits(src, out, QuantOptions(group_size=128), 0.05, tokens=128, progress=False)
+    choice, options = auto_expert_bits(src, out, QuantOptions(), 0.05, tokens=128, progress=False)
+    assert choice.uniform_ppl[4] > choice.reference_ppl * 1.05 >= choice.uniform_ppl[8]
+    assert (choice.high, choice.low) == (8, 4) and 0 < choice.k < 120
+    assert choice.ppl <= choice.reference_ppl * 1.05 and choice.evaluations <= 4 + 1 + 7
     convert(src, out, progress=False, quant=options)
-    held = expert_bits(read_manifest(out).experts)
-    if held is None:  # every expert at the widest: the plain files
-        assert all(b == choice.high for layer in choice.bits for b in layer)
-    else:
-        assert [tuple(b) for b in held] == list(choice.bits) and choice.k > 0
+    assert [tuple(b) for b in expert_bits(read_manifest(out).experts)] == list(choice.bits)
+    assert sum(b == 4 for layer in choice.bits for b in layer) == choice.k
     assert not any(p.name.endswith("expert-bits-reference") for p in tmp_path.iterdir())
     model, _ = mlx_flash.load(out)
     assert model(mx.array([TOKENS])).shape[-1] > 0
     model.runtime.close()
+
+
+def test_expert_bits_auto_on_a_random_model_runs_its_steps_and_says_what_it_cannot(tmp_path):
+    """The search's steps on a tiny random model (its perplexity ignores quantization: every expert goes
+    to the narrowest width within the tolerance, 2 bits); a group size the experts do not divide is
+    refused before anything is searched."""
+    from mlx_flash.convert.expert_bits import auto_expert_bits
+
+    src, _, _ = make_moe_folder(tmp_path / "hf", "mixtral")
+    with pytest.raises(FlashError, match="expert size 96 must be multiples of the quantization group size 64"):
+        auto_expert_bits(src, tmp_path / "flash", QuantOptions(), 0.05, tokens=128, progress=False)
+    choice, options = auto_expert_bits(src, tmp_path / "flash", QuantOptions(group_size=32), 0.05, tokens=128,
+                                       progress=False)
+    assert choice.ppl <= choice.reference_ppl * 1.05 and set(choice.uniform_ppl) == {2, 4, 8}
+    assert options.expert_bits == choice.bits and all(b == choice.high for layer in choice.bits for b in layer)
+    assert not any(p.name.endswith("expert-bits-reference") for p in tmp_path.iterdir())

@@ -18,8 +18,9 @@ from ..errors import FlashError
 from ..layout.safetensors_io import SafetensorsWriter
 
 
-def write_dense_as_moe(source, out, n_experts=8, progress=False):
-    """A llama-family source (folder or GGUF) -> a Hugging Face Mixtral folder at `out` (float32)."""
+def write_dense_as_moe(source, out, n_experts=8, n_layers=None):
+    """A llama-family source (folder or GGUF) -> a Hugging Face Mixtral folder at `out` (float32);
+    n_layers: only the first layers (a smaller, worse model of real weights, for tests)."""
     from ..convert.sources import open_source
 
     if n_experts & (n_experts - 1):
@@ -33,11 +34,12 @@ def write_dense_as_moe(source, out, n_experts=8, progress=False):
         if d_ff % n_experts:
             raise FlashError(f"{source}: FFN size {d_ff} is not a multiple of {n_experts} experts")
         d_e = d_ff // n_experts
+        n_layers = n_layers or cfg["num_hidden_layers"]
         moe = dict(cfg, model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=n_experts,
-                   num_experts_per_tok=n_experts, intermediate_size=d_e)
+                   num_experts_per_tok=n_experts, intermediate_size=d_e, num_hidden_layers=n_layers)
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        names = list(src.names())
+        names = [n for n in src.names() if not n.startswith("model.layers.") or int(n.split(".")[2]) < n_layers]
         specs, plan = [], []  # (name, shape, dtype); (name, source name, rows | columns, scale)
         for name in names:
             if ".mlp." not in name:

@@ -90,15 +90,19 @@ class _Experts:
     def slot(self, layer, e):
         return int(self.store.cache.slot_of[layer * self.E + e])
 
-    def set(self, layer, e, bits):
-        from ..layout.quant import quantize
+    def values(self, kind, slot, bits):
+        """An expert's weight as stored at `bits` (MLX's quantization, the converter's values), float32."""
+        import mlx.core as mx
 
+        w = mx.array(self.original[kind][slot])
+        return np.array(mx.dequantize(*mx.quantize(w, self.group_size, bits), self.group_size, bits))
+
+    def set(self, layer, e, bits):
         if self.bits.get((layer, e)) == bits:
             return
         s = self.slot(layer, e)
         key = (layer, e, bits)
-        values = self._cache.get(key) or {k: quantize(self.original[k][s], bits, self.group_size,
-                                                      "float32").dequantized() for k in self.kinds}
+        values = self._cache.get(key) or {k: self.values(k, s, bits) for k in self.kinds}
         if bits in self.keep:
             self._cache[key] = values
         for k in self.kinds:
@@ -151,8 +155,6 @@ def _record_routing(model):
 def _output_importance(experts, seen, high, low):
     """{(layer, e): routing-weighted |f_low(x) - f_high(x)|^2 over the tokens routed to e, relative
     to the energy of the layer's output} from the recorded routing."""
-    from ..layout.quant import quantize
-
     out = {}
     for layer, calls in seen.items():
         x = np.concatenate([c[0] for c in calls])
@@ -168,8 +170,7 @@ def _output_importance(experts, seen, high, low):
                 continue
             s = experts.slot(layer, e)
             for b in (high, low):
-                w = {k: quantize(experts.original[k][s], b, experts.group_size, "float32").dequantized()
-                     for k in experts.kinds}
+                w = {k: experts.values(k, s, b) for k in experts.kinds}
                 g, u = x[p] @ w["gate"].T, x[p] @ w["up"].T
                 values[b] = (g / (1 + np.exp(-g)) * u) @ w["down"].T
             weight = scores[p, j][:, None]

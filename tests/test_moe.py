@@ -402,3 +402,28 @@ def test_expert_bits_auto_on_a_random_model_runs_its_steps_and_says_what_it_cann
     assert choice.ppl <= choice.reference_ppl * 1.05 and set(choice.uniform_ppl) == {2, 4, 8}
     assert options.expert_bits == choice.bits and all(b == choice.high for layer in choice.bits for b in layer)
     assert not any(p.name.endswith("expert-bits-reference") for p in tmp_path.iterdir())
+
+
+def test_calibrated_expert_paths_guess_ahead_and_change_nothing(tmp_path):
+    """mlx_flash.calibrate on a mixture of experts records its expert paths (EdgeMoE §3.3.2) into the
+    folder; --expert-predictor paths reads ahead by them: the logits are unchanged, the look-ahead counted;
+    without a calibration, or on a dense model, the option is a clear error."""
+    from mlx_flash.bench.random_model import build_checkpoint
+    from mlx_flash.cli.calibrate import main as calibrate_main
+
+    folder = build_checkpoint("tiny-moe", "q4", home=tmp_path, progress=False)
+    x = mx.array([TOKENS])
+    with pytest.raises(FlashError, match="run mlx_flash.calibrate"):
+        mlx_flash.load(folder, memory_budget="50%", expert_predictor="paths")
+    calibrate_main(["--model", str(folder), "--tokens", "512", "--seq-len", "128", "--quiet"])
+    entry = read_manifest(folder).calibration["expert_paths"]
+    assert entry["layers"] == [0, 1, 2, 3] and entry["tokens"] >= 512 and 0 <= entry["precision"] <= 1
+    assert verify_folder(folder) == []
+    want = mlx_flash.load(folder)[0](x)
+    model, _ = mlx_flash.load(folder, memory_budget="30%", expert_predictor="paths")
+    for _ in range(3):
+        assert mx.abs(model(x) - want).max().item() <= 1e-5
+    assert model.runtime.stats()["summary"]["prefetch"]["predicted"] > 0
+    model.runtime.close()
+    with pytest.raises(FlashError, match="has no experts"):
+        mlx_flash.load(make_llama_folder(tmp_path / "dense")[0], expert_predictor="paths")

@@ -25,9 +25,13 @@ def build_parser():
     p.add_argument("--density", type=float, default=None,
                    help="SwiGLU only: the top-k |GLU| fraction to predict (default 0.5)")
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--what", choices=("auto", "thresholds", "predictors", "both", "recovery"), default="auto",
-                   help="auto (default): thresholds for SwiGLU FFNs, predictors for the others; recovery: only "
-                   "the recovery adapters, on the thresholds the model has")
+    p.add_argument("--what", choices=("auto", "thresholds", "predictors", "both", "recovery", "expert-paths"),
+                   default="auto",
+                   help="auto (default): thresholds for SwiGLU FFNs, predictors for the others, expert paths for "
+                   "mixtures of experts; recovery: only the recovery adapters, on the thresholds the model has")
+    p.add_argument("--memory-budget", default=None,
+                   help="expert paths: the expert buffer the model runs in while calibrating (default: every "
+                   "expert in DRAM)")
     p.add_argument("--search-tokens", type=int, default=2048,
                    help="calibration tokens of the threshold search (default 2048)")
     p.add_argument("--score", choices=("magnitude", "wina"), default="magnitude",
@@ -48,6 +52,31 @@ def build_parser():
     add_device_arg(p)
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def _moe(folder):
+    from ..layout.format import read_manifest
+
+    return bool(read_manifest(folder).experts)
+
+
+def _expert_paths(model, args):
+    import mlx_flash
+    from ..sparsity.expert_paths import calibrate_paths, save_paths
+
+    t0 = time.perf_counter()
+    m, tok = mlx_flash.load(model, memory_budget=args.memory_budget)
+    try:
+        predictor, info = calibrate_paths(m, tok, data=args.data, tokens=args.tokens, seq_len=args.seq_len,
+                                          log=lambda s: print(f"[calibrate] {s}", file=sys.stderr))
+    finally:
+        m.runtime.close()
+    save_paths(model, predictor, info)
+    print(f"expert paths of {info['tokens']} tokens of {info['data']} over {len(info['layers'])} MoE layers written "
+          f"to {model}/manifest.json in {time.perf_counter() - t0:.1f} s; on {info['held_out_tokens']} held-out "
+          f"tokens their guess of the next layer's experts was right {100 * info['precision']:.0f} % of the time "
+          f"(the most used experts: {100 * info['popular_precision']:.0f} %, chance "
+          f"{100 * info['chance']:.0f} %); run with --expert-predictor paths")
 
 
 def _gated(folder):
@@ -125,6 +154,15 @@ def main(argv=None):
         model = check_model_arg(args.model or default_model())
         use_device(args.device)
         what = args.what
+        if _moe(model) != (what == "expert-paths") and what != "auto":
+            raise FlashError(f"--what {what}: " + ("a mixture of experts is calibrated for its expert paths (--what "
+                                                   "expert-paths)" if _moe(model) else "the model has no experts"))
+        if args.memory_budget is not None and not _moe(model):
+            raise FlashError("--memory-budget applies to calibrating a mixture of experts' expert paths")
+        if what == "auto" and _moe(model):
+            what = "expert-paths"
+        if what == "expert-paths":
+            return _expert_paths(model, args)
         if what == "auto":
             what = "thresholds" if _gated(model) else "predictors"
             print(f"[calibrate] {what} ({'a SwiGLU' if what == 'thresholds' else 'a ReLU-family'} FFN; "

@@ -132,24 +132,19 @@ IMPORTANCE = ("output", "perplexity")
 
 
 def _record_routing(model):
-    """Wrap every MoE block's router: -> {layer: [(x, inds, scores) of each call]} as NumPy."""
+    """-> ({layer: [(x, inds, scores) of each call]} as NumPy, a function taking the hooks off)."""
     import mlx.core as mx
 
+    from ..models.moe import on_route
+
     seen = {}
-    for i, layer in enumerate(model.layers):
-        block = layer[layer.block_name]
-        if not hasattr(block, "route"):
-            continue
 
-        def route(x, original=block.route, layer=i):
-            inds, scores = original(x)
-            seen.setdefault(layer, []).append(
-                (np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]), np.array(inds).reshape(-1, inds.shape[-1]),
-                 np.array(scores.astype(mx.float32)).reshape(-1, scores.shape[-1])))
-            return inds, scores
+    def record(layer, x, inds, scores):
+        seen.setdefault(layer, []).append(
+            (np.array(x.astype(mx.float32)).reshape(-1, x.shape[-1]), np.array(inds).reshape(-1, inds.shape[-1]),
+             np.array(scores.astype(mx.float32)).reshape(-1, scores.shape[-1])))
 
-        block.route = route
-    return seen
+    return seen, on_route(model, record)
 
 
 def _output_importance(experts, seen, high, low):
@@ -228,14 +223,11 @@ def choose_expert_bits(folder, tolerance=0.05, data="c4", tokens=2048, seq_len=2
         experts.keep = (high, low)
         if low is not None and kind == "output":
             experts.set_all(lambda layer, e: high)
-            originals = {i: (layer[layer.block_name], layer[layer.block_name].route) for i, layer in
-                         enumerate(model.layers) if hasattr(layer[layer.block_name], "route")}
-            seen = _record_routing(model)
+            seen, off = _record_routing(model)
             try:
                 ppl()
             finally:
-                for block, route in originals.values():
-                    block.route = route
+                off()
             importance = _output_importance(experts, seen, high, low)
             log(f"[expert-bits] importance from the layers' outputs ({time.perf_counter() - t0:.0f} s)")
         elif low is not None:

@@ -247,6 +247,26 @@ class TransformerBlock(nn.Module):
         return h + block(self.post_attention_layernorm(h))
 
 
+def on_route(model, record):
+    """Call record(layer, x, inds, scores) on every routing of every MoE block (calibration);
+    -> a function that takes the hooks off."""
+    blocks = [(i, layer[layer.block_name]) for i, layer in enumerate(model.layers)
+              if isinstance(layer[layer.block_name], MoEBlock)]
+    for i, block in blocks:
+        def route(x, original=block.route, layer=i):
+            inds, scores = original(x)
+            record(layer, x, inds, scores)
+            return inds, scores
+
+        block.route = route
+
+    def off():
+        for _, block in blocks:
+            del block.route
+
+    return off
+
+
 def router_lookahead(block):
     """The next MoE layer's router applied to this layer's residual stream (before the next
     attention): its guess of that layer's experts."""

@@ -318,9 +318,10 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     (the paper benchmark's traces)."""
     from .config import DEFAULTS_BY_NAME
 
-    if config.expert_eviction != DEFAULTS_BY_NAME["expert_eviction"]:
-        raise FlashError(f"--expert-eviction {config.expert_eviction}: {folder} has no experts (a mixture-of-experts "
-                         "model's option)")
+    for name in ("expert_eviction", "expert_predictor"):
+        if getattr(config, name) != DEFAULTS_BY_NAME[name]:
+            raise FlashError(f"--{name.replace('_', '-')} {getattr(config, name)}: {folder} has no experts (a "
+                             "mixture-of-experts model's option)")
     dtype_name = compute_dtype(config, manifest)
     dtype = DTYPES[dtype_name]
     held = config.held_dtype(manifest.dtype, dtype_name)

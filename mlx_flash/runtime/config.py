@@ -48,6 +48,10 @@ class FlashConfig:
     expert_eviction: str = _opt("edgemoe", "mixture-of-experts models under --memory-budget: which expert the "
                                 "full buffer gives up (lru, lfu, or edgemoe: EdgeMoE's use frequency weighted by "
                                 "how soon its layer runs again)", "--expert-eviction", ("lru", "lfu", "edgemoe"))
+    expert_predictor: str = _opt("router", "mixture-of-experts models under --memory-budget: how the next layer's "
+                                 "experts are guessed to read them ahead (router: its router on this layer's hidden "
+                                 "state; paths: EdgeMoE's expert-path statistics of mlx_flash.calibrate)",
+                                 "--expert-predictor", ("router", "paths"))
     density: float = _opt(1.0, "kept fraction of neurons (top-k sources); of the FFN's weights per token, on "
                             "average (dip, calibrated)", "--density")
     memory_budget: str | None = _opt(None, "weights in DRAM: '50%%' of the model or '4GB' (the paper's "

@@ -117,6 +117,8 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, resident_
     ffns = list(model.expert_ffns().values())
     for f in ffns:
         f.store = store
+    if config.expert_predictor == "paths":
+        _use_paths(ffns, folder, manifest, config.verify, model.args.num_experts_per_tok)
     return MoERuntime(config, Path(folder), manifest, dtype_name, resident_bytes, store, mode, budget, model_bytes,
                       ffns, resident_dtype, read_buffer_bytes=staging)
 
@@ -133,6 +135,22 @@ def read_buffers(lay, threads, narrow=False):
     per = max(lay.bundle_bytes, DEFAULT_MAX_READ) + 4096
     threads = max(1, min(threads, READ_BUFFERS // per))
     return threads, threads * per + (max(NARROW_STAGING, lay.bundle_bytes) if narrow else 0)
+
+
+def _use_paths(ffns, folder, manifest, verify, k):
+    """The look-ahead guesses from EdgeMoE's expert-path statistics (mlx_flash.calibrate) instead of
+    the next layer's router."""
+    from ..sparsity.expert_paths import load_paths
+
+    predictor, layers = load_paths(folder, manifest, verify)
+    if sorted(f.layer for f in ffns) != layers:
+        raise FlashError(f"{folder}: the expert paths are of MoE layers {layers}, the model has others: calibrate "
+                         "again")
+    pos = {layer: i for i, layer in enumerate(layers)}
+    for f in ffns:
+        if f.lookahead is not None:  # (the last MoE layer has no next one)
+            f.lookahead = (f.lookahead[0], lambda residual, inds, p=pos[f.layer]:
+                           predictor.predict(p, np.array(inds), k)[None])
 
 
 def slot_bytes(lay, dtype):

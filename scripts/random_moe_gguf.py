@@ -37,6 +37,17 @@ def q4_1_blocks(shape, rng):
     return out.reshape(*shape[:-1], shape[-1] // 32 * 20)
 
 
+def q4_k_blocks(shape, rng):
+    """Random Q4_K bytes of a tensor of `shape` (super-blocks of 256 values: d, dmin, 12 bytes of 6-bit
+    scales and mins, 128 bytes of 4-bit values): a K-quant, which has no exact MLX form."""
+    n_blocks = int(np.prod(shape)) // 256
+    out = np.empty((n_blocks, 144), dtype=np.uint8)
+    out[:, :2] = np.frombuffer(np.float16(5 * STD / 15 / 32).tobytes(), dtype=np.uint8)
+    out[:, 2:4] = np.frombuffer(np.float16(2.5 * STD / 32).tobytes(), dtype=np.uint8)
+    out[:, 4:] = np.frombuffer(rng.bytes(n_blocks * 140), dtype=np.uint8).reshape(n_blocks, 140)
+    return out.reshape(*shape[:-1], shape[-1] // 256 * 144)
+
+
 def main():
     from mlx_flash.bench.peers.files import DEFAULT_GGUF
 
@@ -50,8 +61,9 @@ def main():
     write_random_moe_gguf(a.out, dict(SHAPE, n_layers=a.layers, experts=a.experts), a.tokenizer_from, a.seed)
 
 
-def write_random_moe_gguf(out, shape, tokenizer_from, seed=0, progress=True):
-    """A random qwen3moe GGUF of `shape` (SHAPE's keys) with the tokenizer of `tokenizer_from`."""
+def write_random_moe_gguf(out, shape, tokenizer_from, seed=0, progress=True, expert_type="q4_1"):
+    """A random qwen3moe GGUF of `shape` (SHAPE's keys) with the tokenizer of `tokenizer_from`; its
+    merged experts at Q4_1, or Q4_K (expert_type "q4_k": sizes multiples of 256)."""
     import gguf
 
     from random_llama_gguf import copy_tokenizer, write_tensors
@@ -100,9 +112,13 @@ def write_random_moe_gguf(out, shape, tokenizer_from, seed=0, progress=True):
             return np.ones(shape, np.float32)
         if f32(name, shape):
             return rng.standard_normal(shape, dtype=np.float32) * STD
-        return q4_1_blocks(shape, rng)
+        return q4_k_blocks(shape, rng) if k_quant(name) else q4_1_blocks(shape, rng)
 
-    total = write_tensors(w, [(n, s, "f32" if f32(n, s) else qtype) for n, s in tensors], make, progress)
+    def k_quant(name):
+        return expert_type == "q4_k" and name.endswith("_exps.weight")
+
+    total = write_tensors(w, [(n, s, "f32" if f32(n, s) else gguf.GGMLQuantizationType.Q4_K if k_quant(n) else qtype)
+                              for n, s in tensors], make, progress)
     tmp.rename(out)
     if progress:
         print(f"\n{out}: {total / 1e9:.2f} GB, Qwen3-30B-A3B shape ({nl} layers, {e} experts), q4_1, vocabulary {vocab}")

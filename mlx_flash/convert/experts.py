@@ -21,7 +21,7 @@ from ..layout.quant import QuantSpec, QuantTensor, quantize
 from ..layout.safetensors_io import to_storage
 from .writer import (_nbytes, _progress, _resident_specs, _write_config, _write_resident, bundle_entry,
                       write_packed)
-from .quantize import report, target
+from .quantize import LOSSY_BITS, report, target
 
 
 class ExpertSource:
@@ -61,6 +61,11 @@ class ExpertSource:
         name = self._name(layer, kind, 0)
         return self.src.quant(name) if hasattr(self.src, "quant") else None
 
+    def lossy(self, layer, kind):
+        """The source's quantized type with no exact MLX form (a GGUF K-quant) of these experts, or None."""
+        name = self._name(layer, kind, 0)
+        return self.src.lossy(name) if hasattr(self.src, "lossy") else None
+
     def weight(self, layer, kind, e):
         """Expert e's weight: float32 [out, in], or a QuantTensor as stored."""
         name = self._name(layer, kind, e)
@@ -91,6 +96,12 @@ def expert_spec(experts, first_layer, options, dtype, notes):
         return QuantSpec(bits, group, exact.scale_dtype if exact else dtype)
     if exact is not None and options.bits in (None, exact.bits) and options.group_size in (None, exact.group_size):
         return exact
+    lossy = experts.lossy(first_layer, "gate") if exact is None else None
+    if lossy is not None:  # (a K-quant: quantized, but in no form MLX computes on)
+        bits, group = options.bits or LOSSY_BITS.get(lossy, 8), options.group_size or 32
+        notes.add(f"GGUF {lossy} experts have no exact MLX form: dequantized and re-quantized to {bits}-bit group "
+                  f"{group} (values change; --q-bits / --q-group-size choose, --dequantize keeps them float)")
+        return QuantSpec(bits, group, dtype)
     if exact is None and not options.quantize:
         return None
     bits, group = options.bits or (exact.bits if exact else 4), options.group_size or (exact.group_size if exact else 64)

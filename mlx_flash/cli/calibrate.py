@@ -62,7 +62,8 @@ def _moe(folder):
 
 def _expert_paths(model, args):
     import mlx_flash
-    from ..sparsity.expert_paths import calibrate_paths, save_paths
+    from ..sparsity.expert_calibration import calibrate_paths
+    from ..sparsity.expert_paths import save_paths
 
     t0 = time.perf_counter()
     m, tok = mlx_flash.load(model, memory_budget=args.memory_budget)

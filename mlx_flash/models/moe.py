@@ -113,6 +113,11 @@ def host_switch_glu(x, rows: ExpertRows):
     xs = np.array(x.astype(mx.float32)).reshape(-1, d)
     chosen = slots.reshape(xs.shape[0], -1)
     out = np.empty(chosen.shape + (d,), dtype=np.float32)
+    if xs.shape[0] == 1:  # one position (a decode step): a matrix-vector product per matrix
+        for j, slot in enumerate(chosen[0].tolist()):
+            g, u = mats["gate"][slot].matvec(xs[0]), mats["up"][slot].matvec(xs[0])
+            mats["down"][slot].matvec(g / (1 + np.exp(-g)) * u, out[0, j])
+        return mx.array(out).reshape(*x.shape[:-1], chosen.shape[1], d).astype(x.dtype)
     for slot in np.unique(chosen).tolist():
         pos, j = np.nonzero(chosen == slot)
         xe = np.ascontiguousarray(xs[pos])

@@ -370,7 +370,10 @@ def test_expert_bits_auto_chooses_within_the_tolerance_and_the_folder_holds_its_
     from mlx_flash.bench.dense_as_moe import write_dense_as_moe
     from mlx_flash.convert.expert_bits import auto_expert_bits
     from mlx_flash.layout.experts import expert_bits
+    from mlx_flash.sparsity.calibrate import DATA
 
+    if not (DATA / "c4").is_dir():
+        pytest.skip(f"no C4 calibration text at {DATA} (../shared beside the checkout)")
     src = write_dense_as_moe(smollm2_gguf, tmp_path / "hf", n_experts=4)
     out = tmp_path / "flash"
     with pytest.raises(FlashError, match="expert size 384 must be multiples of the quantization group size 128"):
@@ -395,10 +398,11 @@ def test_expert_bits_auto_on_a_random_model_runs_its_steps_and_says_what_it_cann
     from mlx_flash.convert.expert_bits import auto_expert_bits
 
     src, _, _ = make_moe_folder(tmp_path / "hf", "mixtral")
+    text = _calibration_text(tmp_path)
     with pytest.raises(FlashError, match="expert size 96 must be multiples of the quantization group size 64"):
-        auto_expert_bits(src, tmp_path / "flash", QuantOptions(), 0.05, tokens=128, progress=False)
-    choice, options = auto_expert_bits(src, tmp_path / "flash", QuantOptions(group_size=32), 0.05, tokens=128,
-                                       progress=False)
+        auto_expert_bits(src, tmp_path / "flash", QuantOptions(), 0.05, data=text, tokens=128, progress=False)
+    choice, options = auto_expert_bits(src, tmp_path / "flash", QuantOptions(group_size=32), 0.05, data=text,
+                                       tokens=128, progress=False)
     assert choice.ppl <= choice.reference_ppl * 1.05 and set(choice.uniform_ppl) == {2, 4, 8}
     assert options.expert_bits == choice.bits and all(b == choice.high for layer in choice.bits for b in layer)
     assert not any(p.name.endswith("expert-bits-reference") for p in tmp_path.iterdir())
@@ -415,7 +419,8 @@ def test_calibrated_expert_paths_guess_ahead_and_change_nothing(tmp_path):
     x = mx.array([TOKENS])
     with pytest.raises(FlashError, match="run mlx_flash.calibrate"):
         mlx_flash.load(folder, memory_budget="50%", expert_predictor="paths")
-    calibrate_main(["--model", str(folder), "--tokens", "512", "--seq-len", "128", "--quiet"])
+    calibrate_main(["--model", str(folder), "--data", _calibration_text(tmp_path), "--tokens", "512", "--seq-len",
+                    "128", "--quiet"])
     entry = read_manifest(folder).calibration["expert_paths"]
     assert entry["layers"] == [0, 1, 2, 3] and entry["tokens"] >= 512 and 0 <= entry["precision"] <= 1
     assert verify_folder(folder) == []
@@ -459,3 +464,11 @@ def test_k_quant_gguf_experts_are_requantized_and_said(tmp_path, smollm2_gguf, c
     got = np.array(mx.dequantize(mx.array(w), mx.array(s), mx.array(b), 32, 4))
     assert np.abs(got - want.reshape(4, 256, 256)[2]).max() < 0.2 * np.abs(want).max()
     model.runtime.close()
+
+
+def _calibration_text(folder):
+    """A calibration text of its own (../shared/data is not beside every checkout)."""
+    words = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
+    path = folder / "cal.txt"
+    path.write_text(" ".join(np.random.default_rng(0).choice(words, 3000)))
+    return str(path)

@@ -29,8 +29,8 @@ from ..layout.quant import QuantSpec, QuantTensor, check_quant, columns, pack, q
 
 KEEP_PARTS = ("embed", "lm_head", "attn")
 PER_LAYER_PARTS = ("attn",)  # parts a --q-keep item may restrict to layers (part:A-B)
-# GGUF types with no exact MLX form -> the bits they are re-quantized to by default
 EXPERT_BITS = (2, 4, 8)  # the widths an expert may have (widened exactly to the widest: layout/quant.widen)
+# GGUF types with no exact MLX form -> the bits they are re-quantized to by default
 LOSSY_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 
 

@@ -159,9 +159,14 @@ def layer_groups(section, layer):
             for g in entry["groups"]]
 
 
+def all_groups(section):
+    """[ExpertGroup] of every layer of the experts section, in layer order."""
+    return [g for i in range(len(section["files"])) for g in layer_groups(section, i)]
+
+
 def expert_files(section):
     """Every file entry of the experts section (one per layer, or one per layer and bit width)."""
-    return [g.entry for i in range(len(section["files"])) for g in layer_groups(section, i)]
+    return [g.entry for g in all_groups(section)]
 
 
 def expert_bits(section):

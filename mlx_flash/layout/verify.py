@@ -28,10 +28,9 @@ def bundle_files(manifest):
     for part in manifest.dip.values():
         out += [(e, part["layout"]) for e in part["files"]]
     if manifest.experts:
-        from .experts import layer_groups
+        from .experts import all_groups
 
-        out += [(g.entry, g.layout) for i in range(len(manifest.experts["files"]))
-                for g in layer_groups(manifest.experts, i)]
+        out += [(g.entry, g.layout) for g in all_groups(manifest.experts)]
     return out
 
 

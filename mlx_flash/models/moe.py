@@ -113,16 +113,17 @@ def host_switch_glu(x, rows: ExpertRows):
     xs = np.array(x.astype(mx.float32)).reshape(-1, d)
     chosen = slots.reshape(xs.shape[0], -1)
     out = np.empty(chosen.shape + (d,), dtype=np.float32)
-    if xs.shape[0] == 1:  # one position (a decode step): a matrix-vector product per matrix
+    if xs.shape[0] == 1:  # a decode step: one matrix-vector product per matrix, no grouping (which
+        # costs NumPy calls: 8 small-moe experts take 667 us grouped, 523 us here)
         for j, slot in enumerate(chosen[0].tolist()):
             g, u = mats["gate"][slot].matvec(xs[0]), mats["up"][slot].matvec(xs[0])
             mats["down"][slot].matvec(g / (1 + np.exp(-g)) * u, out[0, j])
-        return mx.array(out).reshape(*x.shape[:-1], chosen.shape[1], d).astype(x.dtype)
-    for slot in np.unique(chosen).tolist():
-        pos, j = np.nonzero(chosen == slot)
-        xe = np.ascontiguousarray(xs[pos])
-        g, u = _host_products(mats["gate"][slot], xe), _host_products(mats["up"][slot], xe)
-        out[pos, j] = _host_products(mats["down"][slot], np.ascontiguousarray(g / (1 + np.exp(-g)) * u))
+    else:
+        for slot in np.unique(chosen).tolist():
+            pos, j = np.nonzero(chosen == slot)
+            xe = np.ascontiguousarray(xs[pos])
+            g, u = _host_products(mats["gate"][slot], xe), _host_products(mats["up"][slot], xe)
+            out[pos, j] = _host_products(mats["down"][slot], g / (1 + np.exp(-g)) * u)
     return mx.array(out).reshape(*x.shape[:-1], chosen.shape[1], d).astype(x.dtype)
 
 

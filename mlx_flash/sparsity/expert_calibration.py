@@ -11,8 +11,9 @@ from .expert_paths import ExpertPathPredictor
 
 def calibrate_paths(model, tokenizer, data="c4", tokens=4096, seq_len=256, held_out=0.2, log=print):
     """Run calibration text through a loaded mixture of experts, recording each token's experts at
-    every MoE layer -> (ExpertPathPredictor fitted on the first tokens, {layers, tokens, precision on
-    the held-out rest, the precision of always guessing the most used experts})."""
+    every MoE layer -> (ExpertPathPredictor, {layers, tokens, the precision on the held-out last
+    tokens of the counts of the first ones, the precision of always guessing the most used experts}).
+    The predictor returned counts every token (measured first, then the held-out ones added)."""
     import mlx.core as mx
 
     from ..models.moe import on_route

@@ -83,12 +83,13 @@ class ExpertStore:
         self.reader = reader
         self.cache = ExpertCache(slots, lay.n_experts, n_layers, policy)
         self.stats = ExpertStats(n_layers)
-        self.groups = {}  # layer -> [(ExpertGroup, open file, checksums)]: one file, or one per bit width
-        for i in self.layers:
-            self.groups[i] = [(g, reader.open(folder / g.entry["file"], expected_size=g.entry["size"]),
-                               read_checksums(folder, g.entry, g.layout, verify)) for g in layer_groups(exp, i)]
+        # layer -> [_GroupFile]: one file, or one per bit width (--expert-bits)
+        self.groups = {i: [_GroupFile(g, reader.open(folder / g.entry["file"], expected_size=g.entry["size"]),
+                                      read_checksums(folder, g.entry, g.layout, verify), lay.n_experts)
+                           for g in layer_groups(exp, i)] for i in self.layers}
         self.weights, segments = self._slabs()
         self.segments = tuple(segments)
+        self.segment_names = tuple((kind, name) for kind in KINDS for name, _, _ in lay.arrays(kind))
         q = lay.quant
         self.bits, self.group_size = (q.bits, q.group_size) if q is not None else (None, None)
         self.host = self._host_matrices()
@@ -155,52 +156,48 @@ class ExpertStore:
     def read_bytes(self, layer, missing):
         """Bytes on flash of experts (global ids) of `layer`."""
         local = missing - layer * self.layout.n_experts
-        return sum(int(np.isin(local, g.experts).sum()) * g.layout.bundle_bytes for g, _, _ in self.groups[layer])
+        return sum(int((gf.position[local] >= 0).sum()) * gf.group.layout.bundle_bytes for gf in self.groups[layer])
 
     def _read(self, layer, missing, into):
         """Read experts (global ids) of `layer` into their slots; a failure leaves them out of the buffer."""
         local = missing - layer * self.layout.n_experts
-        for g, f, crc in self.groups[layer]:
-            sel = np.isin(local, g.experts)
+        for gf in self.groups[layer]:
+            pos = gf.position[local]
+            sel = pos >= 0
             if not sel.any():
                 continue
-            pos = np.searchsorted(g.experts, local[sel])
-            checks = (crc, tuple((o, n, j) for j, (o, n) in enumerate(g.layout.parts())))
             try:
-                if g.bits == self.bits:
-                    self.reader.read_bundles(f, pos, g.layout.stride, self.segments, into[sel], checks=checks)
+                if gf.group.bits == self.bits:
+                    self.reader.read_bundles(gf.file, pos[sel], gf.group.layout.stride, self.segments, into[sel],
+                                             checks=gf.checks)
                 else:  # narrower values: read, then widened into their slots
-                    self._read_narrow(g, f, pos, into[sel], checks)
+                    self._read_narrow(gf, pos[sel], into[sel])
             except ChecksumError as e:
                 self.cache.forget(missing)
-                raise FlashError(f"layer {layer}, expert {g.experts[e.bundle]} ({KINDS[e.part]}): {e}") from None
+                raise FlashError(f"layer {layer}, expert {gf.group.experts[e.bundle]} ({KINDS[e.part]}): {e}") \
+                    from None
             except BaseException:
                 self.cache.forget(missing)
                 raise
 
-    def _read_narrow(self, group, f, pos, slots, checks):
+    def _read_narrow(self, gf, pos, slots):
         """Experts stored at fewer bits than the buffer's: their bundles into a staging buffer (a few at
         a time), then the packed values widened (exact: layout/quant.widen), scales and biases copied."""
-        lay = group.layout
+        lay, bits = gf.group.layout, gf.group.bits
         per = max(1, NARROW_STAGING // lay.bundle_bytes)
         for start in range(0, pos.size, per):
             p, into = pos[start : start + per], slots[start : start + per]
-            staging, segments = [], []
-            for (off, n, storage, view), (kind, name) in zip(self.segments, self._segment_names()):
-                if storage == "float32" and name == "weight" and self.bits is not None:  # packed words
+            staging = []
+            for (_, n, storage, view), (kind, name) in zip(self.segments, self.segment_names):
+                if name == "weight":  # packed words, fewer than the buffer's
                     n = lay.array_bytes(kind, name) // 4
-                buf = np.empty((p.size, n), dtype=np.float32 if storage == "float32" else view.dtype)
-                staging.append(buf)
-                segments.append((lay.array_offset(kind, name), n, storage, buf))
-            self.reader.read_bundles(f, p, lay.stride, tuple(segments), np.arange(p.size), checks=checks)
-            for buf, (_, _, _, view), (kind, name) in zip(staging, self.segments, self._segment_names()):
-                if name == "weight" and self.bits is not None:
-                    view.view(np.uint32)[into] = widen(buf.view(np.uint32), group.bits, self.bits)
+                staging.append((lay.array_offset(kind, name), n, storage, np.empty((p.size, n), dtype=view.dtype)))
+            self.reader.read_bundles(gf.file, p, lay.stride, tuple(staging), np.arange(p.size), checks=gf.checks)
+            for (_, _, _, buf), (_, _, _, view), (_, name) in zip(staging, self.segments, self.segment_names):
+                if name == "weight":
+                    view.view(np.uint32)[into] = widen(buf.view(np.uint32), bits, self.bits)
                 else:
                     view[into] = buf
-
-    def _segment_names(self):
-        return [(kind, name) for kind in KINDS for name, _, _ in self.layout.arrays(kind)]
 
     def _drain(self):
         """Wait for the look-ahead's read in flight (its failure raises here)."""
@@ -292,6 +289,17 @@ class ExpertStore:
             self._worker.shutdown()
             self._worker = None
         for groups in self.groups.values():
-            for _, f, _ in groups:
-                self.reader.close_file(f)
+            for gf in groups:
+                self.reader.close_file(gf.file)
         self.groups = {}
+
+
+class _GroupFile:
+    """An open file of one layer's experts at one width (layout/experts.ExpertGroup): its checksums
+    as the reader checks them, and each expert's bundle in it (-1: in another file of the layer)."""
+
+    def __init__(self, group, file, crc, n_experts):
+        self.group, self.file = group, file
+        self.checks = (crc, tuple((o, n, j) for j, (o, n) in enumerate(group.layout.parts())))
+        self.position = np.full(n_experts, -1, dtype=np.int64)
+        self.position[group.experts] = np.arange(group.experts.size)

@@ -11,6 +11,7 @@ COMMANDS = {
     "eval": "mlx_flash.cli.eval",
     "verify": "mlx_flash.cli.verify",
     "doctor": "mlx_flash.cli.doctor",
+    "server": "mlx_flash.cli.server",
 }
 
 

@@ -79,6 +79,7 @@ def build_parser():
     add_paper_parser(sub)
     add_peers_parser(sub)
     add_moe_parser(sub)
+    add_server_parser(sub)
     add_profile_parser(sub)
     add_batch_parser(sub)
     return p
@@ -229,6 +230,41 @@ def add_moe_parser(sub):
     s.add_argument("--quiet", action="store_true", help="no progress")
 
 
+def add_server_parser(sub):
+    s = sub.add_parser("server", help="mlx_flash.server under concurrent openai clients: every request answered, "
+                       "cancelled by its client or refused with a 4xx; RSS before and after")
+    s.add_argument("--model", default=None, help="the model the server loads (default: the default model)")
+    s.add_argument("--clients", type=int, default=8)
+    s.add_argument("--requests", type=int, default=20, help="requests per client")
+    s.add_argument("--seed", type=int, default=0, help="fixes the mix of requests")
+    s.add_argument("--server-args", default="", help="more flags for the server, one string "
+                   "(e.g. \"--memory-limit 1GB\")")
+    s.add_argument("--out", default="results/server")
+
+
+def server_main(args):
+    import shlex
+
+    from ..bench.server_load import run_server_bench
+    from ..errors import FlashError
+    from . import check_model_arg, default_model
+
+    if args.clients < 1 or args.requests < 1:
+        raise FlashError("--clients and --requests must be positive")
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise FlashError("the server benchmark speaks through the openai package: pip install openai "
+                         "(or 'mlx-flash[bench]')") from None
+    model = check_model_arg(args.model or default_model())
+    res = run_server_bench(model, args.clients, args.requests, extra=shlex.split(args.server_args),
+                           seed=args.seed, out=args.out, progress=lambda m: print(m, flush=True))
+    path = Path(args.out) / "server-load.md"
+    print(path.read_text())
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+    return 1 if res["lost"] or not res["alive_after"] else 0
+
+
 def moe_main(args):
     from ..bench import moe
     from ..errors import FlashError
@@ -293,6 +329,8 @@ def main(argv=None):
         return run(lambda: batch_main(args, argv), "mlx_flash.benchmark")
     if args.what == "moe":
         return run(lambda: moe_main(args), "mlx_flash.benchmark")
+    if args.what == "server":
+        return run(lambda: server_main(args), "mlx_flash.benchmark")
 
     def body():
         from ..bench import storage

@@ -1,0 +1,305 @@
+"""The worker that owns the model: one request at a time, in arrival order.
+
+A Job carries a CompletionRequest in and events out (a thread-safe queue): one `Start`
+(the prompt's token count) or one `Failed`, then `Piece`s of text with their tokens'
+log-probabilities, then one `Done`. The HTTP handler may set `job.cancel` (the client
+went away); the worker stops at the next token.
+
+Prompt caching: the KV cache of the last request stays, with the tokens it holds. A
+request whose prompt starts with those tokens (the next turn of the same conversation:
+the previous prompt, the answer, the new message) feeds only the rest. Where the cache
+holds more than the shared prefix, it is trimmed to it if its kind can be trimmed, and
+otherwise a fresh cache is made (said once at start-up).
+"""
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import FlashError
+from .requests import CHAT, TEXT, RequestError
+
+
+@dataclass
+class Start:
+    prompt_tokens: int
+    cached_tokens: int  # of them, served from the kept KV cache
+
+
+@dataclass
+class Piece:
+    text: str
+    tokens: list = field(default_factory=list)  # [(id, text, logprob, [(id, text, logprob), ...])]
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+
+
+@dataclass
+class Failed:
+    error: RequestError
+
+
+class Job:
+    def __init__(self, request):
+        self.request = request
+        self.events = queue.Queue()
+        self.cancel = threading.Event()
+        self.queued_at = time.perf_counter()
+
+
+class StopText:
+    """Holds back text that may be the start of a stop string; finds the first stop."""
+
+    def __init__(self, stops):
+        self.stops, self.text, self.sent = stops, "", 0
+
+    def add(self, segment):
+        """-> (text that is safe to send now, True when a stop string was reached)."""
+        self.text += segment
+        if not self.stops:
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out, False
+        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            out, self.sent = self.text[self.sent:end], max(end, self.sent)
+            return out, True
+        hold = 0  # the longest tail of the text that begins a stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out, False
+
+    def rest(self):
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+class ContinuationText:
+    """The text of generated tokens as a continuation of the prompt: mlx_lm's streaming
+    detokenizers drop the first token's leading space (right for a chat answer, wrong for a
+    completion, whose text is appended to the prompt). Decodes the tokens so far and sends
+    what is new, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.decode, self.ids, self.sent = tokenizer.decode, [], 0
+
+    def add(self, token):
+        self.ids.append(token)
+        text = self.decode(self.ids, clean_up_tokenization_spaces=False)
+        if text.endswith("\ufffd"):
+            return ""
+        out, self.sent = text[self.sent:], len(text)
+        return out
+
+
+def common_prefix(a, b):
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Engine:
+    """Loads nothing itself: give it a loaded model and tokenizer (mlx_flash.load)."""
+
+    def __init__(self, model, tokenizer, limits, log=None):
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+        self.model, self.tokenizer, self.limits = model, tokenizer, limits
+        self.log = log or (lambda msg: None)
+        self.jobs = queue.Queue()
+        self.waiting = 0  # jobs queued, not yet started
+        self.lock = threading.Lock()
+        self.cache, self.cache_tokens = None, []
+        self.trimmable = can_trim_prompt_cache(make_prompt_cache(model))
+        if not self.trimmable:
+            self.log("prompt caching: this KV cache kind cannot be trimmed; a request reuses the kept cache "
+                     "only when the cache holds a prefix of its prompt exactly")
+        self.served = 0  # requests finished (answered, refused or cancelled)
+        self.cancelled = 0  # of them, stopped because their client went away
+        self.thread = None
+
+    # -- the queue ------------------------------------------------------------------------------
+    def submit(self, request):
+        """A Job in the queue, or RequestError 429 when the queue is full."""
+        with self.lock:
+            if self.waiting >= self.limits.queue_size:
+                raise RequestError(f"the server is busy: {self.waiting} requests are waiting "
+                                   f"(--queue-size {self.limits.queue_size}); retry later", status=429,
+                                   code="queue_full")
+            self.waiting += 1
+        job = Job(request)
+        self.jobs.put(job)
+        return job
+
+    def start(self):
+        self.thread = threading.Thread(target=self._loop, name="mlx_flash-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.jobs.put(None)
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def _loop(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            with self.lock:
+                self.waiting -= 1
+            if job.cancel.is_set():
+                self.served, self.cancelled = self.served + 1, self.cancelled + 1
+                job.events.put(Done("cancelled", 0, 0, 0.0))
+                continue
+            try:
+                self.serve(job)
+            except RequestError as e:  # (raised before the kept cache is touched)
+                job.events.put(Failed(e))
+            except FlashError as e:
+                self.cache, self.cache_tokens = None, []
+                job.events.put(Failed(RequestError(str(e))))
+            except Exception as e:  # a bug: answer 500, keep serving
+                self.cache, self.cache_tokens = None, []
+                self.log(f"error: {type(e).__name__}: {e}")
+                job.events.put(Failed(RequestError(f"internal error: {type(e).__name__}: {e}", status=500)))
+            finally:
+                self.served += 1
+                if self.jobs.empty():
+                    import mlx.core as mx
+
+                    mx.clear_cache()  # give MLX's buffer cache back while idle
+
+    # -- one request ----------------------------------------------------------------------------
+    def prompt_tokens(self, req):
+        tok = self.tokenizer
+        if req.kind == CHAT:
+            if getattr(tok, "chat_template", None) is None:
+                raise RequestError("this model has no chat template: use /v1/completions")
+            ids = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+        elif isinstance(req.prompt, str):
+            ids = tok.encode(req.prompt)
+        else:
+            vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
+            if vocab is not None and max(req.prompt) >= vocab:
+                raise RequestError(f"prompt token id {max(req.prompt)} is outside the vocabulary ({vocab})",
+                                   param="prompt")
+            ids = list(req.prompt)
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this server takes at most "
+                               f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)", param="prompt",
+                               code="context_length_exceeded")
+        return list(ids)
+
+    def _cache_for(self, ids):
+        """(prompt cache, tokens it already holds of ids)."""
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+        from ..generate import context_used
+
+        if self.cache is not None:
+            held = context_used(self.cache)
+            keep = min(common_prefix(self.cache_tokens[:held], ids), len(ids) - 1)
+            if keep > 0 and keep == held:
+                return self.cache, keep
+            if keep > 0 and self.trimmable:
+                trim_prompt_cache(self.cache, held - keep)
+                self.cache_tokens = self.cache_tokens[:keep]
+                return self.cache, keep
+        self.cache, self.cache_tokens = None, []
+        return make_prompt_cache(self.model), 0
+
+    def _sampling(self, req):
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
+        processors = make_logits_processors(logit_bias=req.logit_bias, repetition_penalty=req.repetition_penalty)
+        return sampler, processors
+
+    def _logprobs(self, req, token, logprobs):
+        import mlx.core as mx
+
+        decode = self.tokenizer.decode
+        top = []
+        if req.top_logprobs:
+            k = req.top_logprobs
+            ids = mx.argpartition(-logprobs, k - 1)[:k]
+            vals = logprobs[ids]
+            order = mx.argsort(-vals)
+            top = [(int(i), decode([int(i)]), float(v)) for i, v in zip(ids[order].tolist(), vals[order].tolist())]
+        return (token, decode([token]), float(logprobs[token].item()), top)
+
+    def serve(self, job):
+        import mlx.core as mx
+
+        from ..generate import context_used, stream_generate
+
+        req, t0 = job.request, time.perf_counter()
+        ids = self.prompt_tokens(req)
+        cache, cached = self._cache_for(ids)
+        sampler, processors = self._sampling(req)
+        if req.seed is not None:
+            mx.random.seed(req.seed % (1 << 64))
+        gen = stream_generate(self.model, self.tokenizer, ids[cached:], max_tokens=req.max_tokens,
+                              prompt_cache=cache, sampler=sampler, logits_processors=processors)
+        stops, out, finish = StopText(req.stop), [], "length"
+        eos = set(self.tokenizer.eos_token_ids)
+        cont = ContinuationText(self.tokenizer) if req.kind == TEXT else None
+        try:
+            resp = next(gen, None)  # the prompt is processed here; a FlashError (context) raises here
+            job.events.put(Start(len(ids), cached))
+            while resp is not None:
+                if job.cancel.is_set():
+                    finish = "cancelled"
+                    self.cancelled += 1
+                    break
+                out.append(resp.token)  # (fed to the model: what the kept cache holds)
+                if resp.finish_reason == "stop" and resp.token in eos:
+                    finish = "stop"
+                    text = stops.add(resp.text)[0] + stops.rest()  # the detokenizer's last bytes
+                    if text:
+                        job.events.put(Piece(text))
+                    break
+                text, stopped = stops.add(resp.text if cont is None else cont.add(resp.token))
+                lp = [self._logprobs(req, resp.token, resp.logprobs)] if req.logprobs else []
+                if text or lp:
+                    job.events.put(Piece(text, lp))
+                if stopped:
+                    finish = "stop"
+                    break
+                if resp.finish_reason is not None:
+                    finish = resp.finish_reason
+                    rest = stops.rest()
+                    if rest:
+                        job.events.put(Piece(rest))
+                    break
+                resp = next(gen, None)
+        finally:
+            gen.close()
+        completion = len(out) - (1 if out and out[-1] in eos and finish == "stop" else 0)
+        known = ids + out
+        held = context_used(cache)
+        if held > len(known):  # a token fed ahead of what we kept
+            from mlx_lm.models.cache import trim_prompt_cache
+
+            if not self.trimmable:
+                self.cache, self.cache_tokens = None, []
+                job.events.put(Done(finish, len(ids), completion, time.perf_counter() - t0))
+                return
+            trim_prompt_cache(cache, held - len(known))
+            held = len(known)
+        self.cache, self.cache_tokens = cache, known[:held]
+        job.events.put(Done(finish, len(ids), completion, time.perf_counter() - t0))

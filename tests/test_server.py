@@ -10,7 +10,8 @@ import urllib.request
 
 import pytest
 
-from mlx_flash.server.engine import StopText, common_prefix
+from mlx_flash.prompt_cache import common_prefix
+from mlx_flash.server.engine import StopText
 from mlx_flash.server.requests import CHAT, TEXT, Limits, RequestError, parse_request
 
 LIMITS = Limits(max_tokens=256, default_max_tokens=32)

@@ -1,19 +1,76 @@
-"""mlx_flash.chat: a chat loop on a model loaded from flash (reads stdin; works through a pipe)."""
+"""mlx_flash.chat: a conversation in the terminal with a model loaded from flash.
+
+Type a message and Enter. The answer streams; a line after it gives its tokens/s. The whole
+conversation stays in context (the oldest exchanges are dropped, with a notice, when it no
+longer fits). Ctrl-C stops an answer and keeps the chat; Ctrl-D or /quit ends it.
+Commands: /help, /reset, /stats, /save FILE, /load FILE, /quit. Works through a pipe too
+(one message a line; the answers on stdout, the other lines on stderr).
+"""
 
 import argparse
+import signal
 import sys
 
 from . import run
-from .generate import add_model_args, add_sampling_args, load_for_cli, sampling_kwargs
+from .generate import add_model_args, add_sampling_args, load_for_cli, sampling_kwargs, stats_lines
+
+HELP = """commands:
+  /reset       start a new conversation (the system prompt stays)
+  /stats       the conversation's context, the last answer's speed, the runtime's I/O
+  /save FILE   write the conversation (JSON)
+  /load FILE   continue a saved conversation
+  /quit        end (or Ctrl-D); Ctrl-C stops an answer"""
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="mlx_flash.chat", description=__doc__)
+    p = argparse.ArgumentParser(prog="mlx_flash.chat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--system-prompt", default=None)
+    p.add_argument("--load", default=None, metavar="FILE", help="start from a saved conversation (/save)")
     add_sampling_args(p)
     p.set_defaults(max_tokens=256)
     return p
+
+
+class StopOnCtrlC:
+    """While an answer streams, Ctrl-C asks it to stop at the next token (a second one ends
+    the chat); outside answers Ctrl-C behaves as usual."""
+
+    def __init__(self):
+        self.asked = False
+
+    def __enter__(self):
+        self.asked = False
+        self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+        return False
+
+    def __call__(self):
+        return self.asked
+
+
+def say(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def show_stats(conv, model):
+    t = conv.last
+    turns = sum(m["role"] == "user" for m in conv.messages)
+    say(f"[conversation: {turns} exchanges, {conv.held} of {conv.context} tokens of context held]")
+    if t is not None:
+        say(f"[last answer: {t.tokens} tokens, {t.tps:.1f} tokens/s; prompt {t.prompt_tokens} tokens "
+            f"({t.cached_tokens} from the kept cache) in {t.prompt_seconds:.2f} s]")
+    for line in stats_lines(model.runtime.stats()["summary"]):
+        say(f"[{line}]")
 
 
 def main(argv=None):
@@ -21,50 +78,75 @@ def main(argv=None):
 
     def body():
         import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
 
-        from .. import stream_generate
-        from ..generate import context_used
+        from ..conversation import Conversation, read_messages
+        from ..errors import FlashError
 
         if args.seed is not None:
             mx.random.seed(args.seed)
+        saved = read_messages(args.load) if args.load else None  # its errors before the model loads
         model, tokenizer = load_for_cli(args)
+        conv = Conversation(model, tokenizer, args.system_prompt, args.max_tokens, sampling_kwargs(args))
+        if saved is not None:
+            conv.messages = saved
+            say(f"[loaded {len(saved)} messages from {args.load}]")
         interactive = sys.stdin.isatty()
         if interactive:
-            print("Type a message; 'q' or Ctrl-D quits, 'r' resets the conversation.")
-        cache = make_prompt_cache(model)
-        first = True
+            say("Type a message and Enter; /help for commands, Ctrl-C stops an answer, Ctrl-D quits.")
+        stopper = StopOnCtrlC()
         while True:
             if interactive:
                 print(">> ", end="", flush=True)
-            line = sys.stdin.readline()
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+                print()
+                continue
             if not line:
                 break
-            query = line.strip()
-            if not query:
+            text = line.strip()
+            if not text:
                 continue
-            if query == "q":
+            if text in ("q", "/quit", "/exit"):
                 break
-            if query == "r":
-                cache, first = make_prompt_cache(model), True
+            if text.startswith("/") or text == "r":
+                cmd, _, arg = text.partition(" ")
+                arg = arg.strip()
+                try:
+                    if cmd in ("/reset", "r"):
+                        conv.reset()
+                        say("[a new conversation]")
+                    elif cmd == "/stats":
+                        show_stats(conv, model)
+                    elif cmd in ("/save", "/load") and not arg:
+                        say(f"[{cmd} needs a file name: {cmd} FILE]")
+                    elif cmd == "/save":
+                        conv.save(arg)
+                        say(f"[saved {len(conv.messages)} messages to {arg}]")
+                    elif cmd == "/load":
+                        conv.load(arg)
+                        say(f"[loaded {len(conv.messages)} messages from {arg}]")
+                    elif cmd == "/help":
+                        say(HELP)
+                    else:
+                        say(f"[unknown command {cmd}; /help lists them]")
+                except FlashError as e:  # a bad file: the chat goes on
+                    say(f"[error: {e}]")
                 continue
-            # The prompt cache carries the conversation: feed only the new turn.
-            messages = []
-            if first and args.system_prompt:
-                messages.append({"role": "system", "content": args.system_prompt})
-            messages.append({"role": "user", "content": query})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            memory = model.runtime.memory
-            if memory is not None and context_used(cache) + len(prompt) + args.max_tokens > memory.context:
-                # the KV cache the --memory-limit plan holds is full: start the conversation again
-                print(f"[mlx_flash] the conversation reached the {memory.context} tokens of context the "
-                      "memory limit plans for (--ctx-size): starting a new one", file=sys.stderr)
-                cache = make_prompt_cache(model)
-            first = False
-            for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                        prompt_cache=cache, **sampling_kwargs(args)):
-                print(resp.text, end="", flush=True)
+            try:
+                with stopper:
+                    turn = conv.ask(text, on_text=lambda s: print(s, end="", flush=True), stop=stopper)
+            except FlashError as e:
+                print()
+                say(f"[error: {e}]")
+                continue
             print()
+            if turn.dropped:
+                say(f"[the conversation outgrew the {conv.context}-token context: dropped its "
+                    f"{turn.dropped} oldest exchange{'s' if turn.dropped > 1 else ''}]")
+            note = {"interrupted": "; stopped", "length": f"; reached --max-tokens {args.max_tokens}"}.get(turn.finish, "")
+            say(f"[{turn.tokens} tokens, {turn.tps:.1f} tokens/s; prompt {turn.prompt_tokens} tokens, "
+                f"{turn.cached_tokens} of them kept from before{note}]")
 
     return run(body, "mlx_flash.chat")
 

@@ -172,6 +172,26 @@ def memory_line(s):
             f"{m['margin_bytes'] / 1e6:.0f} MB; peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB")
 
 
+def stats_lines(s):
+    """--stats (and the chat's /stats): the plan's memory, the mode, and the runtime's per-token
+    means (s: runtime.stats()'s summary)."""
+    lines = []
+    if "memory_limit" in s:
+        lines.append(memory_line(s))
+    lines.append(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "
+                 f"all weights in DRAM {s['weights_in_dram_bytes'] / 1e6:.1f} MB, "
+                 + (f"budget {s['memory_budget_bytes'] / 1e6:.0f} MB" if s["memory_budget_bytes"] else "no budget"))
+    if "expert_slots" in s:
+        lines.append(expert_line(s))
+    if "mean_io_ms" in s:
+        lines.append(f"Per token (decode means): I/O {s['mean_io_ms']:.1f} ms, memory management "
+                     f"{s['mean_mem_ms']:.1f} ms, predict {s['mean_predict_ms']:.1f} ms, compute "
+                     f"{s['mean_compute_ms']:.1f} ms; read {s['mean_bytes_read'] / 1e6:.2f} MB in "
+                     f"{s['mean_reads']:.0f} reads; hit rate {s['mean_hit_rate']:.2f}, window {s['mean_window']:.1f}"
+                     + (f"; FFN weights used {100 * s['mean_ffn_share']:.1f} %" if s.get("mean_ffn_share") else ""))
+    return lines
+
+
 def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):
     if ignore_template or getattr(tokenizer, "chat_template", None) is None:
         return prompt
@@ -238,20 +258,8 @@ def main(argv=None):
                       f"{p['compute_ms']:.1f}), measured median {1e3 * decode[n // 2]:.1f}: "
                       f"{decode[n // 2] * 1e3 / p['total_ms']:.2f}x")
         if args.stats:
-            s = report["summary"]
-            if "memory_limit" in s:
-                print(memory_line(s))
-            print(f"Mode {s['mode']}, FFN weights in DRAM {s['ffn_dram_bytes'] / 1e6:.1f} MB, "
-                  f"all weights in DRAM {s['weights_in_dram_bytes'] / 1e6:.1f} MB, "
-                  + (f"budget {s['memory_budget_bytes'] / 1e6:.0f} MB" if s["memory_budget_bytes"] else "no budget"))
-            if "expert_slots" in s:
-                print(expert_line(s))
-            if "mean_io_ms" in s:
-                print(f"Per token (decode means): I/O {s['mean_io_ms']:.1f} ms, memory management "
-                      f"{s['mean_mem_ms']:.1f} ms, predict {s['mean_predict_ms']:.1f} ms, compute "
-                      f"{s['mean_compute_ms']:.1f} ms; read {s['mean_bytes_read'] / 1e6:.2f} MB in "
-                      f"{s['mean_reads']:.0f} reads; hit rate {s['mean_hit_rate']:.2f}, window {s['mean_window']:.1f}"
-                      + (f"; FFN weights used {100 * s['mean_ffn_share']:.1f} %" if s.get("mean_ffn_share") else ""))
+            for line in stats_lines(report["summary"]):
+                print(line)
         if args.stats_json:
             import json
 

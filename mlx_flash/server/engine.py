@@ -5,11 +5,8 @@ A Job carries a CompletionRequest in and events out (a thread-safe queue): one `
 log-probabilities, then one `Done`. The HTTP handler may set `job.cancel` (the client
 went away); the worker stops at the next token.
 
-Prompt caching: the KV cache of the last request stays, with the tokens it holds. A
-request whose prompt starts with those tokens (the next turn of the same conversation:
-the previous prompt, the answer, the new message) feeds only the rest. Where the cache
-holds more than the shared prefix, it is trimmed to it if its kind can be trimmed, and
-otherwise a fresh cache is made (said once at start-up).
+Prompt caching: the KV cache of the last request stays (prompt_cache.PromptCache); the
+next turn of the same conversation feeds only what is new.
 """
 
 import queue
@@ -104,28 +101,19 @@ class ContinuationText:
         return out
 
 
-def common_prefix(a, b):
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Engine:
     """Loads nothing itself: give it a loaded model and tokenizer (mlx_flash.load)."""
 
     def __init__(self, model, tokenizer, limits, log=None):
-        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+        from ..prompt_cache import PromptCache
 
         self.model, self.tokenizer, self.limits = model, tokenizer, limits
         self.log = log or (lambda msg: None)
         self.jobs = queue.Queue()
         self.waiting = 0  # jobs queued, not yet started
         self.lock = threading.Lock()
-        self.cache, self.cache_tokens = None, []
-        self.trimmable = can_trim_prompt_cache(make_prompt_cache(model))
-        if not self.trimmable:
+        self.kept = PromptCache(model)
+        if not self.kept.trimmable:
             self.log("prompt caching: this KV cache kind cannot be trimmed; a request reuses the kept cache "
                      "only when the cache holds a prefix of its prompt exactly")
         self.served = 0  # requests finished (answered, refused or cancelled)
@@ -170,10 +158,10 @@ class Engine:
             except RequestError as e:  # (raised before the kept cache is touched)
                 job.events.put(Failed(e))
             except FlashError as e:
-                self.cache, self.cache_tokens = None, []
+                self.kept.reset()
                 job.events.put(Failed(RequestError(str(e))))
             except Exception as e:  # a bug: answer 500, keep serving
-                self.cache, self.cache_tokens = None, []
+                self.kept.reset()
                 self.log(f"error: {type(e).__name__}: {e}")
                 job.events.put(Failed(RequestError(f"internal error: {type(e).__name__}: {e}", status=500)))
             finally:
@@ -204,24 +192,6 @@ class Engine:
                                code="context_length_exceeded")
         return list(ids)
 
-    def _cache_for(self, ids):
-        """(prompt cache, tokens it already holds of ids)."""
-        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
-        from ..generate import context_used
-
-        if self.cache is not None:
-            held = context_used(self.cache)
-            keep = min(common_prefix(self.cache_tokens[:held], ids), len(ids) - 1)
-            if keep > 0 and keep == held:
-                return self.cache, keep
-            if keep > 0 and self.trimmable:
-                trim_prompt_cache(self.cache, held - keep)
-                self.cache_tokens = self.cache_tokens[:keep]
-                return self.cache, keep
-        self.cache, self.cache_tokens = None, []
-        return make_prompt_cache(self.model), 0
-
     def _sampling(self, req):
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -245,11 +215,11 @@ class Engine:
     def serve(self, job):
         import mlx.core as mx
 
-        from ..generate import context_used, stream_generate
+        from ..generate import stream_generate
 
         req, t0 = job.request, time.perf_counter()
         ids = self.prompt_tokens(req)
-        cache, cached = self._cache_for(ids)
+        cache, cached = self.kept.prepare(ids)
         sampler, processors = self._sampling(req)
         if req.seed is not None:
             mx.random.seed(req.seed % (1 << 64))
@@ -290,16 +260,5 @@ class Engine:
         finally:
             gen.close()
         completion = len(out) - (1 if out and out[-1] in eos and finish == "stop" else 0)
-        known = ids + out
-        held = context_used(cache)
-        if held > len(known):  # a token fed ahead of what we kept
-            from mlx_lm.models.cache import trim_prompt_cache
-
-            if not self.trimmable:
-                self.cache, self.cache_tokens = None, []
-                job.events.put(Done(finish, len(ids), completion, time.perf_counter() - t0))
-                return
-            trim_prompt_cache(cache, held - len(known))
-            held = len(known)
-        self.cache, self.cache_tokens = cache, known[:held]
+        self.kept.keep(cache, ids + out)
         job.events.put(Done(finish, len(ids), completion, time.perf_counter() - t0))

@@ -41,11 +41,14 @@ def _within_memory_limit(model, tokenizer, prompt, max_tokens, kwargs):
         return kwargs
     n = len(prompt) if not isinstance(prompt, str) else len(tokenizer.encode(prompt))
     held = context_used(kwargs.get("prompt_cache"))
-    if held + n + max_tokens > memory.context:
+    ahead = kwargs.get("num_draft_tokens", 2) if kwargs.get("draft_model") is not None else 0  # drafted, then trimmed
+    if held + n + max_tokens + ahead > memory.context:
         from .errors import FlashError
 
         raise FlashError(f"{'the conversation (' + str(held) + ' tokens) + ' if held else ''}the prompt "
-                         f"({n} tokens) + max_tokens ({max_tokens}) exceed the {memory.context} tokens of "
+                         f"({n} tokens) + max_tokens ({max_tokens})"
+                         f"{f' + the tokens a draft proposes ahead ({ahead})' if ahead else ''} exceed the "
+                         f"{memory.context} tokens of "
                          "context the --memory-limit plan holds a KV cache for: raise --ctx-size (its KV cache "
                          "then takes more of the limit) or shorten them")
     kwargs.setdefault("prefill_step_size", memory.prefill_step)

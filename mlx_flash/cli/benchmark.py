@@ -80,6 +80,7 @@ def build_parser():
     add_peers_parser(sub)
     add_moe_parser(sub)
     add_server_parser(sub)
+    add_speculative_parser(sub)
     add_profile_parser(sub)
     add_batch_parser(sub)
     return p
@@ -242,6 +243,41 @@ def add_server_parser(sub):
     s.add_argument("--out", default="results/server")
 
 
+def add_speculative_parser(sub):
+    s = sub.add_parser("speculative", help="decoding with a draft model (paper §5.2) against without: identical "
+                       "tokens, acceptance, tokens/s, bytes read a token")
+    s.add_argument("--model", default=None, help="the model (default: the default model)")
+    s.add_argument("--draft-model", default="self:24", help="as generate's (default self:24: a layer-skipping "
+                   "self-draft, the only draft of the same tokenizer this machine has for SmolLM2)")
+    s.add_argument("--num-draft-tokens", type=_list(int), default=[2, 4], help="rows, comma-separated (default 2,4)")
+    s.add_argument("--mode", default=None, help="the model's mode (default: as load chooses)")
+    s.add_argument("--memory-limit", default=None)
+    s.add_argument("--memory-budget", default=None)
+    s.add_argument("--tokens", type=int, default=64)
+    s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--out", default="results/speculative")
+
+
+def speculative_main(args, argv):
+    from ..bench import speculative
+    from ..errors import FlashError
+    from . import check_model_arg, default_model
+
+    if args.tokens < 2 or args.rounds < 1 or any(n < 1 for n in args.num_draft_tokens):
+        raise FlashError("--tokens must be at least 2, --rounds and --num-draft-tokens at least 1")
+    load = {k: v for k, v in (("mode", args.mode), ("memory_limit", args.memory_limit),
+                              ("memory_budget", args.memory_budget)) if v is not None}
+    if load.get("memory_limit"):
+        load["ctx_size"] = 512
+    model = check_model_arg(args.model or default_model())
+    res = speculative.run_speculative_bench(model, args.draft_model, args.num_draft_tokens, args.tokens, args.rounds,
+                                            load, progress=lambda m: print(m, flush=True))
+    res["command"] = "mlx_flash.benchmark speculative " + " ".join(argv if argv is not None else sys.argv[1:])
+    path = speculative.write(res, args.out)
+    print(path.read_text())
+    print(f"wrote {path} and {path.with_suffix('.json')}")
+
+
 def server_main(args):
     import shlex
 
@@ -331,6 +367,8 @@ def main(argv=None):
         return run(lambda: moe_main(args), "mlx_flash.benchmark")
     if args.what == "server":
         return run(lambda: server_main(args), "mlx_flash.benchmark")
+    if args.what == "speculative":
+        return run(lambda: speculative_main(args, argv), "mlx_flash.benchmark")
 
     def body():
         from ..bench import storage

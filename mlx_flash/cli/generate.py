@@ -17,6 +17,51 @@ def add_model_args(p):
     add_device_arg(p)
 
 
+def add_draft_args(p):
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding: a draft model in DRAM proposes tokens, the model verifies them in one "
+                   "pass; another model of the same tokenizer, or self:N / self:0-19,26-29 for a layer-skipping "
+                   "draft of the model itself")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens the draft proposes a pass (default 3)")
+
+
+def load_draft_for_cli(args, ctx_size=None):
+    """The --draft-model, loaded before the model (under --memory-limit its weights and its
+    KV cache, allocated here, are then in the resident set the plan measures), or None."""
+    if getattr(args, "draft_model", None) is None:
+        return None
+    from ..draft import load_draft
+    from ..errors import FlashError
+    from ..runtime.memory import DEFAULT_CONTEXT
+
+    if args.num_draft_tokens < 1:
+        raise FlashError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
+    use_device(args.device)
+    draft = load_draft(args.draft_model, check_model_arg(args.model or default_model()), progress=True)
+    if args.memory_limit is not None:
+        context = args.ctx_size or ctx_size or DEFAULT_CONTEXT
+        draft.allocate(context + args.num_draft_tokens)
+    print(f"[mlx_flash] draft {draft.description}; {args.num_draft_tokens} tokens a pass", file=sys.stderr)
+    return draft
+
+
+def draft_kwargs(args, draft, model, tokenizer):
+    """stream_generate's keywords for speculative decoding (none without a draft)."""
+    if draft is None:
+        return {}
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    from ..errors import FlashError
+
+    draft.check(tokenizer)
+    cache = make_prompt_cache(model)
+    if not can_trim_prompt_cache(cache):
+        raise FlashError("--draft-model: speculative decoding rewinds the KV cache after a rejected token, and this "
+                         "KV cache cannot be (--kv-cache flash): use --kv-cache dram")
+    return {"draft_model": draft.model, "num_draft_tokens": args.num_draft_tokens,
+            "prompt_cache": cache + draft.cache()}
+
+
 def add_sampling_args(p):
     p.add_argument("--max-tokens", "-m", type=int, default=100)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
@@ -82,6 +127,7 @@ def build_parser():
     p.add_argument("--stats-json", default=None, help="write one row per token and a summary here")
     p.add_argument("--batch-file", default=None, help="decode many prompts together: a JSONL file, each line a "
                    "string or {\"prompt\": ...}; every decode step reads the rows once for all of them")
+    add_draft_args(p)
     p.add_argument("--batch-out", default=None, help="with --batch-file: write one JSON line per prompt "
                    "(prompt, text, tokens, finish reason) here instead of printing the answers")
     return p
@@ -217,6 +263,8 @@ def main(argv=None):
                 raise FlashError("--prompt and --batch-file: give one (the batch file holds the prompts)")
             if args.stats_json:
                 raise FlashError("--stats-json records one sequence's tokens: not with --batch-file")
+            if args.draft_model:
+                raise FlashError("--draft-model drafts for one sequence: not with --batch-file")
             prompts = read_batch_file(args.batch_file)  # its errors before the model loads
             ctx = max(len(p.encode()) for p in prompts) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
             model, tokenizer = load_for_cli(args, ctx_size=ctx, batch_size=len(prompts))
@@ -225,16 +273,24 @@ def main(argv=None):
         # under --memory-limit, a KV cache for this prompt (a token is at least a byte of its
         # text, a chat template adds a few) and --max-tokens
         ctx = len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
+        draft = load_draft_for_cli(args, ctx_size=ctx)
         model, tokenizer = load_for_cli(args, ctx_size=ctx)
+        speculative = draft_kwargs(args, draft, model, tokenizer)
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)
         prompt = build_prompt(tokenizer, prompt_text, args.system_prompt, args.ignore_chat_template)
         times, last, resp = [], time.perf_counter(), None
+        if draft is not None:
+            from ..draft import Acceptance
+
+            accepted = Acceptance(args.num_draft_tokens, args.max_tokens)
         for resp in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                    **sampling_kwargs(args)):
+                                    **sampling_kwargs(args), **speculative):
             now = time.perf_counter()
             times.append(now - last)
             last = now
+            if draft is not None:
+                accepted.add(resp.from_draft)
             print(resp.text, end="", flush=True)
         print()
         if resp is None:
@@ -243,6 +299,8 @@ def main(argv=None):
         print(f"Prompt: {resp.prompt_tokens} tokens, {resp.prompt_tps:.1f} tokens-per-sec")
         print(f"Generation: {resp.generation_tokens} tokens, {resp.generation_tps:.1f} tokens-per-sec")
         print(f"Peak memory: {resp.peak_memory:.3f} GB")
+        if draft is not None:
+            print(accepted.line())
         report = model.runtime.stats()
         if args.stats and len(times) > 1:
             decode = sorted(times[1:])

@@ -136,6 +136,7 @@ def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
     assert all(p.exists() for p in written)
 
 
+@pytest.mark.slow  # (about 50 s: a second checkpoint and its predictors; test_paper_rows_end_to_end covers one dtype)
 def test_paper_compares_dtypes_in_one_run(tiny, tmp_path):
     """--dtype float16,q4: every row for each (a dtype's rows together, the dtypes alternating
     round after round), named by their weights. (The bytes

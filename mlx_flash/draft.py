@@ -94,6 +94,37 @@ def load_draft(spec, target, progress=False):
     return Draft(spec, model, tok, f"{spec}, {len(model.layers)} layers, dense in DRAM")
 
 
+def speculative_cache(model, draft):
+    """The prompt cache of one speculative generation: the model's KV caches, then the draft's.
+    When mlx_lm's loop trims the model's caches after a rejected draft token, the model's
+    runtime hears of it (Runtime.rewind), so a window keeps only the accepted positions'
+    neurons."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    runtime = getattr(model, "runtime", None)
+    if runtime is not None:
+        cache[0].__class__ = _rewinding(type(cache[0]))
+        cache[0].runtime = runtime
+    return cache + draft.cache()
+
+
+_REWINDING = {}
+
+
+def _rewinding(base):
+    """`base` (a KV cache class) whose trim() also rewinds the runtime (one layer's cache
+    carries it: every layer is trimmed alike)."""
+    if base not in _REWINDING:
+        def trim(self, n):
+            n = base.trim(self, n)
+            self.runtime.rewind(n)
+            return n
+
+        _REWINDING[base] = type(f"Rewinding{base.__name__}", (base,), {"trim": trim})
+    return _REWINDING[base]
+
+
 class Acceptance:
     """Counts a speculative generation's passes from its tokens' from_draft flags: a pass
     yields the draft tokens the model accepted, then one of the model's own."""

@@ -54,26 +54,61 @@ def greedy(model, tok, n, **kw):
     return out, acc
 
 
-@pytest.mark.parametrize("mode", ["dense", "hybrid"])
-def test_drafting_keeps_the_greedy_tokens(six_layers, mode):
-    from mlx_lm.models.cache import make_prompt_cache
+OPTIONS = {"dense": {"mode": "dense"}, "hybrid": {"mode": "hybrid", "memory_budget": "70%"},
+           "flash": {"mode": "flash", "sparsity": "oracle", "density": 0.5, "window": 3, "memory_budget": "90%"}}
 
-    opts = {"mode": mode} if mode == "dense" else {"mode": mode, "memory_budget": "70%"}
+
+@pytest.mark.parametrize("mode", list(OPTIONS))
+def test_drafting_keeps_the_greedy_tokens(six_layers, mode):
+    from mlx_flash.draft import speculative_cache
+
+    opts = OPTIONS[mode]
     model, tok = mlx_flash.load(str(six_layers), **opts)
     base, _ = greedy(model, tok, 20)
     self_draft = load_draft("self:3", str(six_layers))
     self_draft.check(tok)
     out, acc = greedy(model, tok, 20, draft_model=self_draft.model, num_draft_tokens=3,
-                      prompt_cache=make_prompt_cache(model) + self_draft.cache())
+                      prompt_cache=speculative_cache(model, self_draft))
     assert out == base and acc.tokens == 20
     # a draft that is the model itself (another copy) is accepted every time: 4 tokens a pass
     twin = load_draft(str(six_layers), str(six_layers))
     out, acc = greedy(model, tok, 20, draft_model=twin.model, num_draft_tokens=3,
-                      prompt_cache=make_prompt_cache(model) + twin.cache())
+                      prompt_cache=speculative_cache(model, twin))
     assert out == base
-    assert acc.accepted == acc.proposed and acc.passes == 5
-    if mode == "hybrid":  # the verifying passes read from flash
+    if mode != "flash":  # (sparse, the model is not its dense twin)
+        assert acc.accepted == acc.proposed and acc.passes == 5
+    if mode != "dense":  # the verifying passes read from flash
         assert sum(r["bytes_read"] for r in model.runtime.store.stats.rows) > 0
+
+
+def test_a_rejection_leaves_the_window_the_accepted_positions_neurons(six_layers):
+    import mlx.core as mx
+    import numpy as np
+
+    opts = dict(OPTIONS["flash"], memory_budget="5MB")  # every neuron fits: a pass of 3 positions in one piece
+    model, tok = mlx_flash.load(str(six_layers), **opts)
+    store = model.runtime.store
+    model(mx.array([tok.encode("the quick brown fox")[:3]]))  # a pass of 3 positions, say a verify pass
+    masks = [m[-1] for m in store.masks]
+    assert all(m is not None and m.shape[0] == 3 for m in masks)
+    counts = [c.copy() for c in store.counts]
+    model.runtime.rewind(2)  # its last two positions were rejected
+    for layer, m in enumerate(masks):
+        kept = np.flatnonzero(m[:1].any(axis=0))
+        assert np.array_equal(np.sort(store.history[layer][-1]), kept)
+        lost = np.setdiff1d(np.flatnonzero(m.any(axis=0)), kept)
+        assert np.all(store.counts[layer][lost] == counts[layer][lost] - 1)
+        assert np.all(store.counts[layer][kept] == counts[layer][kept])
+    model.runtime.rewind(1)  # and the first: the pass leaves the window
+    assert all(len(h) == 0 for h in store.history) and all(not c.any() for c in store.counts)
+    # a pass that ran in halves (a small budget): its entries are rewound position by position
+    model, tok = mlx_flash.load(str(six_layers), **OPTIONS["flash"])
+    store = model.runtime.store
+    model(mx.array([tok.encode("the quick brown fox")[:3]]))
+    before = [len(h) for h in store.history]
+    model.runtime.rewind(2)
+    after = [len(h) for h in store.history]
+    assert all(a < b for a, b in zip(after, before)) and all(c.min() >= 0 for c in store.counts)
 
 
 def test_draft_with_a_memory_limit_counts_its_cache(six_layers):

@@ -45,7 +45,7 @@ def _decode(model, tok, ids, tokens, kwargs, acceptance=None):
 def run_speculative_bench(model_path, draft_spec, num_drafts, tokens, rounds, load_options, progress=print):
     import mlx_flash
 
-    from ..draft import Acceptance, load_draft
+    from ..draft import Acceptance, load_draft, speculative_cache
     from ..runtime.memory import DEFAULT_CONTEXT
 
     draft = load_draft(draft_spec, model_path)
@@ -65,8 +65,7 @@ def run_speculative_bench(model_path, draft_spec, num_drafts, tokens, rounds, lo
             acc = None
             if name != "none":
                 n = int(name.split()[1])
-                kw = {"draft_model": draft.model, "num_draft_tokens": n,
-                      "prompt_cache": make_prompt_cache(model) + draft.cache()}
+                kw = {"draft_model": draft.model, "num_draft_tokens": n, "prompt_cache": speculative_cache(model, draft)}
                 acc = Acceptance(n, tokens)
             out, secs, read = _decode(model, tok, ids, tokens, kw, acc)
             row = res[name]

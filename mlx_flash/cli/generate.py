@@ -53,13 +53,14 @@ def draft_kwargs(args, draft, model, tokenizer):
 
     from ..errors import FlashError
 
+    from ..draft import speculative_cache
+
     draft.check(tokenizer)
-    cache = make_prompt_cache(model)
-    if not can_trim_prompt_cache(cache):
+    if not can_trim_prompt_cache(make_prompt_cache(model)):
         raise FlashError("--draft-model: speculative decoding rewinds the KV cache after a rejected token, and this "
                          "KV cache cannot be (--kv-cache flash): use --kv-cache dram")
     return {"draft_model": draft.model, "num_draft_tokens": args.num_draft_tokens,
-            "prompt_cache": cache + draft.cache()}
+            "prompt_cache": speculative_cache(model, draft)}
 
 
 def add_sampling_args(p):

@@ -128,6 +128,15 @@ class Runtime:
             summary.update(store.stats.summary())
         return {"tokens": rows, "summary": summary}
 
+    def rewind(self, n):
+        """Speculative decoding: the last n positions of the last pass were rejected (their keys
+        and values are trimmed). A store with a window forgets the neurons only they needed, so
+        the window keeps the accepted prefix's (FlashStore.rewind); other stores keep nothing
+        per position."""
+        rewind = getattr(self.store, "rewind", None)
+        if n > 0 and rewind is not None:
+            rewind(n)
+
     def wrap_store(self, make):
         """Put `make(store)` (anything with rows(layer, x)) between the FFNs and the store: a
         probe that records what the rows compute, as calibration and the quality table do.

@@ -34,6 +34,8 @@ class FlashStore(NeuronFileStore):
         self.window = plan.window
         self.history = [deque() for _ in self.files]  # active ids of the last tokens
         self.counts = [np.zeros(self.layout.n_neurons, dtype=np.int32) for _ in self.files]
+        # beside each history entry: a pass of several positions keeps each one's neurons (rewind)
+        self.masks = [deque() for _ in self.files]
 
     def _overlapped(self, layer, cache, keep, new_rows, overflow, over_rows, mask, shape):
         """[the cached rows' part, a callable giving the rest].
@@ -74,6 +76,28 @@ class FlashStore(NeuronFileStore):
         more.overwrites = not self.staged  # the host path rewrites the scratch rows the last part read
         return more
 
+    def rewind(self, n):
+        """The last n positions fed were rejected (speculative decoding): the window forgets
+        them, so it keeps the accepted prefix's neurons. A pass of several positions is one
+        entry of the window (or several, when it ran in halves); an entry losing some of its
+        positions keeps the neurons of the rest. The rows stay cached until a later pass
+        reuses them (they are out of the window)."""
+        for layer, (hist, masks, counts) in enumerate(zip(self.history, self.masks, self.counts)):
+            left = n
+            while left > 0 and hist:
+                mask = masks[-1]
+                size = 1 if mask is None else mask.shape[0]
+                counts[hist[-1]] -= 1
+                if left >= size:
+                    hist.pop()
+                    masks.pop()
+                    left -= size
+                    continue
+                mask = mask[: size - left]
+                kept = np.flatnonzero(mask.any(axis=0)).astype(np.int64)
+                counts[kept] += 1
+                hist[-1], masks[-1], left = kept, mask, 0
+
     def rows(self, layer, x):
         st = self._begin(layer, x)
         t1 = time.perf_counter()
@@ -87,13 +111,17 @@ class FlashStore(NeuronFileStore):
         got = (0, 0)  # (bytes, reads) of this layer; an overlapped read adds its own later
 
         cache, counts, hist = self.caches[layer], self.counts[layer], self.history[layer]
+        masks = self.masks[layer]
         hist.append(ids)
+        masks.append(mask if mask.ndim == 2 and mask.shape[0] > 1 else None)
         counts[ids] += 1
         while len(hist) > self.window:
             counts[hist.popleft()] -= 1
+            masks.popleft()
         # a full cache shrinks this layer's window (oldest tokens first)
         while len(hist) > 1 and np.count_nonzero(counts) > cache.capacity:
             counts[hist.popleft()] -= 1
+            masks.popleft()
         cached = cache.cached_ids()
         gone = cached[counts[cached] == 0]
         missing = ids[~cache.contains(ids)]

@@ -64,14 +64,17 @@ def read_messages(path):
 
 
 class Conversation:
-    def __init__(self, model, tokenizer, system_prompt=None, max_tokens=256, sampling=None, context=None):
+    def __init__(self, model, tokenizer, system_prompt=None, max_tokens=256, sampling=None, context=None,
+                 draft=None, num_draft_tokens=3):
         if getattr(tokenizer, "chat_template", None) is None:
             raise FlashError("this model has no chat template: use mlx_flash.generate for plain text")
         self.model, self.tokenizer = model, tokenizer
         self.max_tokens, self.sampling = max_tokens, dict(sampling or {})
         self.context = context or context_of(model)
         self.messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self.kept = PromptCache(model)
+        self.kept = PromptCache(model, draft)
+        if draft is not None:  # speculative decoding (draft.py)
+            self.sampling.update(draft_model=draft.model, num_draft_tokens=num_draft_tokens)
         self.last = None
 
     def reset(self):

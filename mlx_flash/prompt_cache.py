@@ -20,40 +20,57 @@ def common_prefix(a, b):
 
 
 class PromptCache:
-    def __init__(self, model):
-        self.model = model
+    """draft: a draft.Draft for speculative decoding; its KV caches then follow the model's in
+    the list (mlx_lm's layout), and each part is trimmed to the shared prefix on its own
+    (after a speculative generation the draft may hold a token less or more)."""
+
+    def __init__(self, model, draft=None):
+        self.model, self.draft = model, draft
         self.cache, self.tokens = None, []
+        self.split = len(model.layers)
         self.trimmable = can_trim_prompt_cache(make_prompt_cache(model))
 
     def reset(self):
         self.cache, self.tokens = None, []
 
+    def _fresh(self):
+        if self.draft is None:
+            return make_prompt_cache(self.model)
+        from .draft import speculative_cache
+
+        return speculative_cache(self.model, self.draft)
+
+    def _parts(self, cache):
+        return [cache[: self.split]] + ([cache[self.split:]] if self.draft is not None else [])
+
     @property
     def held(self):
-        return context_used(self.cache) if self.cache is not None else 0
+        return min(context_used(p) for p in self._parts(self.cache)) if self.cache is not None else 0
 
     def prepare(self, ids):
         """(a cache to generate with, how many of ids it already holds): feed it ids[cached:].
         At least the last token of ids is always left to feed."""
         if self.cache is not None:
-            held = context_used(self.cache)
-            keep = min(common_prefix(self.tokens[:held], ids), len(ids) - 1)
-            if keep > 0 and keep == held:
+            parts = self._parts(self.cache)
+            keep = min(common_prefix(self.tokens[: self.held], ids), len(ids) - 1)
+            if keep > 0 and all(context_used(p) == keep for p in parts):
                 return self.cache, keep
             if keep > 0 and self.trimmable:
-                trim_prompt_cache(self.cache, held - keep)
+                for p in parts:
+                    trim_prompt_cache(p, context_used(p) - keep)
                 self.tokens = self.tokens[:keep]
                 return self.cache, keep
         self.reset()
-        return make_prompt_cache(self.model), 0
+        return self._fresh(), 0
 
     def keep(self, cache, known):
         """After a generation with `cache`: known = the prompt's ids + the tokens generated
         (all of them fed to the model, the last maybe not). Keeps the cache for the next turn."""
-        held = context_used(cache)
-        if held > len(known):  # fed a token we did not keep
-            if not self.trimmable:
-                return self.reset()
-            trim_prompt_cache(cache, held - len(known))
-            held = len(known)
-        self.cache, self.tokens = cache, list(known[:held])
+        for p in self._parts(cache):
+            held = context_used(p)
+            if held > len(known):  # fed a token we did not keep
+                if not self.trimmable:
+                    return self.reset()
+                trim_prompt_cache(p, held - len(known))
+        self.cache = cache
+        self.tokens = list(known[: self.held])

@@ -131,3 +131,18 @@ def test_generate_cli_draft(six_layers, tmp_path):
     (tmp_path / "b.jsonl").write_text('"hi"\n')
     r = run("--draft-model", "self:3", "--batch-file", str(tmp_path / "b.jsonl"), "--prompt", "x")
     assert r.returncode == 2
+
+
+def test_a_conversation_with_a_draft_answers_as_without(six_layers):
+    """The chat's and the server's kept KV cache holds the draft's caches beside the model's."""
+    from mlx_flash.conversation import Conversation
+
+    model, tok = mlx_flash.load(str(six_layers), **OPTIONS["hybrid"])
+    draft = load_draft("self:3", str(six_layers))
+    plain = Conversation(model, tok, max_tokens=6, sampling={"temp": 0.0})
+    drafted = Conversation(model, tok, max_tokens=6, sampling={"temp": 0.0}, draft=draft, num_draft_tokens=2)
+    for text in ("the quick", "brown fox", "paris is"):
+        a, b = plain.ask(text), drafted.ask(text)
+        assert a.text == b.text
+    assert b.cached_tokens > 0  # the second and third turns reused both caches
+    assert drafted.kept.cache[0].offset == drafted.held or drafted.kept.cache[6].offset == drafted.held

@@ -12,7 +12,8 @@ import signal
 import sys
 
 from . import run
-from .generate import add_model_args, add_sampling_args, load_for_cli, sampling_kwargs, stats_lines
+from .generate import (add_draft_args, add_model_args, add_sampling_args, check_draft, load_draft_for_cli, load_for_cli,
+                       sampling_kwargs, stats_lines)
 
 HELP = """commands:
   /reset       start a new conversation (the system prompt stays)
@@ -29,6 +30,7 @@ def build_parser():
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--load", default=None, metavar="FILE", help="start from a saved conversation (/save)")
     add_sampling_args(p)
+    add_draft_args(p)
     p.set_defaults(max_tokens=256)
     return p
 
@@ -85,8 +87,12 @@ def main(argv=None):
         if args.seed is not None:
             mx.random.seed(args.seed)
         saved = read_messages(args.load) if args.load else None  # its errors before the model loads
+        draft = load_draft_for_cli(args)
         model, tokenizer = load_for_cli(args)
-        conv = Conversation(model, tokenizer, args.system_prompt, args.max_tokens, sampling_kwargs(args))
+        if draft is not None:
+            check_draft(draft, model, tokenizer)
+        conv = Conversation(model, tokenizer, args.system_prompt, args.max_tokens, sampling_kwargs(args),
+                            draft=draft, num_draft_tokens=args.num_draft_tokens)
         if saved is not None:
             conv.messages = saved
             say(f"[loaded {len(saved)} messages from {args.load}]")

@@ -45,20 +45,25 @@ def load_draft_for_cli(args, ctx_size=None):
     return draft
 
 
-def draft_kwargs(args, draft, model, tokenizer):
-    """stream_generate's keywords for speculative decoding (none without a draft)."""
-    if draft is None:
-        return {}
+def check_draft(draft, model, tokenizer):
+    """The draft shares the model's tokens, and the model's KV cache can be rewound."""
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
     from ..errors import FlashError
-
-    from ..draft import speculative_cache
 
     draft.check(tokenizer)
     if not can_trim_prompt_cache(make_prompt_cache(model)):
         raise FlashError("--draft-model: speculative decoding rewinds the KV cache after a rejected token, and this "
                          "KV cache cannot be (--kv-cache flash): use --kv-cache dram")
+
+
+def draft_kwargs(args, draft, model, tokenizer):
+    """stream_generate's keywords for speculative decoding (none without a draft)."""
+    if draft is None:
+        return {}
+    from ..draft import speculative_cache
+
+    check_draft(draft, model, tokenizer)
     return {"draft_model": draft.model, "num_draft_tokens": args.num_draft_tokens,
             "prompt_cache": speculative_cache(model, draft)}
 

@@ -13,13 +13,14 @@ import sys
 import time
 
 from . import default_model, run
-from .generate import add_model_args, load_for_cli
+from .generate import add_draft_args, add_model_args, check_draft, load_draft_for_cli, load_for_cli
 
 
 def build_parser():
     p = argparse.ArgumentParser(prog="mlx_flash.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
+    add_draft_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="0: any free port (the line at start says which)")
     p.add_argument("--allow-remote", action="store_true",
@@ -66,7 +67,10 @@ def main(argv=None):
 
         if args.seed is not None:
             mx.random.seed(args.seed)
+        draft = load_draft_for_cli(args)
         model, tokenizer = load_for_cli(args)
+        if draft is not None:
+            check_draft(draft, model, tokenizer)
         memory = model.runtime.memory
         max_prompt = args.max_prompt_tokens or (memory.context if memory is not None else 4096)
         if memory is not None and max_prompt > memory.context:
@@ -75,7 +79,7 @@ def main(argv=None):
         limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=max_prompt,
                         max_tokens=args.max_tokens_limit, default_max_tokens=args.max_tokens,
                         queue_size=args.queue_size)
-        engine = Engine(model, tokenizer, limits, log=log)
+        engine = Engine(model, tokenizer, limits, log=log, draft=draft, num_draft_tokens=args.num_draft_tokens)
         from pathlib import Path
 
         given = args.model or default_model()

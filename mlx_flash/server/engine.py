@@ -104,15 +104,16 @@ class ContinuationText:
 class Engine:
     """Loads nothing itself: give it a loaded model and tokenizer (mlx_flash.load)."""
 
-    def __init__(self, model, tokenizer, limits, log=None):
+    def __init__(self, model, tokenizer, limits, log=None, draft=None, num_draft_tokens=3):
         from ..prompt_cache import PromptCache
 
+        self.draft = {} if draft is None else {"draft_model": draft.model, "num_draft_tokens": num_draft_tokens}
         self.model, self.tokenizer, self.limits = model, tokenizer, limits
         self.log = log or (lambda msg: None)
         self.jobs = queue.Queue()
         self.waiting = 0  # jobs queued, not yet started
         self.lock = threading.Lock()
-        self.kept = PromptCache(model)
+        self.kept = PromptCache(model, draft)
         if not self.kept.trimmable:
             self.log("prompt caching: this KV cache kind cannot be trimmed; a request reuses the kept cache "
                      "only when the cache holds a prefix of its prompt exactly")
@@ -224,7 +225,7 @@ class Engine:
         if req.seed is not None:
             mx.random.seed(req.seed % (1 << 64))
         gen = stream_generate(self.model, self.tokenizer, ids[cached:], max_tokens=req.max_tokens,
-                              prompt_cache=cache, sampler=sampler, logits_processors=processors)
+                              prompt_cache=cache, sampler=sampler, logits_processors=processors, **self.draft)
         stops, out, finish = StopText(req.stop), [], "length"
         eos = set(self.tokenizer.eos_token_ids)
         cont = ContinuationText(self.tokenizer) if req.kind == TEXT else None

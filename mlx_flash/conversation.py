@@ -73,8 +73,10 @@ class Conversation:
         self.context = context or context_of(model)
         self.messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.kept = PromptCache(model, draft)
+        self.ahead = 0  # tokens a draft proposes beyond the answer (the KV cache holds them a while)
         if draft is not None:  # speculative decoding (draft.py)
             self.sampling.update(draft_model=draft.model, num_draft_tokens=num_draft_tokens)
+            self.ahead = num_draft_tokens
         self.last = None
 
     def reset(self):
@@ -106,11 +108,12 @@ class Conversation:
         """(the rendered prompt, exchanges dropped) within the context."""
         dropped = 0
         ids = self._ids(messages)
-        while len(ids) + self.max_tokens > self.context:
+        while len(ids) + self.max_tokens + self.ahead > self.context:
             first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
             if first is None or first >= len(messages) - 1:  # only the new message is left
                 raise FlashError(f"this message ({len(ids)} tokens with the template) + --max-tokens "
-                                 f"({self.max_tokens}) exceed the context of {self.context} tokens")
+                                 f"({self.max_tokens}){f' + the drafted tokens ({self.ahead})' if self.ahead else ''} "
+                                 f"exceed the context of {self.context} tokens")
             end = first + 1
             while end < len(messages) - 1 and messages[end]["role"] != "user":
                 end += 1  # the exchange: a user message and the answers after it

@@ -7,6 +7,10 @@ dense, only the layers SPEC names kept. SPEC is ranges of layer indices ("0-19,2
 a count N: the first N-4 layers and the last 4 (a model's last layers matter most to its
 output). Load the draft before the target: under --memory-limit, the draft's weights are
 then part of the resident set the plan measures and takes off the limit.
+
+A self-draft is loaded dense and then cut to its layers, so while it loads it holds the
+whole model at its stored bits (its peak, not its size); loading only the kept layers is
+left to do.
 """
 
 import re

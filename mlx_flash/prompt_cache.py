@@ -6,7 +6,7 @@ Where the cache holds more than the shared prefix, it is trimmed to it when its 
 be trimmed (mlx_lm's KVCache can; not every kind can), else a fresh cache is made.
 """
 
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .generate import context_used
 
@@ -17,6 +17,12 @@ def common_prefix(a, b):
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _trim(cache, n):
+    """Trim n positions off every layer's cache; False when a cache trimmed fewer (a rotating
+    cache that has wrapped around cannot go back)."""
+    return all(c.trim(n) == n for c in cache) if n > 0 else True
 
 
 class PromptCache:
@@ -55,9 +61,7 @@ class PromptCache:
             keep = min(common_prefix(self.tokens[: self.held], ids), len(ids) - 1)
             if keep > 0 and all(context_used(p) == keep for p in parts):
                 return self.cache, keep
-            if keep > 0 and self.trimmable:
-                for p in parts:
-                    trim_prompt_cache(p, context_used(p) - keep)
+            if keep > 0 and self.trimmable and all(_trim(p, context_used(p) - keep) for p in parts):
                 self.tokens = self.tokens[:keep]
                 return self.cache, keep
         self.reset()
@@ -68,9 +72,7 @@ class PromptCache:
         (all of them fed to the model, the last maybe not). Keeps the cache for the next turn."""
         for p in self._parts(cache):
             held = context_used(p)
-            if held > len(known):  # fed a token we did not keep
-                if not self.trimmable:
-                    return self.reset()
-                trim_prompt_cache(p, held - len(known))
+            if held > len(known) and not (self.trimmable and _trim(p, held - len(known))):  # fed a token not kept
+                return self.reset()
         self.cache = cache
         self.tokens = list(known[: self.held])

@@ -89,7 +89,7 @@ def test_a_rejection_leaves_the_window_the_accepted_positions_neurons(six_layers
     model, tok = mlx_flash.load(str(six_layers), **opts)
     store = model.runtime.store
     model(mx.array([tok.encode("the quick brown fox")[:3]]))  # a pass of 3 positions, say a verify pass
-    masks = [m[-1] for m in store.masks]
+    masks = [m[-1][1] for m in store.masks]
     assert all(m is not None and m.shape[0] == 3 for m in masks)
     counts = [c.copy() for c in store.counts]
     model.runtime.rewind(2)  # its last two positions were rejected

@@ -58,6 +58,11 @@ def test_parse_chat_fields():
     ({"prompt": "x", "echo": True}, TEXT, "'echo' is not supported"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, TEXT, "not a token id"),
     ([1, 2], TEXT, "JSON object"),
+    (chat(n=True), CHAT, "one choice per request"),
+    (chat(max_tokens=5, max_completion_tokens=5), CHAT, "give one"),
+    (chat(max_tokens=10 ** 400), CHAT, "at most 256"),
+    (chat(temperature=10 ** 400), CHAT, "'temperature' must be at least 0 and at most 2"),
+    ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, CHAT, "unsupported field(s) name"),
 ])
 def test_parse_refuses(body, kind, needle):
     with pytest.raises(RequestError) as e:
@@ -192,6 +197,39 @@ def test_refusals_are_4xx_json(server):
     assert raw(server, "/health")[1]["status"] == "ok"
     models = raw(server, "/v1/models")[1]
     assert models["data"][0]["id"] == "smollm2-135m-instruct"
+
+
+def test_http_framing_and_abandoned_requests(server):
+    import http.client
+    import socket
+
+    host, port = server.url.split("//")[1].split("/")[0].split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    c.request("POST", "/v1/nowhere", body=json.dumps({"x": 1}), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 404 and "no route" in json.loads(r.read())["error"]["message"]
+    c.request("GET", "/health")  # the same connection: the unknown route's body was read
+    assert c.getresponse().status == 200
+    c.close()
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    head = s.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 400") and "Connection: close" in head and "bad Content-Length" in head
+    s.close()
+    status, body = raw(server, "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}})
+    assert status == 400 and "outside the vocabulary" in body["error"]["message"]
+    # a client that sends a long request and goes away before the answer: the server stops it
+    before = server.health()["cancelled"]
+    s = socket.create_connection((host, int(port)), timeout=60)
+    b = json.dumps({"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b)
+    time.sleep(1.0)
+    s.close()
+    deadline = time.time() + 30
+    while server.health()["cancelled"] == before and time.time() < deadline:
+        time.sleep(0.2)
+    assert server.health()["cancelled"] == before + 1
 
 
 def test_concurrent_clients_with_cancellations(server):

@@ -57,10 +57,14 @@ class ServerProcess:
         return self.proc.pid
 
     def rss_mb(self):
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        """The server's resident set (Linux: /proc; elsewhere ps)."""
+        status = Path(f"/proc/{self.pid}/status")
+        if status.exists():
+            for line in status.read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        out = subprocess.run(["ps", "-o", "rss=", "-p", str(self.pid)], capture_output=True, text=True).stdout
+        return int(out.strip()) / 1024 if out.strip() else float("nan")
 
     def health(self):
         with urllib.request.urlopen(self.url[:-3] + "/health", timeout=10) as r:

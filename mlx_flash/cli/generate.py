@@ -21,7 +21,8 @@ def add_draft_args(p):
     p.add_argument("--draft-model", default=None,
                    help="speculative decoding: a draft model in DRAM proposes tokens, the model verifies them in one "
                    "pass; another model of the same tokenizer, or self:N / self:0-19,26-29 for a layer-skipping "
-                   "draft of the model itself")
+                   "draft of the model itself (loaded dense, then cut: while it loads it holds the whole model "
+                   "at its stored bits)")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens the draft proposes a pass (default 3)")
 
 

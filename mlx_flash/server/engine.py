@@ -48,6 +48,8 @@ class Job:
         self.request = request
         self.events = queue.Queue()
         self.cancel = threading.Event()
+        self.finished = False  # its Done or Failed was taken (by the HTTP handler)
+        self.started = False  # its Start was sent: an error after it is not the request's fault
         self.queued_at = time.perf_counter()
 
 
@@ -100,6 +102,12 @@ class ContinuationText:
         out, self.sent = text[self.sent:], len(text)
         return out
 
+    def rest(self):
+        """At the end: what was held back (an incomplete character is sent as it decodes)."""
+        text = self.decode(self.ids, clean_up_tokenization_spaces=False)
+        out, self.sent = text[self.sent:], len(text)
+        return out
+
 
 class Engine:
     """Loads nothing itself: give it a loaded model and tokenizer (mlx_flash.load)."""
@@ -120,6 +128,8 @@ class Engine:
         self.served = 0  # requests finished (answered, refused or cancelled)
         self.cancelled = 0  # of them, stopped because their client went away
         self.thread = None
+        self.current = None  # the job being served
+        self.ahead = num_draft_tokens if draft is not None else 0  # drafted tokens the KV cache holds for a while
 
     # -- the queue ------------------------------------------------------------------------------
     def submit(self, request):
@@ -139,6 +149,10 @@ class Engine:
         self.thread.start()
 
     def stop(self):
+        """End the worker: the request being served stops at its next token."""
+        job = self.current
+        if job is not None:
+            job.cancel.set()
         self.jobs.put(None)
         if self.thread is not None:
             self.thread.join(timeout=30)
@@ -154,18 +168,20 @@ class Engine:
                 self.served, self.cancelled = self.served + 1, self.cancelled + 1
                 job.events.put(Done("cancelled", 0, 0, 0.0))
                 continue
+            self.current = job
             try:
                 self.serve(job)
             except RequestError as e:  # (raised before the kept cache is touched)
                 job.events.put(Failed(e))
-            except FlashError as e:
+            except FlashError as e:  # before the first token: the request's (its context); after: the server's
                 self.kept.reset()
-                job.events.put(Failed(RequestError(str(e))))
+                job.events.put(Failed(RequestError(str(e), status=500 if job.started else 400)))
             except Exception as e:  # a bug: answer 500, keep serving
                 self.kept.reset()
                 self.log(f"error: {type(e).__name__}: {e}")
                 job.events.put(Failed(RequestError(f"internal error: {type(e).__name__}: {e}", status=500)))
             finally:
+                self.current = None
                 self.served += 1
                 if self.jobs.empty():
                     import mlx.core as mx
@@ -178,7 +194,10 @@ class Engine:
         if req.kind == CHAT:
             if getattr(tok, "chat_template", None) is None:
                 raise RequestError("this model has no chat template: use /v1/completions")
-            ids = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            try:
+                ids = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            except Exception as e:  # the template's own checks (roles that must alternate, ...)
+                raise RequestError(f"the model's chat template refused the messages: {e}", param="messages") from None
         elif isinstance(req.prompt, str):
             ids = tok.encode(req.prompt)
         else:
@@ -191,6 +210,18 @@ class Engine:
             raise RequestError(f"the prompt has {len(ids)} tokens; this server takes at most "
                                f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)", param="prompt",
                                code="context_length_exceeded")
+        memory = getattr(getattr(self.model, "runtime", None), "memory", None)
+        if memory is not None and len(ids) + req.max_tokens + self.ahead > memory.context:
+            raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens})"
+                               f"{f' + the drafted tokens ({self.ahead})' if self.ahead else ''} exceed the "
+                               f"{memory.context} tokens of context this server holds a KV cache for (--ctx-size)",
+                               param="max_tokens", code="context_length_exceeded")
+        if req.logit_bias:
+            vocab = len(tok.vocab)
+            bad = [t for t in req.logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"'logit_bias': token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                                   param="logit_bias")
         return list(ids)
 
     def _sampling(self, req):
@@ -229,8 +260,17 @@ class Engine:
         stops, out, finish = StopText(req.stop), [], "length"
         eos = set(self.tokenizer.eos_token_ids)
         cont = ContinuationText(self.tokenizer) if req.kind == TEXT else None
+        def end(tail):
+            """The last text: the held-back part unless it completes a stop string."""
+            text, stopped = stops.add(tail)
+            text += "" if stopped else stops.rest()
+            if text:
+                job.events.put(Piece(text))
+            return "stop" if stopped else None
+
         try:
             resp = next(gen, None)  # the prompt is processed here; a FlashError (context) raises here
+            job.started = True
             job.events.put(Start(len(ids), cached))
             while resp is not None:
                 if job.cancel.is_set():
@@ -238,11 +278,9 @@ class Engine:
                     self.cancelled += 1
                     break
                 out.append(resp.token)  # (fed to the model: what the kept cache holds)
-                if resp.finish_reason == "stop" and resp.token in eos:
+                if resp.finish_reason == "stop" and resp.token in eos:  # its text: the detokenizer's last bytes
+                    end(resp.text if cont is None else cont.rest())
                     finish = "stop"
-                    text = stops.add(resp.text)[0] + stops.rest()  # the detokenizer's last bytes
-                    if text:
-                        job.events.put(Piece(text))
                     break
                 text, stopped = stops.add(resp.text if cont is None else cont.add(resp.token))
                 lp = [self._logprobs(req, resp.token, resp.logprobs)] if req.logprobs else []
@@ -252,10 +290,7 @@ class Engine:
                     finish = "stop"
                     break
                 if resp.finish_reason is not None:
-                    finish = resp.finish_reason
-                    rest = stops.rest()
-                    if rest:
-                        job.events.put(Piece(rest))
+                    finish = end("" if cont is None else cont.rest()) or resp.finish_reason
                     break
                 resp = next(gen, None)
         finally:

@@ -8,6 +8,8 @@ A client that goes away mid-stream cancels its request at the next token.
 
 import ipaddress
 import json
+import queue
+import select
 import socket
 import time
 import uuid
@@ -69,9 +71,14 @@ def _usage(done, cached):
     return u
 
 
+class ClientGone(Exception):
+    """The client closed its connection while its request waited or ran."""
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "mlx_flash"
+    timeout = 300  # a socket read or write that blocks this long ends the connection
 
     def log_message(self, fmt, *args):  # the server logs its own lines
         pass
@@ -82,21 +89,54 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
+
+    def _gone(self):
+        """True when the client has closed its side (a pending next request is not that)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _next(self, job):
+        """The job's next event; raises ClientGone (and cancels the job) if the client left
+        while waiting for it."""
+        while True:
+            now = time.monotonic()
+            if now - getattr(self, "_checked", 0.0) > 0.25:  # (between events too: a long answer's)
+                self._checked = now
+                if self._gone():
+                    raise ClientGone()
+            try:
+                ev = job.events.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if isinstance(ev, (Done, Failed)):
+                job.finished = True
+            return ev
 
     def _error(self, e):
         self.server.log(f"{self.command} {self.path} {e.status}: {e}")
         self._json(e.status, e.body())
 
     def _chunk(self, data):
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        if self.request_version == "HTTP/1.0":  # no chunked transfer: the body ends when the connection does
+            if data:
+                self.wfile.write(data)
+        else:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
 
     def _event(self, body):
         self._chunk(b"data: " + (body if isinstance(body, bytes) else json.dumps(body).encode()) + b"\n\n")
 
-    def _body(self):
+    def _raw_body(self):
+        """The body's bytes; a RequestError (the connection then closes: what is left of the
+        body is not read) when it has no length, a bad one, or one over --max-body-bytes."""
         length = self.headers.get("Content-Length")
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked" or length is None:
             self.close_connection = True
@@ -104,18 +144,23 @@ class Handler(BaseHTTPRequestHandler):
         try:
             n = int(length)
         except ValueError:
+            n = -1
+        if n < 0:
             self.close_connection = True
-            raise RequestError(f"bad Content-Length {length!r}") from None
+            raise RequestError(f"bad Content-Length {length!r}")
         limit = self.server.engine.limits.max_body_bytes
         if n > limit:
-            self.close_connection = True  # (the body is not read)
+            self.close_connection = True
             raise RequestError(f"the body is {n} bytes; this server takes at most {limit} (--max-body-bytes)",
                                status=413)
-        raw = self.rfile.read(n)
+        return self.rfile.read(n)
+
+    def _body(self):
+        raw = self._raw_body()
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the body is not JSON: {e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (JSONDecodeError is a ValueError)
+            raise RequestError(f"the body is not JSON: {str(e)[:200]}") from None
 
     # -- routes -----------------------------------------------------------------------------
     def do_GET(self):
@@ -135,6 +180,7 @@ class Handler(BaseHTTPRequestHandler):
         kind = ROUTES.get(path)
         try:
             if kind is None:
+                self._raw_body()  # read (and drop) it: the connection stays usable
                 raise RequestError(f"no route POST {path} (POST /v1/chat/completions, /v1/completions)", status=404)
             req = parse_request(self._body(), kind, self.server.engine.limits)
             if req.model is not None and req.model not in self.server.model_names():
@@ -144,7 +190,7 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as e:
             return self._error(e)
         try:
-            first = job.events.get()
+            first = self._next(job)
             if isinstance(first, Failed):
                 return self._error(first.error)
             assert isinstance(first, Start), first
@@ -152,10 +198,11 @@ class Handler(BaseHTTPRequestHandler):
                 self._stream(req, job, first)
             else:
                 self._whole(req, job, first)
-        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+        except (ClientGone, OSError):  # (BrokenPipeError, ConnectionResetError, a socket timeout: OSErrors)
             job.cancel.set()
             self.close_connection = True
-            self._drain(job)
+            if not job.finished:
+                self._drain(job)
             self.server.log(f"POST {path}: the client went away; request cancelled")
 
     @staticmethod
@@ -170,7 +217,7 @@ class Handler(BaseHTTPRequestHandler):
     def _whole(self, req, job, start):
         text, tokens = [], []
         while True:
-            ev = job.events.get()
+            ev = self._next(job)
             if isinstance(ev, Failed):  # (after the prompt: e.g. an internal error)
                 return self._error(ev.error)
             if isinstance(ev, Done):
@@ -195,7 +242,11 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
+        if self.request_version == "HTTP/1.0":
+            self.close_connection = True
+            self.send_header("Connection", "close")
+        else:
+            self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         head = self._head(req)
         chat = req.kind == CHAT
@@ -215,7 +266,7 @@ class Handler(BaseHTTPRequestHandler):
             self._event(chunk({"role": "assistant", "content": ""}))
         offset = 0
         while True:
-            ev = job.events.get()
+            ev = self._next(job)
             if isinstance(ev, Failed):
                 self._event({"error": ev.error.body()["error"]})
                 break

@@ -69,11 +69,12 @@ def _number(body, name, lo, hi, default, integer=False, lo_open=False):
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
-        raise RequestError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}", param=name)
-    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and isinstance(v, float) and not v.is_integer()):
+        raise RequestError(f"'{name}' must be {kind}, got {str(v)[:40]}", param=name)
+    if (isinstance(v, float) and not math.isfinite(v)) or v < lo or v > hi or (lo_open and v == lo):
         lo_s = f"{'above' if lo_open else 'at least'} {lo}"
-        raise RequestError(f"'{name}' must be {lo_s} and at most {hi}, got {v!r}", param=name)
+        raise RequestError(f"'{name}' must be {lo_s} and at most {hi}, got {str(v)[:40]}", param=name)
     return int(v) if integer else float(v)
 
 
@@ -117,7 +118,7 @@ def _messages(body):
         if role not in ROLES:
             raise RequestError(f"messages[{i}].role {role!r}: this server takes {', '.join(ROLES)} "
                                "(no tools)", param="messages")
-        extra = set(m) - {"role", "content", "name"}
+        extra = set(m) - {"role", "content"}  # (a participant's "name": the templates have no place for it)
         if extra:
             raise RequestError(f"messages[{i}]: unsupported field(s) {', '.join(sorted(extra))}",
                                param="messages")
@@ -152,7 +153,7 @@ def _stop(body):
 
 def _neutral(body, name, neutral, hint):
     v = body.get(name)
-    if v is not None and v != neutral:
+    if v is not None and (isinstance(v, bool) or v != neutral):
         raise RequestError(f"'{name}' {v!r} is not supported by this server{hint}", param=name)
 
 
@@ -193,6 +194,8 @@ def parse_request(body, kind, limits):
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise RequestError("'response_format': only {\"type\": \"text\"} is supported", param="response_format")
+    if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
+        raise RequestError("'max_tokens' and 'max_completion_tokens': give one", param="max_tokens")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     req = CompletionRequest(
         kind=kind, model=model,

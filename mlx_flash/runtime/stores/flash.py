@@ -23,6 +23,9 @@ import mlx.core as mx
 from .base import NeuronFileStore, TooManyNeurons
 
 
+REWIND_POSITIONS = 16  # passes up to this many positions keep each one's neurons (speculative verify passes)
+
+
 class FlashStore(NeuronFileStore):
     FIT_ERROR = "{n} neurons in layer {layer}, more than the {limit} rows the memory budget leaves it"
 
@@ -34,7 +37,8 @@ class FlashStore(NeuronFileStore):
         self.window = plan.window
         self.history = [deque() for _ in self.files]  # active ids of the last tokens
         self.counts = [np.zeros(self.layout.n_neurons, dtype=np.int32) for _ in self.files]
-        # beside each history entry: a pass of several positions keeps each one's neurons (rewind)
+        # beside each history entry, (its positions, each one's neurons or None): what rewind needs.
+        # The masks of passes up to REWIND_POSITIONS positions only (a verify pass; not a prompt chunk's)
         self.masks = [deque() for _ in self.files]
 
     def _overlapped(self, layer, cache, keep, new_rows, overflow, over_rows, mask, shape):
@@ -85,10 +89,9 @@ class FlashStore(NeuronFileStore):
         for layer, (hist, masks, counts) in enumerate(zip(self.history, self.masks, self.counts)):
             left = n
             while left > 0 and hist:
-                mask = masks[-1]
-                size = 1 if mask is None else mask.shape[0]
+                size, mask = masks[-1]
                 counts[hist[-1]] -= 1
-                if left >= size:
+                if left >= size or mask is None:  # (a long pass's masks were not kept: all of it goes)
                     hist.pop()
                     masks.pop()
                     left -= size
@@ -96,7 +99,7 @@ class FlashStore(NeuronFileStore):
                 mask = mask[: size - left]
                 kept = np.flatnonzero(mask.any(axis=0)).astype(np.int64)
                 counts[kept] += 1
-                hist[-1], masks[-1], left = kept, mask, 0
+                hist[-1], masks[-1], left = kept, (size - left, mask), 0
 
     def rows(self, layer, x):
         st = self._begin(layer, x)
@@ -113,7 +116,8 @@ class FlashStore(NeuronFileStore):
         cache, counts, hist = self.caches[layer], self.counts[layer], self.history[layer]
         masks = self.masks[layer]
         hist.append(ids)
-        masks.append(mask if mask.ndim == 2 and mask.shape[0] > 1 else None)
+        positions = mask.shape[0] if mask.ndim == 2 else 1
+        masks.append((positions, mask if 1 < positions <= REWIND_POSITIONS else None))
         counts[ids] += 1
         while len(hist) > self.window:
             counts[hist.popleft()] -= 1

@@ -213,7 +213,10 @@ def test_http_framing_and_abandoned_requests(server):
     c.close()
     s = socket.create_connection((host, int(port)), timeout=60)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
-    head = s.recv(4096).decode()
+    head = b""
+    while chunk := s.recv(4096):  # (the server closes the connection after it)
+        head += chunk
+    head = head.decode()
     assert head.startswith("HTTP/1.1 400") and "Connection: close" in head and "bad Content-Length" in head
     s.close()
     status, body = raw(server, "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}})

@@ -43,6 +43,23 @@ BYTES = np.array([2 / 3, 1 / 3])  # share of the FFN's bytes: gate+up columns, d
 STEP = 0.05
 
 
+def simulation(model_path, eval_tokens):
+    """The research scripts' set-up: the model dense with float32 rows, each layer's rows
+    ({layer: FFNRows}), and ppl() -> WikiText-2 test perplexity of the first eval_tokens
+    (context 512) through whatever store the caller wraps in; prints the dense figure.
+    -> (model, tokenizer, weights, ppl, dense perplexity)."""
+    model, tok = mlx_flash.load(model_path, mode="dense", resident_dtype="float32", ffn_rows="float32")
+    _, _, weights = record(model, [list(range(1, 258))], progress=False)
+    text = load_text("wikitext")[0]
+
+    def ppl():
+        return evaluate_perplexity(model, tok, text, context=512, limit=eval_tokens)["metrics"]["perplexity"]
+
+    dense = ppl()
+    print(f"dense: WikiText-2 ppl {dense:.3f} ({eval_tokens} tokens)", flush=True)
+    return model, tok, weights, ppl, dense
+
+
 def low_rank(weights, rank):
     """Per layer {kind: (A [n, R], B [R, d])}: gate's and up's rank-R SVD, or None."""
     if not rank:

@@ -19,10 +19,8 @@ import mlx_flash  # first: it chooses MLX's BLAS before MLX is imported
 
 import mlx.core as mx
 
-from mlx_flash.eval.harness import evaluate_perplexity
-from mlx_flash.eval.tasks import load_text
 from mlx_flash.models.ffn import FFNRows, layer_ffn
-from mlx_flash.sparsity.allocation import record
+from sparsity_allocation import simulation  # this folder's; run as a script
 
 # (bits or None for the oracle, group size, neuron share)
 ROWS = [(None, 0, 0.5), (None, 0, 0.4), (2, 64, 0.5), (2, 32, 0.5), (3, 64, 0.5), (4, 64, 0.5),
@@ -64,15 +62,7 @@ def main(argv=None):
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--eval-tokens", type=int, default=2048)
     a = p.parse_args(argv)
-    model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32", ffn_rows="float32")
-    _, _, weights = record(model, [list(range(1, 258))], progress=False)  # each layer's float rows
-    text = load_text("wikitext")[0]
-
-    def ppl():
-        return evaluate_perplexity(model, tok, text, context=512, limit=a.eval_tokens)["metrics"]["perplexity"]
-
-    dense = ppl()
-    print(f"dense: WikiText-2 ppl {dense:.3f} ({a.eval_tokens} tokens)", flush=True)
+    model, tok, weights, ppl, dense = simulation(a.model, a.eval_tokens)
     store = LowBitChoice(weights, layer_ffn(model.layers[0])._act)
     model.runtime.wrap_store(lambda _: store)
     r0 = weights[0]

@@ -27,12 +27,10 @@ import mlx_flash  # first: it chooses MLX's BLAS before MLX is imported
 import mlx.core as mx
 import numpy as np
 
-from mlx_flash.eval.harness import evaluate_perplexity
-from mlx_flash.eval.tasks import load_text
 from mlx_flash.models.ffn import FFNRows, layer_ffn
 from mlx_flash.sparsity.allocation import record
 from mlx_flash.sparsity.calibrate import calibration_texts
-from sparsity_allocation import gate_up, low_rank  # this folder's; run as a script
+from sparsity_allocation import gate_up, low_rank, simulation  # this folder's; run as a script
 
 
 def top_k(scores, k):
@@ -109,15 +107,7 @@ def main(argv=None):
     p.add_argument("--rotate", action="store_true", help="LaRoSA-like rotated input side, with and without")
     p.add_argument("--calib-tokens", type=int, default=2048, help="C4 tokens for the rotations")
     a = p.parse_args(argv)
-    model, tok = mlx_flash.load(a.model, mode="dense", resident_dtype="float32", ffn_rows="float32")
-    _, _, weights = record(model, [list(range(1, 258))], progress=False)  # each layer's float rows
-    text = load_text("wikitext")[0]
-
-    def ppl():
-        return evaluate_perplexity(model, tok, text, context=512, limit=a.eval_tokens)["metrics"]["perplexity"]
-
-    dense = ppl()
-    print(f"dense: WikiText-2 ppl {dense:.3f} ({a.eval_tokens} tokens)", flush=True)
+    model, tok, weights, ppl, dense = simulation(a.model, a.eval_tokens)
     sides = Sides(weights, layer_ffn(model.layers[0])._act, a.low_rank)
     if a.low_rank:
         r0 = weights[0]

@@ -274,8 +274,8 @@ def test_gguf_with_mixed_block_types_is_widened_exactly(tmp_path):
     dense, _ = mlx_flash.load(out)
     packed, _ = mlx_flash.load(out, mode="naive")  # at their bits: the kernels' summation order
     assert mx.abs(packed(mx.array([[1, 2, 3, 4]])) - dense(mx.array([[1, 2, 3, 4]]))).max().item() < 1e-4
-    x = mx.array([[1, 2, 3, 4]])
-    assert mx.abs(model(x) - dense(x)).max().item() < 1e-5
+    x = mx.array([[1, 2, 3, 4]])  # (4 positions: the resident weights' kernels take them one by one)
+    assert mx.abs(model(x) - dense(x)).max().item() < 1e-4
 
 
 def test_gguf_types_with_no_exact_form_are_requantized_and_say_so(tmp_path, monkeypatch, capfd):

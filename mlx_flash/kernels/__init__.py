@@ -38,6 +38,12 @@ def default_threads():
     return max(1, min(16, cpus or 1))
 
 
+SMALL_PASS = 4  # passes of up to this many positions (a speculative verify pass, a batch's decode step)
+# run the one-position kernels position by position, resident weights and FFN rows alike:
+# dequantizing a whole matrix for BLAS (the output head's 28 M values for SmolLM2) costs more than
+# that many matrix-vector products, and each position's values are then a one-position pass's
+
+
 def host_f32(x):
     """An MLX array's values as a C-contiguous float32 NumPy vector (a view of its memory when
     it is one already: a decode step's input, evaluated here)."""

@@ -15,6 +15,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels as _kernels
 from ..errors import FlashError
 
 
@@ -124,7 +125,12 @@ class FlashFFN(nn.Module):
         # chunks of their rows taken in order across the parts, as one part's would be:
         # either way hybrid's output is dense's to the bit.
         y, acc, packed = None, None, []
-        one = x.size == x.shape[-1]
+        positions = x.size // x.shape[-1]
+        one = positions == 1
+        # a pass of a few positions (a speculative verify pass): each position through the
+        # one-token kernels, into a host sum of its own (the values of a one-position pass)
+        few = [x.reshape(positions, -1)[i] for i in range(positions)] if 1 < positions <= _kernels.SMALL_PASS else None
+        sums = [None] * positions
         parts = list(parts)
         while parts:
             rows = parts.pop(0)
@@ -143,14 +149,19 @@ class FlashFFN(nn.Module):
                 y = rows.h @ rows.down if y is None else y + rows.h @ rows.down
                 continue
             if rows.select is not None or rows.packed is not None:
+                one_token = self._selected if rows.packed is None else self._packed
                 if one:
-                    acc = self._selected(x, rows, acc) if rows.packed is None else self._packed(x, rows, acc)
+                    acc = one_token(x, rows, acc)
+                elif few is not None and rows.mask is None:
+                    sums = [one_token(xi, rows, si) for xi, si in zip(few, sums)]
                 else:
                     packed.append(rows)
                 continue
             y = self._dense_part(x, rows, y)
         if packed:
             y = self._add(y, self._packed_chunks(x, packed))
+        if few is not None and sums[0] is not None:
+            acc = np.stack(sums)
         if acc is not None or y is None:
             s = mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype) if acc is None else \
                 mx.array(acc).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)

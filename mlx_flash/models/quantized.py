@@ -13,8 +13,10 @@ and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 """
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
+from .. import kernels as _kernels
 from ..kernels import QuantMatrix, host_f32
 from .half import ARENA_VALUES, Arena, chunked_matmul
 
@@ -64,12 +66,17 @@ class _NativeQuantized(nn.Module):
 
 
 def native_product(q, arena, x, bias=None):
-    """x @ W.T (+ bias) of a QuantMatrix: the native matvec for one position, else dequantized
-    chunks + BLAS. Eager: W's memory is not read once this returns."""
-    if x.size != x.shape[-1]:
+    """x @ W.T (+ bias) of a QuantMatrix: the native matvec for each position of a pass of up
+    to kernels.SMALL_PASS positions, else dequantized chunks + BLAS. Eager: W's memory is not read
+    once this returns."""
+    positions = x.size // x.shape[-1]
+    if positions > _kernels.SMALL_PASS:
         return chunked_matmul(x, q.n, q.k, q.dequantize, arena, bias)
-    y = mx.array(q.matvec(host_f32(x)))
-    y = y.reshape(*x.shape[:-1], q.n).astype(x.dtype)
+    v = host_f32(x).reshape(positions, q.k)
+    out = np.empty((positions, q.n), dtype=np.float32)
+    for i in range(positions):
+        q.matvec(v[i], out[i])
+    y = mx.array(out).reshape(*x.shape[:-1], q.n).astype(x.dtype)
     return y if bias is None else y + bias
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FlashError
+from .generate import draft_ahead
 from .prompt_cache import PromptCache
 
 ROLES = ("system", "user", "assistant")
@@ -73,10 +74,9 @@ class Conversation:
         self.context = context or context_of(model)
         self.messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.kept = PromptCache(model, draft)
-        self.ahead = 0  # tokens a draft proposes beyond the answer (the KV cache holds them a while)
         if draft is not None:  # speculative decoding (draft.py)
             self.sampling.update(draft_model=draft.model, num_draft_tokens=num_draft_tokens)
-            self.ahead = num_draft_tokens
+        self.ahead = draft_ahead(self.sampling)  # tokens a draft proposes beyond the answer
         self.last = None
 
     def reset(self):

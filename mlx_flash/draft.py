@@ -74,12 +74,17 @@ class Draft:
         trim_prompt_cache(self._cache, self._cache[0].offset)
         return self._cache
 
-    def check(self, tokenizer):
-        """A draft must speak the target's tokens."""
+    def check(self, tokenizer, model=None):
+        """A draft must speak the model's tokens, and (given the model) its KV cache must rewind."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
         t = self.tokenizer
         if t.encode(PROBE) != tokenizer.encode(PROBE) or len(t.vocab) != len(tokenizer.vocab):
             raise FlashError(f"--draft-model {self.spec}: its tokenizer differs from the model's; a draft must "
                              "share it")
+        if model is not None and not can_trim_prompt_cache(make_prompt_cache(model)):
+            raise FlashError("--draft-model: speculative decoding rewinds the KV cache after a rejected token, and "
+                             "this KV cache cannot be (--kv-cache flash): use --kv-cache dram")
 
 
 def load_draft(spec, target, progress=False):

@@ -32,6 +32,21 @@ def context_used(prompt_cache):
     return int(getattr(prompt_cache[0], "offset", 0)) if prompt_cache else 0
 
 
+def draft_ahead(kwargs):
+    """Tokens a draft proposes beyond what is kept (the KV cache holds them until the model
+    rejects them): 0 without a draft (mlx_lm's default is 2 a pass)."""
+    return kwargs.get("num_draft_tokens", 2) if kwargs.get("draft_model") is not None else 0
+
+
+def context_overflow(memory, n, max_tokens, held=0, ahead=0):
+    """What exceeds the context a --memory-limit plan holds a KV cache for, said, or None."""
+    if memory is None or held + n + max_tokens + ahead <= memory.context:
+        return None
+    return (f"{'the conversation (' + str(held) + ' tokens) + ' if held else ''}the prompt ({n} tokens) + "
+            f"max_tokens ({max_tokens}){f' + the tokens a draft proposes ahead ({ahead})' if ahead else ''} "
+            f"exceed the {memory.context} tokens of context")
+
+
 def _within_memory_limit(model, tokenizer, prompt, max_tokens, kwargs):
     """Under --memory-limit: the prompt chunks the plan chose, and a clear error, before any
     work, when the prompt (plus what a prompt cache holds) and max_tokens exceed the context
@@ -40,16 +55,11 @@ def _within_memory_limit(model, tokenizer, prompt, max_tokens, kwargs):
     if memory is None:
         return kwargs
     n = len(prompt) if not isinstance(prompt, str) else len(tokenizer.encode(prompt))
-    held = context_used(kwargs.get("prompt_cache"))
-    ahead = kwargs.get("num_draft_tokens", 2) if kwargs.get("draft_model") is not None else 0  # drafted, then trimmed
-    if held + n + max_tokens + ahead > memory.context:
+    over = context_overflow(memory, n, max_tokens, context_used(kwargs.get("prompt_cache")), draft_ahead(kwargs))
+    if over:
         from .errors import FlashError
 
-        raise FlashError(f"{'the conversation (' + str(held) + ' tokens) + ' if held else ''}the prompt "
-                         f"({n} tokens) + max_tokens ({max_tokens})"
-                         f"{f' + the tokens a draft proposes ahead ({ahead})' if ahead else ''} exceed the "
-                         f"{memory.context} tokens of "
-                         "context the --memory-limit plan holds a KV cache for: raise --ctx-size (its KV cache "
+        raise FlashError(f"{over} the --memory-limit plan holds a KV cache for: raise --ctx-size (its KV cache "
                          "then takes more of the limit) or shorten them")
     kwargs.setdefault("prefill_step_size", memory.prefill_step)
     return kwargs

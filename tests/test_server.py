@@ -251,3 +251,14 @@ def test_concurrent_clients_with_cancellations(server):
     assert after["served"] - before["served"] == expected
     assert after["cancelled"] > before["cancelled"]  # the server stopped the abandoned streams
     assert server.alive()
+
+
+def test_continuation_text_equals_one_decode(local):
+    """A completion's text, token by token past several anchors, is the one decode of its tokens."""
+    from mlx_flash.server.engine import ContinuationText
+
+    _, tok = local
+    ids = tok.encode("The capital of France is Paris. " * 20 + "déjà vu — 東京 🙂 end\n" * 8)
+    c = ContinuationText(tok)
+    assert len(ids) > 4 * c.ANCHOR_EVERY
+    assert "".join(c.add(t) for t in ids) + c.rest() == tok.decode(ids, clean_up_tokenization_spaces=False)

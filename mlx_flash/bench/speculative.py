@@ -52,7 +52,7 @@ def run_speculative_bench(model_path, draft_spec, num_drafts, tokens, rounds, lo
     if load_options.get("memory_limit"):
         draft.allocate((load_options.get("ctx_size") or DEFAULT_CONTEXT) + max(num_drafts))
     model, tok = mlx_flash.load(model_path, **load_options)
-    draft.check(tok)
+    draft.check(tok, model)
     from mlx_lm.models.cache import make_prompt_cache
 
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
@@ -93,7 +93,7 @@ def run_speculative_bench(model_path, draft_spec, num_drafts, tokens, rounds, lo
     for row in rows:
         row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
     s = model.runtime.stats()["summary"]
-    return {"model": str(model_path), "draft": draft.description, "load": {k: v for k, v in load_options.items()},
+    return {"model": str(model_path), "draft": draft.description, "load": dict(load_options),
             "mode": s["mode"], "weights_in_dram_mb": s["weights_in_dram_bytes"] / 1e6,
             "memory_limit": s.get("memory_limit"), "peak_rss_mb": s["peak_rss_bytes"] / 1e6,
             "tokens": tokens, "rounds": rounds, "prompt": PROMPT, "machine": f"{platform.machine()} {platform.system()}",

@@ -12,8 +12,7 @@ import signal
 import sys
 
 from . import run
-from .generate import (add_draft_args, add_model_args, add_sampling_args, check_draft, load_draft_for_cli, load_for_cli,
-                       sampling_kwargs, stats_lines)
+from .generate import add_draft_args, add_model_args, add_sampling_args, load_with_draft, sampling_kwargs, stats_lines
 
 HELP = """commands:
   /reset       start a new conversation (the system prompt stays)
@@ -87,10 +86,7 @@ def main(argv=None):
         if args.seed is not None:
             mx.random.seed(args.seed)
         saved = read_messages(args.load) if args.load else None  # its errors before the model loads
-        draft = load_draft_for_cli(args)
-        model, tokenizer = load_for_cli(args)
-        if draft is not None:
-            check_draft(draft, model, tokenizer)
+        model, tokenizer, draft = load_with_draft(args)
         conv = Conversation(model, tokenizer, args.system_prompt, args.max_tokens, sampling_kwargs(args),
                             draft=draft, num_draft_tokens=args.num_draft_tokens)
         if saved is not None:

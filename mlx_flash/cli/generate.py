@@ -26,11 +26,12 @@ def add_draft_args(p):
     p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens the draft proposes a pass (default 3)")
 
 
-def load_draft_for_cli(args, ctx_size=None):
-    """The --draft-model, loaded before the model (under --memory-limit its weights and its
-    KV cache, allocated here, are then in the resident set the plan measures), or None."""
+def load_with_draft(args, ctx_size=None):
+    """(model, tokenizer, draft or None): the --draft-model first (under --memory-limit its
+    weights and its KV cache, allocated here, are then in the resident set the plan of the
+    model measures), then the model; the draft checked against it."""
     if getattr(args, "draft_model", None) is None:
-        return None
+        return (*load_for_cli(args, ctx_size=ctx_size), None)
     from ..draft import load_draft
     from ..errors import FlashError
     from ..runtime.memory import DEFAULT_CONTEXT
@@ -43,28 +44,17 @@ def load_draft_for_cli(args, ctx_size=None):
         context = args.ctx_size or ctx_size or DEFAULT_CONTEXT
         draft.allocate(context + args.num_draft_tokens)
     print(f"[mlx_flash] draft {draft.description}; {args.num_draft_tokens} tokens a pass", file=sys.stderr)
-    return draft
+    model, tokenizer = load_for_cli(args, ctx_size=ctx_size)
+    draft.check(tokenizer, model)
+    return model, tokenizer, draft
 
 
-def check_draft(draft, model, tokenizer):
-    """The draft shares the model's tokens, and the model's KV cache can be rewound."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-
-    from ..errors import FlashError
-
-    draft.check(tokenizer)
-    if not can_trim_prompt_cache(make_prompt_cache(model)):
-        raise FlashError("--draft-model: speculative decoding rewinds the KV cache after a rejected token, and this "
-                         "KV cache cannot be (--kv-cache flash): use --kv-cache dram")
-
-
-def draft_kwargs(args, draft, model, tokenizer):
+def draft_kwargs(args, draft, model):
     """stream_generate's keywords for speculative decoding (none without a draft)."""
     if draft is None:
         return {}
     from ..draft import speculative_cache
 
-    check_draft(draft, model, tokenizer)
     return {"draft_model": draft.model, "num_draft_tokens": args.num_draft_tokens,
             "prompt_cache": speculative_cache(model, draft)}
 
@@ -280,9 +270,8 @@ def main(argv=None):
         # under --memory-limit, a KV cache for this prompt (a token is at least a byte of its
         # text, a chat template adds a few) and --max-tokens
         ctx = len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
-        draft = load_draft_for_cli(args, ctx_size=ctx)
-        model, tokenizer = load_for_cli(args, ctx_size=ctx)
-        speculative = draft_kwargs(args, draft, model, tokenizer)
+        model, tokenizer, draft = load_with_draft(args, ctx_size=ctx)
+        speculative = draft_kwargs(args, draft, model)
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)
         prompt = build_prompt(tokenizer, prompt_text, args.system_prompt, args.ignore_chat_template)

@@ -13,7 +13,7 @@ import sys
 import time
 
 from . import default_model, run
-from .generate import add_draft_args, add_model_args, check_draft, load_draft_for_cli, load_for_cli
+from .generate import add_draft_args, add_model_args, load_with_draft
 
 
 def build_parser():
@@ -42,7 +42,7 @@ def main(argv=None):
 
     def body():
         from ..errors import FlashError
-        from ..server import Engine, Limits, make_server
+        from ..server import Engine, Limits, Server
         from ..server.http import is_loopback
 
         if not is_loopback(args.host) and not args.allow_remote:
@@ -67,10 +67,7 @@ def main(argv=None):
 
         if args.seed is not None:
             mx.random.seed(args.seed)
-        draft = load_draft_for_cli(args)
-        model, tokenizer = load_for_cli(args)
-        if draft is not None:
-            check_draft(draft, model, tokenizer)
+        model, tokenizer, draft = load_with_draft(args)
         memory = model.runtime.memory
         max_prompt = args.max_prompt_tokens or (memory.context if memory is not None else 4096)
         if memory is not None and max_prompt > memory.context:
@@ -85,7 +82,7 @@ def main(argv=None):
         given = args.model or default_model()
         model_id = Path(given).name if Path(given).exists() else given  # a folder's name, or the Hub repo
         try:
-            server = make_server(engine, args.host, args.port, model_id, log, aliases=(given,))
+            server = Server((args.host, args.port), engine, model_id, log, aliases=(given,))
         except OSError as e:
             raise FlashError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         engine.start()

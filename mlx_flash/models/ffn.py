@@ -130,7 +130,7 @@ class FlashFFN(nn.Module):
         # a pass of a few positions (a speculative verify pass): each position through the
         # one-token kernels, into a host sum of its own (the values of a one-position pass)
         few = [x.reshape(positions, -1)[i] for i in range(positions)] if 1 < positions <= _kernels.SMALL_PASS else None
-        sums = [None] * positions
+        sums = [None] * positions if few else None
         parts = list(parts)
         while parts:
             rows = parts.pop(0)

@@ -12,8 +12,9 @@ several positions (a prompt) are dequantized in row chunks into a float32 arena
 and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 """
 
-import mlx.core as mx
 import numpy as np
+
+import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels as _kernels

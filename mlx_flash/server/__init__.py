@@ -12,7 +12,7 @@ engine runs one request at a time; concurrent clients wait in its queue.
 """
 
 from .engine import Engine, Job
-from .http import make_server
+from .http import Server
 from .requests import CompletionRequest, Limits, RequestError, parse_request
 
-__all__ = ["CompletionRequest", "Engine", "Job", "Limits", "RequestError", "make_server", "parse_request"]
+__all__ = ["CompletionRequest", "Engine", "Job", "Limits", "RequestError", "Server", "parse_request"]

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import FlashError
+from ..generate import context_overflow
 from .requests import CHAT, TEXT, RequestError
 
 
@@ -50,7 +51,6 @@ class Job:
         self.cancel = threading.Event()
         self.finished = False  # its Done or Failed was taken (by the HTTP handler)
         self.started = False  # its Start was sent: an error after it is not the request's fault
-        self.queued_at = time.perf_counter()
 
 
 class StopText:
@@ -88,23 +88,35 @@ class StopText:
 class ContinuationText:
     """The text of generated tokens as a continuation of the prompt: mlx_lm's streaming
     detokenizers drop the first token's leading space (right for a chat answer, wrong for a
-    completion, whose text is appended to the prompt). Decodes the tokens so far and sends
-    what is new, holding back an incomplete UTF-8 character."""
+    completion, whose text is appended to the prompt). Decodes the tokens since an anchor
+    (one token kept before them as context, its own text cut off) and sends what is new,
+    holding back an incomplete UTF-8 character; the anchor moves every ANCHOR_EVERY tokens,
+    so a token costs a decode of a few dozen tokens, not of the whole answer."""
+
+    ANCHOR_EVERY = 32
 
     def __init__(self, tokenizer):
-        self.decode, self.ids, self.sent = tokenizer.decode, [], 0
+        self.tokenizer, self.ids = tokenizer, []
+        self.base, self.prefix, self.sent = 0, "", 0  # ids[base:] decoded, minus `prefix` (ids[base]'s text)
+
+    def _text(self):
+        return self.tokenizer.decode(self.ids[self.base:], clean_up_tokenization_spaces=False)[len(self.prefix):]
 
     def add(self, token):
         self.ids.append(token)
-        text = self.decode(self.ids, clean_up_tokenization_spaces=False)
+        text = self._text()
         if text.endswith("\ufffd"):
             return ""
         out, self.sent = text[self.sent:], len(text)
+        if len(self.ids) - self.base > self.ANCHOR_EVERY:
+            last = self.tokenizer.decode(self.ids[-1:], clean_up_tokenization_spaces=False)
+            if "\ufffd" not in last:  # (a token that completes a character is no anchor)
+                self.base, self.prefix, self.sent = len(self.ids) - 1, last, 0
         return out
 
     def rest(self):
         """At the end: what was held back (an incomplete character is sent as it decodes)."""
-        text = self.decode(self.ids, clean_up_tokenization_spaces=False)
+        text = self._text()
         out, self.sent = text[self.sent:], len(text)
         return out
 
@@ -113,10 +125,13 @@ class Engine:
     """Loads nothing itself: give it a loaded model and tokenizer (mlx_flash.load)."""
 
     def __init__(self, model, tokenizer, limits, log=None, draft=None, num_draft_tokens=3):
+        from ..generate import draft_ahead
         from ..prompt_cache import PromptCache
 
         self.draft = {} if draft is None else {"draft_model": draft.model, "num_draft_tokens": num_draft_tokens}
+        self.ahead = draft_ahead(self.draft)
         self.model, self.tokenizer, self.limits = model, tokenizer, limits
+        self.vocab = model.args.vocab_size  # the logits' width: token ids and logit_bias keys below it
         self.log = log or (lambda msg: None)
         self.jobs = queue.Queue()
         self.waiting = 0  # jobs queued, not yet started
@@ -129,7 +144,6 @@ class Engine:
         self.cancelled = 0  # of them, stopped because their client went away
         self.thread = None
         self.current = None  # the job being served
-        self.ahead = num_draft_tokens if draft is not None else 0  # drafted tokens the KV cache holds for a while
 
     # -- the queue ------------------------------------------------------------------------------
     def submit(self, request):
@@ -201,27 +215,23 @@ class Engine:
         elif isinstance(req.prompt, str):
             ids = tok.encode(req.prompt)
         else:
-            vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
-            if vocab is not None and max(req.prompt) >= vocab:
-                raise RequestError(f"prompt token id {max(req.prompt)} is outside the vocabulary ({vocab})",
+            if max(req.prompt) >= self.vocab:
+                raise RequestError(f"prompt token id {max(req.prompt)} is outside the vocabulary ({self.vocab})",
                                    param="prompt")
             ids = list(req.prompt)
         if len(ids) > self.limits.max_prompt_tokens:
             raise RequestError(f"the prompt has {len(ids)} tokens; this server takes at most "
                                f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)", param="prompt",
                                code="context_length_exceeded")
-        memory = getattr(getattr(self.model, "runtime", None), "memory", None)
-        if memory is not None and len(ids) + req.max_tokens + self.ahead > memory.context:
-            raise RequestError(f"the prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens})"
-                               f"{f' + the drafted tokens ({self.ahead})' if self.ahead else ''} exceed the "
-                               f"{memory.context} tokens of context this server holds a KV cache for (--ctx-size)",
-                               param="max_tokens", code="context_length_exceeded")
-        if req.logit_bias:
-            vocab = len(tok.vocab)
-            bad = [t for t in req.logit_bias if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"'logit_bias': token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
-                                   param="logit_bias")
+        over = context_overflow(getattr(self.model.runtime, "memory", None), len(ids), req.max_tokens,
+                                ahead=self.ahead)
+        if over:
+            raise RequestError(f"{over} this server holds a KV cache for (--ctx-size)", param="max_tokens",
+                               code="context_length_exceeded")
+        bad = [t for t in req.logit_bias or () if not 0 <= t < self.vocab]
+        if bad:
+            raise RequestError(f"'logit_bias': token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})",
+                               param="logit_bias")
         return list(ids)
 
     def _sampling(self, req):

@@ -15,7 +15,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .engine import Done, Failed, Piece, Start
+from .engine import Done, Failed, Start
 from .requests import CHAT, TEXT, RequestError, parse_request
 
 ROUTES = {"/v1/chat/completions": CHAT, "/chat/completions": CHAT, "/v1/completions": TEXT, "/completions": TEXT}
@@ -103,11 +103,11 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _next(self, job):
-        """The job's next event; raises ClientGone (and cancels the job) if the client left
-        while waiting for it."""
+        """The job's next event; ClientGone if the client left while waiting for it (checked
+        every 0.25 s, between events too: a long answer's)."""
         while True:
             now = time.monotonic()
-            if now - getattr(self, "_checked", 0.0) > 0.25:  # (between events too: a long answer's)
+            if now - getattr(self, "_checked", 0.0) > 0.25:
                 self._checked = now
                 if self._gone():
                     raise ClientGone()
@@ -253,10 +253,7 @@ class Handler(BaseHTTPRequestHandler):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta_or_text, logprobs=None, finish=None):
-            if chat:
-                c = {"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
+            c = {"index": 0, "delta" if chat else "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
             body = dict(head, object=obj, choices=[c])
             if req.include_usage:
                 body["usage"] = None
@@ -292,6 +289,3 @@ class Handler(BaseHTTPRequestHandler):
                         f"(cached {start.cached_tokens}) + {done.completion_tokens} tokens, {done.finish_reason}, "
                         f"{done.seconds:.2f} s ({tps:.1f} tok/s)")
 
-
-def make_server(engine, host, port, model_id, log, aliases=()):
-    return Server((host, port), engine, model_id, log, aliases)

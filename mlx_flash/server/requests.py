@@ -62,7 +62,6 @@ class CompletionRequest:
     top_logprobs: int = 0
     repetition_penalty: float | None = None
     logit_bias: dict | None = None
-    echo: bool = False
 
 
 def _number(body, name, lo, hi, default, integer=False, lo_open=False):
@@ -226,7 +225,6 @@ def parse_request(body, kind, limits):
         req.prompt = _prompt(body)
         n = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
         req.logprobs, req.top_logprobs = n is not None, n or 0
-        req.echo = _bool(body, "echo")
-        if req.echo:
+        if _bool(body, "echo"):
             raise RequestError("'echo' is not supported by this server", param="echo")
     return req

@@ -86,7 +86,7 @@ class FlashStore(NeuronFileStore):
         entry of the window (or several, when it ran in halves); an entry losing some of its
         positions keeps the neurons of the rest. The rows stay cached until a later pass
         reuses them (they are out of the window)."""
-        for layer, (hist, masks, counts) in enumerate(zip(self.history, self.masks, self.counts)):
+        for hist, masks, counts in zip(self.history, self.masks, self.counts):
             left = n
             while left > 0 and hist:
                 size, mask = masks[-1]

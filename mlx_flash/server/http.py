@@ -83,6 +83,14 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # the server logs its own lines
         pass
 
+    def handle(self):
+        """Serve the connection's requests; a client that resets it (after closing a stream
+        it had not read to the end, say) ends it quietly, as a close would."""
+        try:
+            super().handle()
+        except (ConnectionResetError, BrokenPipeError):
+            self.close_connection = True
+
     # -- plumbing ---------------------------------------------------------------------------
     def _json(self, status, body):
         data = json.dumps(body).encode()

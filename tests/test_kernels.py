@@ -18,11 +18,14 @@ kernels, why = kernels_module()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"native kernels: {why}")
 
 
+SIMD_TOP = kernels.simd(99) if kernels else 0  # the widest loops this CPU has (2: AVX-512 BF16, 1: AVX2)
+
+
 @pytest.fixture
 def simd_and_threads():
-    """Every case runs with the SIMD loops on and off, on one and two threads."""
-    yield [(s, t) for s in (1, 0) for t in (1, 2)]
-    kernels.simd(1)
+    """Every case runs at every SIMD level this CPU has (down to the portable loops), on one and two threads."""
+    yield [(s, t) for s in range(SIMD_TOP, -1, -1) for t in (1, 2)]
+    kernels.simd(SIMD_TOP)
     kernels.set_threads(default_threads())
 
 
@@ -44,6 +47,51 @@ def test_qmv_matches_mlx_quantized_matmul(bits, group, simd_and_threads):
             kernels.set_threads(threads)
             got = q.matvec(np.array(x))
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (dtype, simd, threads)
+
+
+def test_4_bit_rows_of_any_length_and_extreme_inputs_at_every_level(simd_and_threads):
+    """The AVX-512 BF16 loop takes rows of a multiple of 64 values (the rest stay on AVX2) and
+    splits x into three bfloat16 parts: inputs across many magnitudes keep float32's precision."""
+    rng = np.random.default_rng(5)
+    for k in (96, 160, 2048):
+        w = mx.array(rng.standard_normal((33, k)).astype(np.float32) * 0.05)
+        wq, s, b = mx.quantize(w, group_size=32, bits=4)
+        x = (rng.standard_normal(k) * 10.0 ** rng.integers(-6, 4, k)).astype(np.float32)
+        values = np.array(mx.dequantize(wq, s, b, group_size=32, bits=4)).astype(np.float64)
+        want = values @ x.astype(np.float64)
+        scale = np.abs(values) @ np.abs(x.astype(np.float64))  # what float32 rounding is relative to
+        q = QuantMatrix(kernels, wq, s, b, 4, 32)
+        for simd, threads in simd_and_threads:
+            kernels.simd(simd)
+            kernels.set_threads(threads)
+            got = q.matvec(x)
+            assert np.all(np.abs(got - want) <= 1e-6 * scale), (k, simd, threads)
+
+
+def test_many_products_in_one_call_equal_one_call_each(simd_and_threads):
+    from mlx_flash.kernels import alike, qmv_many
+
+    for bits in (4, 8):
+        mats = []
+        for i in range(6):
+            wq, s, b = mx.quantize(mx.random.normal((40, 256), key=mx.random.key(i)) * 0.05, group_size=64, bits=bits)
+            mats.append(QuantMatrix(kernels, wq, s.astype(mx.float16), b.astype(mx.float16), bits, 64))
+        xs = [np.random.default_rng(i).standard_normal(256).astype(np.float32) for i in range(2)]
+        x_of = (0, 1, 1, 0, 1, 0)
+        assert alike(mats)
+        for simd, threads in simd_and_threads:
+            kernels.simd(simd)
+            kernels.set_threads(threads)
+            want = np.stack([m.matvec(xs[i]) for m, i in zip(mats, x_of)])
+            assert np.array_equal(qmv_many(xs, mats, x_of), want), (bits, simd, threads)
+    other = QuantMatrix(kernels, *mx.quantize(mx.random.normal((40, 128)), group_size=64, bits=4), 4, 64)
+    assert not alike(mats + [other])
+    with pytest.raises(ValueError, match="qmv_many"):
+        qmv_many(xs, mats + [other], x_of + (0,))  # another shape
+    with pytest.raises(ValueError, match="qmv_many"):
+        qmv_many(xs, mats, (0, 1, 2, 0, 1, 0))  # no x 2
+    with pytest.raises(ValueError, match="qmv_many"):
+        qmv_many([xs[0][:100]], mats[:1], (0,))  # x too short
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
@@ -152,6 +200,25 @@ def test_a_forked_child_gets_its_own_threads():
         "    os._exit(0 if np.allclose(q.matvec(x), a) else 3)\n"
         "_, st = os.waitpid(pid, 0); raise SystemExit(os.waitstatus_to_exitcode(st))\n")
     r = subprocess.run([sys.executable, "-c", code], timeout=60, env=os.environ | {"PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0
+
+
+@pytest.mark.parametrize("spin_us", ["0", "200"])
+def test_shared_jobs_wake_workers_that_spin_or_sleep(spin_us):
+    """Workers spin for MLX_FLASH_KERNEL_SPIN_US after a job, then sleep: jobs that come at once,
+    and after pauses longer than the spin, all run on both threads and give one thread's result."""
+    code = (
+        "import time, numpy as np, mlx.core as mx\n"
+        "from mlx_flash.kernels import QuantMatrix, kernels_module\n"
+        "k, _ = kernels_module()\n"
+        "wq, s, b = mx.quantize(mx.random.normal((1024, 1024), key=mx.random.key(1)), group_size=64, bits=4)\n"
+        "q = QuantMatrix(k, wq, s, b, 4, 64); x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)\n"
+        "k.set_threads(1); want = q.matvec(x); k.set_threads(2)\n"
+        "for i in range(200):\n"
+        "    assert np.array_equal(q.matvec(x), want), i\n"
+        "    if i % 20 == 0: time.sleep(0.002)\n")
+    env = os.environ | {"PYTHONWARNINGS": "ignore", "MLX_FLASH_KERNEL_SPIN_US": spin_us}
+    r = subprocess.run([sys.executable, "-c", code], timeout=60, env=env)
     assert r.returncode == 0
 
 

@@ -123,7 +123,7 @@ def _blas(found, warnings, where, args):
 
 def _native(found, warnings, where, args):
     from ..io import native_available
-    from ..kernels import kernels_module
+    from ..kernels import kernels_module, simd_name
 
     found["reader pool"] = "native (pthreads, GIL released)" if native_available() else "Python threads"
     if not native_available():
@@ -135,8 +135,7 @@ def _native(found, warnings, where, args):
         warnings.append(f"no native quantized kernels ({why}): 4-bit weights on the CPU go through MLX's quantized "
                         "matmul, 2x (decode) to 50x (prompt) slower than float32")
     else:
-        found["quantized kernels"] = f"native, {kernels.threads() or 'default'} threads, SIMD " + (
-            "on (AVX2)" if kernels.simd(-1) else "off (the portable loops)")
+        found["quantized kernels"] = f"native, {kernels.threads() or 'default'} threads, {simd_name(kernels)}"
 
 
 def _storage(found, warnings, where, args):

@@ -26,7 +26,18 @@ def kernels_module():
         return None, f"the native kernels are not built ({e})"
     if not _matvec.threads():  # never set (the C default runs every row on the caller's thread)
         _matvec.set_threads(default_threads())
+        level = os.environ.get("MLX_FLASH_KERNEL_SIMD")
+        if level:
+            _matvec.simd(SIMD_LEVELS.index(level) if level in SIMD_LEVELS else int(level))
     return _matvec, ""
+
+
+SIMD_LEVELS = ("portable", "avx2", "avx512-bf16")  # _matvec.simd's levels, by name
+
+
+def simd_name(module):
+    """The loops the kernels run here, in words (doctor, --stats)."""
+    return {0: "the portable loops", 1: "AVX2", 2: "AVX-512 BF16 for 4-bit products, AVX2 for the rest"}[module.simd(-1)]
 
 
 def default_threads():
@@ -100,6 +111,29 @@ class QuantMatrix:
         """Rows start .. stop-1 as float32 into `out` (a writable buffer of (stop - start) * K floats)."""
         self.kernels.dequantize(None, self.w[start:stop], self.s[start:stop], self.b[start:stop], out,
                                 stop - start, self.k, self.bits, self.group_size, self.code)
+
+
+def qmv_many(xs, mats, x_of, out=None):
+    """[mats[i].matvec(xs[x_of[i]])] in one native call, its rows shared out as one job (a
+    layer's routed experts: one call for every gate and up on one x, one for every down),
+    each x prepared once. xs: float32 [K] vectors; mats: QuantMatrix of one module, all [N, K]
+    at one width, group and scale dtype. -> float32 [len(mats), N] (into `out` when given)."""
+    first = mats[0]
+    y = np.empty((len(mats), first.n), np.float32) if out is None else out
+    first.kernels.qmv_many(tuple(xs), tuple(m.w for m in mats), tuple(m.s for m in mats), tuple(m.b for m in mats),
+                           tuple(x_of), y, first.n, first.k, first.bits, first.group_size, first.code)
+    return y
+
+
+def alike(mats):
+    """Whether qmv_many may take these QuantMatrix together (one shape, width, group, scale dtype)."""
+    first = mats[0]
+    return len(mats) <= QMV_MANY_MAX and all(
+        (m.n, m.k, m.bits, m.group_size, m.code, m.kernels) ==
+        (first.n, first.k, first.bits, first.group_size, first.code, first.kernels) for m in mats)
+
+
+QMV_MANY_MAX = 64  # _matvec.c's MAX_MANY
 
 
 def gather_mv(kernels, x, w, sel):

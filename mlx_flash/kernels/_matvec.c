@@ -42,20 +42,37 @@
 #include <Python.h>
 
 #include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "quant.h"
+#include "qmv_bf16.h"
 
 #define MAX_THREADS 64
 #define PAR_MIN_WORK (1 << 20) /* weights (values) a job must touch to be shared out */
 
+/* a quantized product's x, prepared once per call (prepare_x_for) */
+typedef struct {
+    const float *x, *xp, *xsum;  /* x [K]; x reordered for the 4-bit AVX2 loop; [K / g] group sums */
+    const uint16_t *xb;  /* 4 bits, simd 2: x's three bfloat16 parts (qmv_bf16.h); else NULL */
+} xprep_t;
+
+/* QMV_MANY: one of its matrices (all [n, k] alike, rows row_bytes apart, scales and biases
+ * s_stride / b_stride bytes a row), the x it multiplies and its output [n] */
+typedef struct {
+    const uint8_t *w, *s, *b;
+    const xprep_t *in;
+    float *y;
+} mat_t;
+
 typedef struct {
     const uint8_t *w;  /* packed rows, row_bytes apart */
     const uint8_t *s, *b;  /* scales, biases: [N, K / g] at scode */
-    const float *x, *xp, *xsum;  /* x [K]; x reordered for the 4-bit SIMD loop; [K / g] group sums */
+    const float *x;  /* GATHER_MV: x [K] (QMV's x is `in`, below) */
     float *y;    /* QMV, GATHER_MV: [n]; DEQUANTIZE: [n, k]; GATHER_AXPY: [k] */
     int64_t n, k, g, bits, scode, row_bytes;
     int simd, kind;
@@ -75,9 +92,12 @@ typedef struct {
     /* GATHER_AXPY, QAXPY_COLS: add to y as it is (a previous part's sum), not to zeros.
      * (Last: py_qmv initializes a job_t positionally, the fields it leaves out zero.) */
     int accumulate;
+    xprep_t in; /* QMV: x, prepared */
+    const mat_t *mats; /* QMV_MANY: n / per matrices of `per` rows each */
+    int64_t per;
 } job_t;
 
-enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5 };
+enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5, QMV_MANY = 6 };
 
 /* ---- one row */
 
@@ -98,14 +118,14 @@ static float dot_portable(const float *a, const float *b, int64_t n) {
 
 /* any width: unpack a group to bytes, then eight independent lanes (vectorizable
  * without reassociating a sum) */
-static float row_portable(const job_t *j, const uint8_t *w, const float *sc) {
+static float row_portable(const job_t *j, const uint8_t *w, const float *sc, const float *xf) {
     uint8_t q[128];
     float t = 0;
     for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
         unpack_bits(w + k0 * j->bits / 8, j->bits, j->g, q);
         float acc[8] = {0};
         for (int64_t i = 0; i < j->g; i += 8)
-            for (int l = 0; l < 8; l++) acc[l] += (float)q[i + l] * j->x[k0 + i + l];
+            for (int l = 0; l < 8; l++) acc[l] += (float)q[i + l] * xf[k0 + i + l];
         float a = 0;
         for (int l = 0; l < 8; l++) a += acc[l];
         t += sc[k0 / j->g] * a;
@@ -159,12 +179,12 @@ AVX2 static void scales_f32_avx2(const uint8_t *p, int64_t code, int64_t n, floa
 
 /* 4 bits, 32 values (16 bytes) a step: byte i holds values 2i (low nibble) and 2i+1
  * (high); xp holds, per 16 values, the 8 even-indexed x then the 8 odd-indexed */
-AVX2 static float row4_avx2(const job_t *j, const uint8_t *w, const float *sc) {
+AVX2 static float row4_avx2(const job_t *j, const uint8_t *w, const float *sc, const float *xp) {
     const __m256i m15 = _mm256_set1_epi32(15);
     __m256 tot = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
         const uint8_t *p = w + k0 / 2;
-        const float *x = j->xp + k0;
+        const float *x = xp + k0;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < j->g; i += 32, p += 16, x += 32) {
             const __m128i b = _mm_loadu_si128((const __m128i *)p);
@@ -181,11 +201,11 @@ AVX2 static float row4_avx2(const job_t *j, const uint8_t *w, const float *sc) {
 }
 
 /* 8 bits, 32 values a step, x in its own order */
-AVX2 static float row8_avx2(const job_t *j, const uint8_t *w, const float *sc) {
+AVX2 static float row8_avx2(const job_t *j, const uint8_t *w, const float *sc, const float *xf) {
     __m256 tot = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < j->k; k0 += j->g) {
         const uint8_t *p = w + k0;
-        const float *x = j->x + k0;
+        const float *x = xf + k0;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < j->g; i += 32, p += 32, x += 32) {
             const __m128i b0 = _mm_loadu_si128((const __m128i *)p), b1 = _mm_loadu_si128((const __m128i *)(p + 16));
@@ -293,10 +313,15 @@ AVX2 static void scale_run_avx2(const uint8_t *sr, const uint8_t *br, int64_t co
 }
 #endif
 
+/* the widest loops this CPU runs: 2 AVX-512 BF16 (4-bit qmv; AVX2 for the rest), 1 AVX2, 0 portable */
 static int cpu_simd(void) {
 #ifdef AVX2_PATH
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return 0;
+#ifdef BF16_PATH
+    if (cpu_bf16()) return 2;
+#endif
+    return 1;
 #else
     return 0;
 #endif
@@ -436,6 +461,26 @@ static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
     }
 }
 
+/* one row (packed values w, scales sp, biases bp) . x; sc, bi: scratch for its K / g scales and biases */
+static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const uint8_t *bp, const xprep_t *in,
+                     float *sc, float *bi) {
+    const int64_t ng = j->k / j->g;
+#ifdef AVX2_PATH
+    if (j->simd && (j->bits == 4 || j->bits == 8)) {
+        scales_f32_avx2(sp, j->scode, ng, sc);
+        scales_f32_avx2(bp, j->scode, ng, bi);
+#ifdef BF16_PATH
+        if (in->xb) return row4_bf16(w, sc, in->xb, j->k, j->g) + dot_avx2(bi, in->xsum, ng);
+#endif
+        const float t = j->bits == 4 ? row4_avx2(j, w, sc, in->xp) : row8_avx2(j, w, sc, in->x);
+        return t + dot_avx2(bi, in->xsum, ng);
+    }
+#endif
+    scales_f32(sp, j->scode, ng, sc);
+    scales_f32(bp, j->scode, ng, bi);
+    return row_portable(j, w, sc, in->x) + dot_portable(bi, in->xsum, ng);
+}
+
 /* rows [r0, r1) of the job; sc, bi: scratch for one row's K / g scales and biases */
 static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi) {
     if (j->kind == DEQUANT_COLS) {
@@ -454,6 +499,15 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
         qaxpy_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
         return;
     }
+    if (j->kind == QMV_MANY) {
+        for (int64_t r = r0; r < r1; r++) {
+            const mat_t *m = j->mats + r / j->per;
+            const int64_t rr = r % j->per;
+            m->y[rr] = qmv_row(j, m->w + rr * j->row_bytes, m->s + rr * j->s_stride, m->b + rr * j->b_stride, m->in,
+                               sc, bi);
+        }
+        return;
+    }
     const int64_t ng = j->k / j->g;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t rr = j->sel ? j->sel[r] : r;
@@ -470,22 +524,19 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
             dequantize_row(j, w, sc, bi, j->y + r * j->k);
             continue;
         }
-#ifdef AVX2_PATH
-        if (j->simd && (j->bits == 4 || j->bits == 8)) {
-            scales_f32_avx2(sp, j->scode, ng, sc);
-            scales_f32_avx2(bp, j->scode, ng, bi);
-            const float t = j->bits == 4 ? row4_avx2(j, w, sc) : row8_avx2(j, w, sc);
-            j->y[r] = t + dot_avx2(bi, j->xsum, ng);
-            continue;
-        }
-#endif
-        scales_f32(sp, j->scode, ng, sc);
-        scales_f32(bp, j->scode, ng, bi);
-        j->y[r] = row_portable(j, w, sc) + dot_portable(bi, j->xsum, ng);
+        j->y[r] = qmv_row(j, w, sp, bp, &j->in, sc, bi);
     }
 }
 
-/* ---- the pool: workers 1 .. n-1 wait for a new generation, run their share, report */
+/* ---- the pool: workers 1 .. n-1 wait for a new generation, run their share, report
+ *
+ * Waking a thread asleep on a condition variable costs 20-60 us on a virtual machine, as
+ * long as a 768 x 2048 4-bit matvec on two threads: a decode of a mixture of experts makes
+ * ~1,300 such calls a token, ~100 us apart. So a worker spins (pause) for SPIN_NS after its
+ * last job before it sleeps, and the caller spins for its workers' shares before it waits:
+ * calls in quick succession never touch the kernel's scheduler; a pool left idle sleeps. */
+
+#define SPIN_NS 200000 /* 0.2 ms; MLX_FLASH_KERNEL_SPIN_US overrides (0: always sleep) */
 
 static struct {
     pthread_mutex_t mu;
@@ -494,12 +545,15 @@ static struct {
     int n;        /* threads in all, the caller's included; 1: no workers */
     int want;     /* threads asked for (set_threads) */
     pid_t pid;    /* the process that started the workers */
-    uint64_t gen, start_gen;
-    int pending;
+    _Atomic uint64_t gen;  /* a new job (or a stop) is a new generation; job and n are set before */
+    uint64_t start_gen;
+    _Atomic int pending;  /* workers' shares not finished */
+    int sleepers, waiting;  /* under mu: workers asleep on go; the caller asleep on done */
     const job_t *job;
     float *scratch;  /* scratch_per = 2 * (K / g) floats for each of scratch_n threads */
     int64_t scratch_per;
     int scratch_n;
+    int64_t spin_ns;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static void share(const job_t *j, int i, int n) {
@@ -508,23 +562,78 @@ static void share(const job_t *j, int i, int n) {
     run_rows(j, r0, r1, sc, sc + pool.scratch_per / 2);
 }
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* spin until *flag != value (gen) or == 0 (pending) for at most pool.spin_ns -> 1 if it happened */
+static int spin_gen(uint64_t seen) {
+    if (atomic_load_explicit(&pool.gen, memory_order_acquire) != seen) return 1;
+    if (pool.spin_ns <= 0) return 0;
+    const int64_t end = now_ns() + pool.spin_ns;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(&pool.gen, memory_order_acquire) != seen) return 1;
+            cpu_relax();
+        }
+        if (now_ns() > end) return 0;
+    }
+}
+
+static int spin_pending(void) {
+    if (atomic_load_explicit(&pool.pending, memory_order_acquire) == 0) return 1;
+    const int64_t end = now_ns() + pool.spin_ns;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (atomic_load_explicit(&pool.pending, memory_order_acquire) == 0) return 1;
+            cpu_relax();
+        }
+        if (pool.spin_ns <= 0 || now_ns() > end) return 0;
+    }
+}
+
 static void *worker(void *arg) {
     const int i = (int)(intptr_t)arg;
     uint64_t seen = pool.start_gen; /* set before this thread started; no job runs meanwhile */
-    pthread_mutex_lock(&pool.mu);
     for (;;) {
-        while (pool.gen == seen) pthread_cond_wait(&pool.go, &pool.mu);
-        seen = pool.gen;
-        if (!pool.job) break; /* stop */
+        if (!spin_gen(seen)) {
+            pthread_mutex_lock(&pool.mu);
+            pool.sleepers++;
+            while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) pthread_cond_wait(&pool.go, &pool.mu);
+            pool.sleepers--;
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
         const job_t *j = pool.job;
-        const int n = pool.n;
-        pthread_mutex_unlock(&pool.mu);
-        share(j, i, n);
-        pthread_mutex_lock(&pool.mu);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+        if (!j) break; /* stop */
+        share(j, i, pool.n);
+        if (atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&pool.mu); /* the last share: wake the caller if it sleeps */
+            if (pool.waiting) pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
+        }
     }
-    pthread_mutex_unlock(&pool.mu);
     return NULL;
+}
+
+/* a new generation: job (NULL: stop) for every worker */
+static void pool_publish(const job_t *j) {
+    pool.job = j;
+    atomic_store_explicit(&pool.pending, pool.n - 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_acq_rel);
+    pthread_mutex_lock(&pool.mu); /* a worker checks gen under mu before it sleeps: none is missed */
+    if (pool.sleepers) pthread_cond_broadcast(&pool.go);
+    pthread_mutex_unlock(&pool.mu);
 }
 
 /* the caller holds no lock; -> 0, or -1 (no memory: run on one thread) */
@@ -533,21 +642,22 @@ static int pool_start(int64_t scratch_per) {
         pthread_mutex_init(&pool.mu, NULL);
         pthread_cond_init(&pool.go, NULL);
         pthread_cond_init(&pool.done, NULL);
-        pool.n = 1, pool.gen = 0, pool.scratch = NULL, pool.scratch_per = 0, pool.scratch_n = 0;
+        pool.n = 1, pool.scratch = NULL, pool.scratch_per = 0, pool.scratch_n = 0;
+        pool.sleepers = 0, pool.waiting = 0;
+        atomic_store(&pool.gen, 0);
+        atomic_store(&pool.pending, 0);
         pool.pid = getpid();
+        const char *env = getenv("MLX_FLASH_KERNEL_SPIN_US");
+        pool.spin_ns = env && *env ? (int64_t)(atof(env) * 1000) : SPIN_NS;
     }
     const int want = pool.want > 0 ? pool.want : 1;
     if (pool.n != want) { /* stop the old workers, start the new */
         if (pool.n > 1) {
-            pthread_mutex_lock(&pool.mu);
-            pool.job = NULL;
-            pool.gen++;
-            pthread_cond_broadcast(&pool.go);
-            pthread_mutex_unlock(&pool.mu);
+            pool_publish(NULL);
             for (int i = 1; i < pool.n; i++) pthread_join(pool.th[i], NULL);
         }
         pool.n = 1;
-        pool.start_gen = pool.gen; /* new workers wait for the next generation, not a stopped one */
+        pool.start_gen = atomic_load(&pool.gen); /* new workers wait for the next generation */
         for (int i = 1; i < want; i++) {
             if (pthread_create(&pool.th[i], NULL, worker, (void *)(intptr_t)i)) break;
             pool.n = i + 1;
@@ -564,22 +674,17 @@ static int pool_start(int64_t scratch_per) {
 }
 
 static void run_job(const job_t *j) {
-    /* waking the workers costs tens of microseconds: worth it from ~1M weights (a 576 x 576
-     * matvec runs faster on the caller's thread alone) */
+    /* sharing out costs a few microseconds with the workers spinning (more when they sleep):
+     * worth it from ~1M weights (a 576 x 576 matvec runs faster on the caller's thread alone) */
     const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS ? j->m : j->n) * j->k;
     const int par = pool.n > 1 && j->n >= 4 * pool.n && work >= PAR_MIN_WORK;
-    if (par) {
-        pthread_mutex_lock(&pool.mu);
-        pool.job = j;
-        pool.pending = pool.n - 1;
-        pool.gen++;
-        pthread_cond_broadcast(&pool.go);
-        pthread_mutex_unlock(&pool.mu);
-    }
+    if (par) pool_publish(j);
     share(j, 0, par ? pool.n : 1); /* the caller's share: the first, or every row */
-    if (par) {
+    if (par && !spin_pending()) {
         pthread_mutex_lock(&pool.mu);
-        while (pool.pending) pthread_cond_wait(&pool.done, &pool.mu);
+        pool.waiting = 1;
+        while (atomic_load_explicit(&pool.pending, memory_order_acquire)) pthread_cond_wait(&pool.done, &pool.mu);
+        pool.waiting = 0;
         pthread_mutex_unlock(&pool.mu);
     }
 }
@@ -618,6 +723,26 @@ static void prepare_x(const float *xf, int64_t k, int64_t group, float *xsum, fl
         for (int l = 0; l < 8; l++) xp[i + l] = xf[i + 2 * l], xp[i + 8 + l] = xf[i + 2 * l + 1];
 }
 
+/* x's group sums, its 4-bit AVX2 order and, where the 4-bit AVX-512 BF16 loop will run (by
+ * j's k, g, bits and simd), its bfloat16 parts, in one allocation -> it (free it after the
+ * job), or NULL (no memory) */
+static float *prepare_x_for(const job_t *j, const float *xf, xprep_t *in) {
+    const int64_t ng = j->k / j->g;
+    const int bf16 = j->simd >= 2 && j->bits == 4 && j->k % 64 == 0;
+    float *xsum = malloc(sizeof(float) * (size_t)(ng + j->k) + (bf16 ? sizeof(uint16_t) * 3 * (size_t)j->k : 0));
+    if (!xsum) return NULL;
+    prepare_x(xf, j->k, j->g, xsum, xsum + ng);
+    in->x = xf, in->xsum = xsum, in->xp = xsum + ng, in->xb = NULL;
+#ifdef BF16_PATH
+    if (bf16) {
+        uint16_t *xb = (uint16_t *)(xsum + ng + j->k);
+        split_x_bf16(xf, j->k, xb);
+        in->xb = xb;
+    }
+#endif
+    return xsum;
+}
+
 static int valid_width(long long bits, long long group) {
     return (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
            (group == 32 || group == 64 || group == 128);
@@ -646,18 +771,12 @@ static PyObject *run(PyObject *args, int dequantize) {
                      dequantize ? "dequantize" : "qmv");
         goto out;
     }
-    const float *xf = (const float *)x.buf;
-    float *xp = NULL;
-    if (!dequantize) {
-        if (!(xsum = malloc(sizeof(float) * (size_t)(ng + k)))) {
-            PyErr_NoMemory();
-            goto out;
-        }
-        xp = xsum + ng;
-        prepare_x(xf, k, group, xsum, xp);
+    job_t j = {w.buf, s.buf, b.buf, NULL, y.buf, n, k, group, bits, sc, row_bytes, use_simd,
+               dequantize ? DEQUANTIZE : QMV, NULL, NULL, 0, ng * ssz, ng * ssz, NULL, NULL, NULL, 0, 0};
+    if (!dequantize && !(xsum = prepare_x_for(&j, (const float *)x.buf, &j.in))) {
+        PyErr_NoMemory();
+        goto out;
     }
-    job_t j = {w.buf, s.buf, b.buf, xf, xp, xsum, y.buf, n, k, group, bits, sc, row_bytes, use_simd,
-               dequantize ? DEQUANTIZE : QMV, NULL, NULL, 0, ng * ssz, ng * ssz, NULL, NULL, NULL, 0};
     if (dispatch(&j, 2 * ng) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
@@ -711,17 +830,13 @@ static PyObject *strided_rows(PyObject *args, int kind) {
     }
     job_t j;
     memset(&j, 0, sizeof j);
-    if (kind == QMV) {
-        if (!(xsum = malloc(sizeof(float) * (size_t)(ng + k)))) {
-            PyErr_NoMemory();
-            goto out;
-        }
-        prepare_x(x.buf, k, group, xsum, xsum + ng);
-        j.x = x.buf, j.xp = xsum + ng, j.xsum = xsum;
-    }
     j.w = w.buf, j.s = (const uint8_t *)w.buf + soff, j.b = (const uint8_t *)w.buf + boff, j.y = y.buf;
     j.n = m, j.k = k, j.g = group, j.bits = bits, j.scode = sc, j.row_bytes = stride, j.s_stride = stride;
     j.b_stride = stride, j.simd = use_simd, j.kind = kind, j.sel = ids;
+    if (kind == QMV && !(xsum = prepare_x_for(&j, x.buf, &j.in))) {
+        PyErr_NoMemory();
+        goto out;
+    }
     if (dispatch(&j, 2 * ng) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
@@ -808,6 +923,82 @@ static PyObject *py_dequantize_cols(PyObject *mod, PyObject *args) {
     return table_cols(args, DEQUANT_COLS);
 }
 
+#define MAX_MANY 64
+
+/* qmv_many(xs, ws, ss, bs, x_of, y, n, k, bits, group, scale_code): M matrices [n, k] alike
+ * (tuples ws, ss, bs: packed words, scales, biases of each), matrix i times xs[x_of[i]]
+ * (xs: a tuple of float32 [k]) -> y[i] (y float32 [M, n]), in one job shared out by rows:
+ * a layer's routed experts (gate and up on one x, then down on each expert's h) in two calls
+ * instead of three per expert, each x prepared once. */
+static PyObject *py_qmv_many(PyObject *mod, PyObject *args) {
+    PyObject *xs, *ws, *ss, *bs, *xof;
+    Py_buffer y, xb[MAX_MANY], wb[MAX_MANY], sb[MAX_MANY], bb[MAX_MANY];
+    long long n, k, bits, group, sc;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!w*LLLLL", &PyTuple_Type, &xs, &PyTuple_Type, &ws, &PyTuple_Type, &ss,
+                          &PyTuple_Type, &bs, &PyTuple_Type, &xof, &y, &n, &k, &bits, &group, &sc))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t m = PyTuple_GET_SIZE(ws), nx = PyTuple_GET_SIZE(xs);
+    Py_ssize_t got_x = 0, got_w = 0;
+    float *bufs[MAX_MANY] = {0};
+    xprep_t in[MAX_MANY];
+    mat_t mats[MAX_MANY];
+    const int64_t ssz = sc == F32 ? 4 : 2, ng = group > 0 && k > 0 ? k / group : 0, row_bytes = k * bits / 8;
+    int ok = m >= 1 && m <= MAX_MANY && nx >= 1 && nx <= m && PyTuple_GET_SIZE(ss) == m &&
+             PyTuple_GET_SIZE(bs) == m && PyTuple_GET_SIZE(xof) == m && valid_width(bits, group) && sc >= F32 &&
+             sc <= BF16 && n > 0 && k > 0 && k % group == 0 && y.len == m * n * 4 && ((uintptr_t)y.buf % 4) == 0;
+    for (; ok && got_x < nx; got_x++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(xs, got_x), &xb[got_x], PyBUF_SIMPLE) < 0) goto out;
+        ok = xb[got_x].len == 4 * k && ((uintptr_t)xb[got_x].buf % 4) == 0;
+    }
+    for (; ok && got_w < m; got_w++) {
+        const Py_ssize_t i = got_w;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(ws, i), &wb[i], PyBUF_SIMPLE) < 0) goto out;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(ss, i), &sb[i], PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&wb[i]);
+            goto out;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(bs, i), &bb[i], PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&wb[i]);
+            PyBuffer_Release(&sb[i]);
+            goto out;
+        }
+        const long xi = PyLong_AsLong(PyTuple_GET_ITEM(xof, i));
+        ok = wb[i].len == n * row_bytes && sb[i].len == n * ng * ssz && bb[i].len == n * ng * ssz && xi >= 0 &&
+             xi < nx;
+        mats[i].w = wb[i].buf, mats[i].s = sb[i].buf, mats[i].b = bb[i].buf;
+        mats[i].in = &in[ok ? xi : 0], mats[i].y = (float *)y.buf + i * n;
+    }
+    if (!ok) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "qmv_many: arguments of the wrong size or kind");
+        goto out;
+    }
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.n = m * n, j.per = n, j.k = k, j.g = group, j.bits = bits, j.scode = sc, j.row_bytes = row_bytes;
+    j.s_stride = ng * ssz, j.b_stride = ng * ssz, j.simd = use_simd, j.kind = QMV_MANY, j.mats = mats;
+    for (Py_ssize_t i = 0; i < nx; i++)
+        if (!(bufs[i] = prepare_x_for(&j, xb[i].buf, &in[i]))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    if (dispatch(&j, 2 * ng) < 0) goto out;
+    result = Py_None;
+    Py_INCREF(result);
+out:
+    for (Py_ssize_t i = 0; i < nx; i++) free(bufs[i]);
+    for (Py_ssize_t i = 0; i < got_x; i++) PyBuffer_Release(&xb[i]);
+    for (Py_ssize_t i = 0; i < got_w; i++) {
+        PyBuffer_Release(&wb[i]);
+        PyBuffer_Release(&sb[i]);
+        PyBuffer_Release(&bb[i]);
+    }
+    PyBuffer_Release(&y);
+    return result;
+}
+
 /* gather_mv(x, W, sel, y): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y, accumulate=0):
  * y = sum_i h[i] W[sel[i]] (accumulate: y += that, in the order qaxpy_cols's accumulate keeps).
  * W float32 [rows, k] (C order), sel int64 (each in 0 .. rows-1), x / y float32. */
@@ -876,13 +1067,17 @@ static PyObject *py_threads(PyObject *mod, PyObject *unused) {
     return PyLong_FromLong(pool.want);
 }
 
-/* simd(flag) -> bool: the AVX2 loops on/off (on only where the CPU has them); flag < 0 asks */
+/* simd(level) -> the level in use: 0 the portable loops, 1 AVX2, 2 AVX-512 BF16 for 4-bit
+ * products (AVX2 for the rest); a level above the CPU's gives the CPU's; level < 0 asks */
 static PyObject *py_simd(PyObject *mod, PyObject *args) {
     int flag;
     (void)mod;
     if (!PyArg_ParseTuple(args, "i", &flag)) return NULL;
-    if (flag >= 0) use_simd = flag && cpu_simd();
-    return PyBool_FromLong(use_simd);
+    if (flag >= 0) {
+        const int top = cpu_simd();
+        use_simd = flag < top ? flag : top;
+    }
+    return PyLong_FromLong(use_simd);
 }
 
 static PyMethodDef methods[] = {
@@ -897,11 +1092,12 @@ static PyMethodDef methods[] = {
      "dequantize_rows(None, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code)"},
     {"dequantize_cols", py_dequantize_cols, METH_VARARGS,
      "dequantize_cols(None, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
+    {"qmv_many", py_qmv_many, METH_VARARGS, "qmv_many(xs, ws, ss, bs, x_of, y, n, k, bits, group, scale_code)"},
     {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
     {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the pool's size (0: never set)"},
-    {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool (flag < 0: ask)"},
+    {"simd", py_simd, METH_VARARGS, "simd(level) -> the level in use: 0 portable, 1 AVX2, 2 AVX-512 BF16 (level < 0: ask)"},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_matvec", "matrix-vector products on the CPU: quantized, and over chosen rows", -1, methods};

@@ -11,6 +11,8 @@ import numpy as np
 
 import mlx.core as mx
 
+from ..errors import FlashError
+
 SCALE_CODE_OF = {"float32": 0, "float16": 1, "bfloat16": 2}  # _matvec.c's dtype codes, by name
 SCALE_CODES = {getattr(mx, name): code for name, code in SCALE_CODE_OF.items()}
 
@@ -25,14 +27,17 @@ def kernels_module():
     except ImportError as e:
         return None, f"the native kernels are not built ({e})"
     if not _matvec.threads():  # never set (the C default runs every row on the caller's thread)
-        _matvec.set_threads(default_threads())
         level = os.environ.get("MLX_FLASH_KERNEL_SIMD")
         if level:
-            _matvec.simd(SIMD_LEVELS.index(level) if level in SIMD_LEVELS else int(level))
+            if level not in SIMD_LEVELS:
+                raise FlashError(f"MLX_FLASH_KERNEL_SIMD={level!r}: one of {', '.join(SIMD_LEVELS)} (the widest "
+                                 "this CPU has is the default)")
+            _matvec.simd(SIMD_LEVELS.index(level))
+        _matvec.set_threads(default_threads())
     return _matvec, ""
 
 
-SIMD_LEVELS = ("portable", "avx2", "avx512-bf16")  # _matvec.simd's levels, by name
+SIMD_LEVELS = ("portable", "avx2", "avx512-bf16")  # _matvec.simd's levels 0, 1, 2, by name
 
 
 def simd_name(module):
@@ -126,14 +131,12 @@ def qmv_many(xs, mats, x_of, out=None):
 
 
 def alike(mats):
-    """Whether qmv_many may take these QuantMatrix together (one shape, width, group, scale dtype)."""
+    """Whether qmv_many may take these QuantMatrix together (one shape, width, group, scale dtype;
+    at most the module's MAX_MANY)."""
     first = mats[0]
-    return len(mats) <= QMV_MANY_MAX and all(
+    return len(mats) <= first.kernels.MAX_MANY and all(
         (m.n, m.k, m.bits, m.group_size, m.code, m.kernels) ==
         (first.n, first.k, first.bits, first.group_size, first.code, first.kernels) for m in mats)
-
-
-QMV_MANY_MAX = 64  # _matvec.c's MAX_MANY
 
 
 def gather_mv(kernels, x, w, sel):

@@ -576,7 +576,8 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* spin until *flag != value (gen) or == 0 (pending) for at most pool.spin_ns -> 1 if it happened */
+/* spin_gen: until the generation is not `seen`; spin_pending: until no share is pending; each for
+ * at most pool.spin_ns -> 1 if it happened, 0 if the caller must sleep on a condition */
 static int spin_gen(uint64_t seen) {
     if (atomic_load_explicit(&pool.gen, memory_order_acquire) != seen) return 1;
     if (pool.spin_ns <= 0) return 0;
@@ -592,13 +593,14 @@ static int spin_gen(uint64_t seen) {
 
 static int spin_pending(void) {
     if (atomic_load_explicit(&pool.pending, memory_order_acquire) == 0) return 1;
+    if (pool.spin_ns <= 0) return 0;
     const int64_t end = now_ns() + pool.spin_ns;
     for (;;) {
         for (int i = 0; i < 64; i++) {
             if (atomic_load_explicit(&pool.pending, memory_order_acquire) == 0) return 1;
             cpu_relax();
         }
-        if (pool.spin_ns <= 0 || now_ns() > end) return 0;
+        if (now_ns() > end) return 0;
     }
 }
 
@@ -988,8 +990,10 @@ static PyObject *py_qmv_many(PyObject *mod, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 out:
-    for (Py_ssize_t i = 0; i < nx; i++) free(bufs[i]);
-    for (Py_ssize_t i = 0; i < got_x; i++) PyBuffer_Release(&xb[i]);
+    for (Py_ssize_t i = 0; i < got_x; i++) { /* (bufs: set only once every x was taken) */
+        free(bufs[i]);
+        PyBuffer_Release(&xb[i]);
+    }
     for (Py_ssize_t i = 0; i < got_w; i++) {
         PyBuffer_Release(&wb[i]);
         PyBuffer_Release(&sb[i]);
@@ -1104,5 +1108,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_matvec", "matrix-ve
 
 PyMODINIT_FUNC PyInit__matvec(void) {
     use_simd = cpu_simd();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "MAX_MANY", MAX_MANY) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

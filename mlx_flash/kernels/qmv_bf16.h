@@ -19,24 +19,41 @@
  * of VDPBF16PS sums two neighbouring words: lanes 0-7 cover values c .. c + 31, lanes 8-15
  * values c + 32 .. c + 63, so each half takes its own group's scale (g is a multiple of 32).
  * Rows whose k is not a multiple of 64 stay on the AVX2 loop.
+ *
+ * Exact for every x a model produces; outside that: |x| below ~2^-110 loses its low parts
+ * (bfloat16 subnormals, which VDPBF16PS reads as zero), and finite |x| above ~3.39e38 rounds
+ * to infinity (a NaN row where the AVX2 loop stays finite).
+ *
+ * Built with GCC 11 or later, or a clang that has the instruction's builtin; otherwise (and
+ * off x86-64) this file defines nothing and 4-bit rows stay on AVX2.
  */
 #ifndef MLX_FLASH_QMV_BF16_H
 #define MLX_FLASH_QMV_BF16_H
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <stdint.h>
+
+#if defined(__clang__) && defined(__has_builtin)
+#if __has_builtin(__builtin_ia32_dpbf16ps_512)
+#define BF16_COMPILER 1
+#endif
+#elif defined(__GNUC__) && __GNUC__ >= 11
+#define BF16_COMPILER 1
+#endif
+
+#if defined(__x86_64__) && defined(BF16_COMPILER)
 #include <immintrin.h>
 #define BF16_PATH 1
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#define TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma,f16c")))
 
 static int cpu_bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+           __builtin_cpu_supports("avx512bf16");
 }
 
 /* 16 floats -> their bfloat16 rounding to nearest even (as 16-bit words in 32-bit lanes), and
  * those back as floats. Finite x only (activations); the residual x - back is exact. */
-AVX512BF16 static inline __m512i bf16_round(__m512 x, __m512 *back) {
+TARGET_AVX512_BF16 static inline __m512i bf16_round(__m512 x, __m512 *back) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
@@ -46,7 +63,7 @@ AVX512BF16 static inline __m512i bf16_round(__m512 x, __m512 *back) {
 
 /* x [k] (k % 64 == 0) -> xb [3 * k] bfloat16 words: x = part 0 + part 1 + part 2 exactly,
  * per 64 values the 32 even-indexed then the 32 odd-indexed */
-AVX512BF16 static void split_x_bf16(const float *x, int64_t k, uint16_t *xb) {
+TARGET_AVX512_BF16 static void split_x_bf16(const float *x, int64_t k, uint16_t *xb) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int64_t c = 0; c < k; c += 64) {
@@ -66,7 +83,7 @@ AVX512BF16 static void split_x_bf16(const float *x, int64_t k, uint16_t *xb) {
 }
 
 /* one 4-bit row . x: sum over 64-value steps of scale(group) * (q . x), in float32 lanes */
-AVX512BF16 static float row4_bf16(const uint8_t *w, const float *sc, const uint16_t *xb, int64_t k, int64_t g) {
+TARGET_AVX512_BF16 static float row4_bf16(const uint8_t *w, const float *sc, const uint16_t *xb, int64_t k, int64_t g) {
     /* word i -> bfloat16 of (i & 15): vpermw reads an index's low 5 bits, so a byte's high
      * nibble's low bit does not disturb its low nibble's lookup */
     static const uint16_t table[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,

@@ -114,17 +114,18 @@ def host_switch_glu(x, rows: ExpertRows):
     xs = np.array(x.astype(mx.float32)).reshape(-1, d)
     chosen = slots.reshape(xs.shape[0], -1)
     out = np.empty(chosen.shape + (d,), dtype=np.float32)
-    gates, ups, downs = ([mats[kind][s] for s in chosen[0].tolist()] for kind in ("gate", "up", "down"))
-    if xs.shape[0] == 1 and alike(gates + ups) and alike(downs):
-        # a decode step: every gate and up in one native call, every down in another
-        k = len(gates)
-        gu = qmv_many((xs[0],), gates + ups, (0,) * (2 * k))
-        g, u = gu[:k], gu[k:]
-        qmv_many(tuple(g / (1 + np.exp(-g)) * u), downs, range(k), out=out[0])
-    elif xs.shape[0] == 1:  # one position, experts of mixed widths: a product per matrix
-        for j, slot in enumerate(chosen[0].tolist()):
-            g, u = mats["gate"][slot].matvec(xs[0]), mats["up"][slot].matvec(xs[0])
-            mats["down"][slot].matvec(g / (1 + np.exp(-g)) * u, out[0, j])
+    if xs.shape[0] == 1:
+        gates, ups, downs = ([mats[kind][s] for s in chosen[0].tolist()] for kind in ("gate", "up", "down"))
+        if alike(gates + ups) and alike(downs):
+            # a decode step: every gate and up in one native call, every down in another
+            k = len(gates)
+            gu = qmv_many((xs[0],), gates + ups, (0,) * (2 * k))
+            g, u = gu[:k], gu[k:]
+            qmv_many(tuple(g / (1 + np.exp(-g)) * u), downs, range(k), out=out[0])
+        else:  # matrices of other widths (never in one buffer today): a product per matrix
+            for j, (gate, up, down) in enumerate(zip(gates, ups, downs)):
+                g, u = gate.matvec(xs[0]), up.matvec(xs[0])
+                down.matvec(g / (1 + np.exp(-g)) * u, out[0, j])
     else:
         for slot in np.unique(chosen).tolist():
             pos, j = np.nonzero(chosen == slot)

@@ -92,6 +92,20 @@ def test_many_products_in_one_call_equal_one_call_each(simd_and_threads):
         qmv_many(xs, mats, (0, 1, 2, 0, 1, 0))  # no x 2
     with pytest.raises(ValueError, match="qmv_many"):
         qmv_many([xs[0][:100]], mats[:1], (0,))  # x too short
+    many = [mats[0]] * (kernels.MAX_MANY + 1)
+    assert not alike(many)
+    with pytest.raises(ValueError, match="qmv_many"):  # more than MAX_MANY (once a double free)
+        qmv_many([xs[0]] * len(many), many, range(len(many)))
+
+
+def test_an_unknown_simd_level_is_a_clear_error():
+    code = "from mlx_flash.kernels import kernels_module\nkernels_module()\n"
+    env = os.environ | {"PYTHONWARNINGS": "ignore", "MLX_FLASH_KERNEL_SIMD": "avx3"}
+    r = subprocess.run([sys.executable, "-c", code], timeout=60, env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "MLX_FLASH_KERNEL_SIMD='avx3': one of portable, avx2, avx512-bf16" in r.stderr
+    env["MLX_FLASH_KERNEL_SIMD"] = "portable"
+    code = "from mlx_flash.kernels import kernels_module\nk, _ = kernels_module()\nassert k.simd(-1) == 0\n"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60, env=env).returncode == 0
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])

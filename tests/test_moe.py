@@ -2,6 +2,8 @@
 budget, parity with mlx_lm's own implementation of each family on the same weights."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -209,6 +211,25 @@ def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):
     assert sim["belady"] >= max(sim["lru"], sim["lfu"], sim["edgemoe"]) - 1e-9
     text = (tmp_path / "out" / "moe-tiny-moe-q4-trace.md").read_text()
     assert "| 50% | edgemoe+lookahead |" in text and "Belady" in text
+
+
+def test_a_wider_look_ahead_guesses_more(tmp_path):
+    from mlx_flash.bench.moe import run_moe_bench
+
+    def predicted(width):
+        res = run_moe_bench("tiny-moe", budgets=("50%",), tokens=4, rounds=1, warmup=1, out=tmp_path / f"w{width}",
+                            rows=("edgemoe+lookahead",), progress=False, home=tmp_path / "home",
+                            lookahead_width=width)
+        assert res["lookahead_width"] == (width or res["top_k"])
+        return res["rows"][0]["predicted"], res["top_k"]
+
+    narrow, k = predicted(None)
+    wide, _ = predicted(3 * k)
+    assert wide > narrow
+    assert f"guesses {3 * k} experts a layer" in (tmp_path / f"w{3 * k}" / "moe-tiny-moe-q4-trace.md").read_text()
+    r = subprocess.run([sys.executable, "-m", "mlx_flash", "benchmark", "moe", "--routing", "model",
+                        "--lookahead-width", "4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--lookahead-width: a positive number, with --routing trace" in r.stderr
 
 
 def test_generate_under_a_cgroup_of_the_limit(tmp_path):

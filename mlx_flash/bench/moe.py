@@ -65,9 +65,11 @@ class RoutingTrace:
         return [[self.choose(layer) for layer in range(self.n_layers)] for _ in range(tokens)]
 
 
-def drive_routing(model, trace, predictor=None):
+def drive_routing(model, trace, predictor=None, width=None):
     """Route every MoE block of `model` by `trace` (weights 1/k) instead of its router; with a
-    predictor (sparsity/expert_paths.py), the look-ahead guesses from it instead of the next router."""
+    predictor (sparsity/expert_paths.py), the look-ahead guesses from it instead of the next router:
+    its `width` (default k) most likely experts of the next layer."""
+    width = width or trace.k
     import mlx.core as mx
 
     for i, layer in enumerate(model.layers):
@@ -85,7 +87,7 @@ def drive_routing(model, trace, predictor=None):
         if predictor is not None and block.experts.lookahead is not None:
             nxt = block.experts.lookahead[0]
             block.experts.lookahead = (nxt, lambda residual, inds, layer=i: predictor.predict(
-                layer, np.array(inds), trace.k)[None])
+                layer, np.array(inds), width)[None])
 
 
 def _row_options(row, budget_bytes, top_k_bytes):
@@ -127,7 +129,7 @@ def _decode(model, prompt, tokens, warmup):
 
 
 def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, rounds=2, warmup=4,
-                  rows=ROWS, out="results/moe", progress=True, home=None, routing="trace"):
+                  rows=ROWS, out="results/moe", progress=True, home=None, routing="trace", lookahead_width=None):
     import mlx.core as mx
 
     import mlx_flash
@@ -176,7 +178,7 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
                 model, _ = mlx_flash.load(folder, **options)
                 model.runtime.store.stats.trace = []  # (recorded for the offline policies)
                 if routing == "trace":  # the same routing for every row and round
-                    drive_routing(model, RoutingTrace(n_all, lay.n_experts, top_k), predictor)
+                    drive_routing(model, RoutingTrace(n_all, lay.n_experts, top_k), predictor, lookahead_width)
                 slots = model.runtime.store.slots
                 measured = _decode(model, prompt, tokens, warmup)
                 trace = list(model.runtime.store.stats.trace)
@@ -216,7 +218,7 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
               "model_bytes": model_bytes, "resident_bytes": resident, "slot_bytes": slot,
               "expert_bytes_on_flash": lay.bundle_bytes, "n_experts": lay.n_experts, "top_k": top_k,
               "disk_gbps_at_expert_size": disk, "tokens": tokens, "rounds": rounds, "warmup": warmup,
-              "routing": routing,
+              "routing": routing, "lookahead_width": lookahead_width or top_k,
               "rows": table, "simulated_hit_rates": simulated}
     _write(report, Path(out))
     return report
@@ -274,7 +276,10 @@ def _write(report, out):
              f"part {report['resident_bytes'] / 1e9:.2f} GB. Uncached reads of one expert: {d['at_start']:.2f} GB/s "
              f"before the runs, {d['at_end']:.2f} after (the floor uses the lower). {report['tokens']} decode tokens "
              f"after {report['warmup']} of warm-up, {report['rounds']} alternating rounds, medians per token. Routing: "
-             + (ROUTING_TEXT[report["routing"]]), "",
+             + ROUTING_TEXT[report["routing"]]
+             + (f" The look-ahead guesses {report['lookahead_width']} experts a layer."
+                if report["routing"] == "trace" and report.get("lookahead_width", report["top_k"]) != report["top_k"]
+                else ""), "",
              "| budget | row | slots | ms/token | vs naive | expert I/O ms | compute ms | read MB/token | hit rate "
              "| look-ahead precision | I/O hidden | I/O floor ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

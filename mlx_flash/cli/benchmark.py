@@ -227,6 +227,9 @@ def add_moe_parser(sub):
     s.add_argument("--routing", default="trace", choices=["trace", "model"],
                    help="trace: a generator with a trained model's skew and correlations (the default: a random "
                    "model's own routers route much alike token after token); model: the random model's routers")
+    s.add_argument("--lookahead-width", type=int, default=None,
+                   help="--routing trace: experts the path statistics guess for each next layer (default: top-k); "
+                   "wider guesses read more ahead, hit more, and cost reads")
     s.add_argument("--out", default="results/moe")
     s.add_argument("--quiet", action="store_true", help="no progress")
 
@@ -310,8 +313,12 @@ def moe_main(args):
         raise FlashError(f"--rows: unknown {', '.join(bad)} (choose from {', '.join(moe.ROWS)})")
     if args.tokens < 1 or args.rounds < 1 or args.warmup < 0:
         raise FlashError("--tokens and --rounds must be positive, --warmup not negative")
+    if args.lookahead_width is not None and (args.routing != "trace" or args.lookahead_width < 1):
+        raise FlashError("--lookahead-width: a positive number, with --routing trace (the model's routers' "
+                         "look-ahead guesses its top-k)")
     res = moe.run_moe_bench(args.shape, tuple(args.budgets), args.tokens, args.rounds, args.warmup,
-                            tuple(args.rows), args.out, progress=not args.quiet, routing=args.routing)
+                            tuple(args.rows), args.out, progress=not args.quiet, routing=args.routing,
+                            lookahead_width=args.lookahead_width)
     path = Path(args.out) / f"moe-{res['shape']}-q4-{res['routing']}.md"
     print(path.read_text())
     print(f"wrote {path} and {path.with_suffix('.json')}")

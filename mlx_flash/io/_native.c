@@ -645,12 +645,12 @@ static PyObject *py_crc32c_rows(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* crc32c_hardware(flag) -> bool: the CRC instruction on/off (-1: query) */
+/* crc32c_hardware(flag) -> 1 (the CRC instruction) or 0 (the table): set on/off, -1 queries */
 static PyObject *py_crc32c_hardware(PyObject *mod, PyObject *args) {
     int flag;
     (void)mod;
     if (!PyArg_ParseTuple(args, "i", &flag)) return NULL;
-    return PyBool_FromLong(crc32c_hardware(flag));
+    return PyLong_FromLong(crc32c_hardware(flag)); /* 0 or 1: the path crc32c_update takes */
 }
 
 /* convert(src, src_code, dst, dst_code, n): the conversion alone, for tests */
@@ -796,7 +796,7 @@ static PyMethodDef module_methods[] = {
     {"simd", py_simd, METH_VARARGS, "simd(flag) -> bool: F16C / AVX2 code on/off (-1: query)"},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int"},
     {"crc32c_rows", py_crc32c_rows, METH_VARARGS, "crc32c_rows(rows, row_bytes, off, n, out, crc=0)"},
-    {"crc32c_hardware", py_crc32c_hardware, METH_VARARGS, "crc32c_hardware(flag) -> bool (-1: query)"},
+    {"crc32c_hardware", py_crc32c_hardware, METH_VARARGS, "crc32c_hardware(flag) -> 1 (instruction) or 0 (table); -1: query"},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",

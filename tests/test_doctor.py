@@ -17,7 +17,7 @@ def _doctor(*args, home=None):
 def test_doctor_reports_the_machine(tmp_path):
     r = _doctor("--no-probe", home=tmp_path)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    for key in ("mlx_flash", "python", "platform", "ram", "mlx device", "blas", "reader pool", "quantized kernels",
+    for key in ("mlx_flash", "python", "platform", "ram", "mlx device", "blas", "reader pool", "checksums", "quantized kernels",
                 "disk free", "uncached reads", "machine profile"):
         assert any(line.startswith(key + " ") for line in r.stdout.splitlines()), (key, r.stdout)
     # a fresh home has no machine profile: said, with the command that measures one

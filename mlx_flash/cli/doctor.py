@@ -129,6 +129,14 @@ def _native(found, warnings, where, args):
     if not native_available():
         warnings.append("the reader's native extension is not built: reads cost ~4x the CPU and checksums are not "
                         "verified on streamed attention; reinstall mlx_flash with a C compiler (pip install -e .)")
+    else:
+        from ..io import _native as reader
+
+        hardware = reader.crc32c_hardware(-1)
+        found["checksums"] = "CRC32C instruction" if hardware else "CRC32C by table"
+        if not hardware:
+            warnings.append("checksums run by table (this CPU or build has no CRC32C instruction): a checked read "
+                            "costs ~2x the CPU; --no-verify skips the checks")
     kernels, why = kernels_module()
     if kernels is None:
         found["quantized kernels"] = f"none ({why})"

@@ -283,9 +283,15 @@ def on_route(model, record):
 
 def router_lookahead(block):
     """The next MoE layer's router applied to this layer's residual stream (before the next
-    attention): its guess of that layer's experts."""
+    attention): its guess of that layer's experts, the most likely first (the store reads them in
+    that order until the layer comes)."""
     norm, moe = block.post_attention_layernorm, block[block.block_name]
-    return lambda residual, inds: moe.route(norm(residual))[0]
+
+    def guess(residual, inds):
+        chosen, scores = moe.route(norm(residual))
+        return mx.take_along_axis(chosen, mx.argsort(-scores, axis=-1), axis=-1)
+
+    return guess
 
 
 class Model(llama.Model):

@@ -14,6 +14,7 @@ On a GPU the slabs would want a staged copy (as NeuronCache's); not written: the
 built on the CPU (and Apple's unified memory) only.
 """
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +33,9 @@ from ...models.moe import ExpertRows
 from .base import cpu_kernels
 
 NARROW_STAGING = 64 << 20  # bytes of narrower experts staged at a time before widening
+# experts the look-ahead reads at a time: between batches it stops when their layer comes, so a late
+# or wrong guess costs at most one batch's wait (4 Qwen3-30B-A3B experts: ~11 MB, ~5 ms here)
+READ_AHEAD_BATCH = 4
 
 
 class ExpertStats:
@@ -47,6 +51,7 @@ class ExpertStats:
         self.predicted = 0  # experts the look-ahead named for a layer (not already in the buffer)
         self.predicted_used = 0  # of those, asked for by that layer
         self.prefetched_bytes = 0
+        self.cancelled = 0  # named experts whose read had not begun when their layer came (not read)
         self.prefetch_s = 0.0  # the worker's reading time
         self.wait_s = 0.0  # of it, what a layer waited for (the rest was hidden by compute)
         # [(layer, unique experts)] in order, when a benchmark sets it to a list: the offline policies'
@@ -63,6 +68,7 @@ class ExpertStats:
             read = self.io_s + self.prefetch_s
             out["prefetch"] = {"predicted": self.predicted, "predicted_used": self.predicted_used,
                                "precision": self.predicted_used / self.predicted,
+                               "cancelled": self.cancelled,
                                "bytes": self.prefetched_bytes, "read_s": self.prefetch_s, "waited_s": self.wait_s,
                                "hidden_share": (self.prefetch_s - self.wait_s) / read if read else None}
         return out
@@ -95,7 +101,7 @@ class ExpertStore:
         self.host = self._host_matrices()
         self.prefetch = prefetch and slots < total  # (dense: nothing to read ahead)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-experts") if self.prefetch else None
-        self._pending = None  # (layer, ids being read, future)
+        self._pending = None  # (layer, ids being read, their slots, future, threading.Event: stop)
         self.busy = np.zeros(0, dtype=np.int64)  # the global ids the current layer computes on
         self._predicted = {}  # {layer: global ids the look-ahead read for it}
 
@@ -200,39 +206,59 @@ class ExpertStore:
                     view[into] = buf
 
     def _drain(self):
-        """Wait for the look-ahead's read in flight (its failure raises here)."""
+        """End the look-ahead's read in flight: batches not begun are cancelled (their experts leave
+        the buffer), the one being read is waited for (its failure raises here)."""
         if self._pending is None:
             return
-        layer, missing, fut = self._pending
+        layer, missing, into, fut, stop = self._pending
         self._pending = None
+        stop.set()
         t0 = time.perf_counter()
         try:
-            self.stats.prefetch_s += fut.result()
+            seconds, done = fut.result()
         finally:
             self.stats.wait_s += time.perf_counter() - t0
+        self.stats.prefetch_s += seconds
+        if done < missing.size:
+            self.cache.forget(missing[done:])
+            self.stats.cancelled += missing.size - done
+        read = missing[:done]
+        self._predicted[layer] = read
+        self.stats.predicted += read.size
+        self.stats.prefetched_bytes += self.read_bytes(layer, read)
 
-    def _timed_read(self, layer, missing, into):
-        t0 = time.perf_counter()
-        self._read(layer, missing, into)
-        return time.perf_counter() - t0
+    def _read_ahead_batches(self, layer, missing, into, stop):
+        """The look-ahead's read, READ_AHEAD_BATCH experts at a time, most likely first, until `stop`
+        -> (seconds, experts read)."""
+        t0, done = time.perf_counter(), 0
+        try:
+            while done < missing.size and not stop.is_set():
+                end = min(missing.size, done + READ_AHEAD_BATCH)
+                self._read(layer, missing[done:end], into[done:end])
+                done = end
+        except BaseException:  # (_read forgot its batch; the batches after it never came)
+            self.cache.forget(missing[done:])
+            raise
+        return time.perf_counter() - t0, done
 
     def read_ahead(self, layer, inds):
-        """The look-ahead's guess of `layer`'s experts (router indices): read the ones not in the
-        buffer in the background, into slots the current layer's experts (`busy`) do not hold.
+        """The look-ahead's guess of `layer`'s experts (router indices, most likely first): read the
+        ones not in the buffer in the background, into slots the current layer's experts (`busy`) do
+        not hold, until that layer asks for its experts (the rest is then cancelled, not waited for).
         A wrong guess costs reads, never correctness."""
         if not self.prefetch or layer not in self.groups:
             return
         self._drain()
-        guess = np.unique(np.array(inds).astype(np.int64))
+        guess = np.asarray(inds).astype(np.int64).reshape(-1)
+        guess = guess[np.sort(np.unique(guess, return_index=True)[1])]  # unique, in the guess's order
         ids = self.cache.ids(layer, guess)
         ids = ids[self.cache.slot_of[ids] < 0][: max(0, self.slots - self.busy.size)]
         if not ids.size:
             return
         _, missing, into = self.cache.place(ids, protect=self.busy, touch=False)
-        self._predicted[layer] = missing
-        self.stats.predicted += missing.size
-        self.stats.prefetched_bytes += self.read_bytes(layer, missing)
-        self._pending = (layer, missing, self._worker.submit(self._timed_read, layer, missing, into))
+        stop = threading.Event()
+        self._pending = (layer, missing, into, self._worker.submit(self._read_ahead_batches, layer, missing, into,
+                                                                    stop), stop)
 
     def _ensure(self, layer, experts):
         """Unique experts of `layer` into the buffer -> their slots."""

@@ -4,6 +4,8 @@ budget, parity with mlx_lm's own implementation of each family on the same weigh
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -195,6 +197,42 @@ def test_the_router_look_ahead_reads_ahead_and_changes_nothing(tmp_path):
     assert p["predicted"] > 0 and 0 <= p["predicted_used"] <= p["predicted"] and p["read_s"] >= p["waited_s"] >= 0
     chance = 3 / 12  # top-3 of 12 experts
     assert p["predicted_used"] / p["predicted"] > 1.5 * chance, p
+
+
+def test_a_late_read_ahead_is_cancelled_and_changes_nothing(tmp_path, monkeypatch):
+    """Reads slowed down (a fault injected: 30 ms a batch of one expert) so that each layer comes
+    while its read-ahead is still going: the batches not begun are cancelled, their experts leave
+    the buffer, and the logits and tokens are those of a run without the look-ahead."""
+    from mlx_flash.runtime.stores import experts as store_module
+
+    src, _, _ = make_moe_folder(tmp_path / "hf", "qwen3_moe", num_hidden_layers=4, num_experts=12, mlp_only_layers=[])
+    out = convert(src, tmp_path / "flash", progress=False, dtype="float32")
+    budget = _budget(out, 9)
+    model, _ = mlx_flash.load(out, memory_budget=budget, prefetch=False)
+    want_logits, want_tokens = model(mx.array([TOKENS])), greedy(model, TOKENS, 12)
+    model.runtime.close()
+
+    monkeypatch.setattr(store_module, "READ_AHEAD_BATCH", 1)
+    model, _ = mlx_flash.load(out, memory_budget=budget, prefetch=True)
+    store = model.runtime.store
+    read = store._read
+
+    def slow_read(layer, missing, into):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.03)
+        read(layer, missing, into)
+
+    store._read = slow_read
+    for ffn in [layer.mlp.experts for layer in model.layers]:  # guess every expert: more than one batch
+        if ffn.lookahead is not None:
+            ffn.lookahead = (ffn.lookahead[0], lambda residual, inds: mx.arange(12)[None])
+    logits, tokens = model(mx.array([TOKENS])), greedy(model, TOKENS, 12)
+    summary = model.runtime.stats()["summary"]["prefetch"]
+    model.runtime.close()
+    assert mx.array_equal(logits, want_logits) and tokens == want_tokens
+    assert summary["cancelled"] > 0 and summary["predicted"] > 0, summary
+    cache = store.cache
+    assert (cache.slot_of[cache.id_in[cache.id_in >= 0]] >= 0).all()  # every slot's id knows its slot
 
 
 def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):

@@ -232,7 +232,23 @@ def test_a_late_read_ahead_is_cancelled_and_changes_nothing(tmp_path, monkeypatc
     assert mx.array_equal(logits, want_logits) and tokens == want_tokens
     assert summary["cancelled"] > 0 and summary["predicted"] > 0, summary
     cache = store.cache
-    assert (cache.slot_of[cache.id_in[cache.id_in >= 0]] >= 0).all()  # every slot's id knows its slot
+    held = np.flatnonzero(cache.id_in >= 0)
+    assert np.array_equal(cache.slot_of[cache.id_in[held]], held)  # each held id points to its slot
+    assert np.array_equal(np.sort(np.flatnonzero(cache.slot_of >= 0)), np.sort(cache.id_in[held]))
+
+
+def test_a_reservation_given_back_restores_the_slots_previous_experts():
+    cache = ExpertCache(4, 8, 2, "lru")
+    cache.place(cache.ids(0, [0, 1, 2]))
+    cache.place(cache.ids(1, [3]))  # full
+    before = (cache.slot_of.copy(), cache.id_in.copy())
+    missing, into, previous = cache.reserve(cache.ids(1, [5, 6]), protect=cache.ids(1, [3]))
+    assert set(previous.tolist()) <= set(cache.ids(0, [0, 1, 2]).tolist()) and (cache.id_in[into] == missing).all()
+    cache.give_back(missing[1:], into[1:], previous[1:])  # the first was read, the second cancelled
+    assert cache.slot_of[missing[0]] == into[0] and cache.slot_of[missing[1]] == -1
+    assert cache.slot_of[previous[1]] == into[1] and cache.id_in[into[1]] == previous[1]
+    cache.give_back(missing[:1], into[:1], previous[:1])
+    assert np.array_equal(cache.slot_of, before[0]) and np.array_equal(cache.id_in, before[1])
 
 
 def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):

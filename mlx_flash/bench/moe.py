@@ -99,7 +99,7 @@ def _row_options(row, budget_bytes, top_k_bytes):
 
 
 COUNTERS = ("io_s", "wait_s", "prefetch_s", "bytes", "prefetched_bytes", "asked", "hits", "predicted",
-            "predicted_used")  # the ExpertStats a measured token is charged with
+            "predicted_used", "cancelled")  # the ExpertStats a measured token is charged with
 
 
 def _counters(stats):
@@ -133,7 +133,11 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     import mlx.core as mx
 
     import mlx_flash
-    from ..errors import BudgetTooSmall
+    from ..errors import BudgetTooSmall, FlashError
+
+    if lookahead_width is not None and (routing != "trace" or lookahead_width < 1):
+        raise FlashError("lookahead_width: a positive number, with trace routing (the model's routers' look-ahead "
+                         "guesses its top-k)")
     from ..layout.format import read_manifest
     from ..runtime.budget import parse_budget
     from ..runtime.moe import slot_bytes
@@ -209,6 +213,7 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
                       "read_mb_per_token": read_bytes / 1e6, "hit_rate": total("hits") / asked if asked else None,
                       "floor_ms": 1e3 * read_bytes / (gbps * 1e9), "predicted": pred,
                       "precision": total("predicted_used") / pred if pred else None,
+                      "cancelled": total("cancelled"),
                       "hidden_share": (pre_s - wait) / (io + pre_s) if pred and (io + pre_s) else None})
     simulated = _simulate(results, n_all, lay, top_k)
     naive = {e["budget"]: e["ms_per_token"] for e in table if e["row"] == "naive"}

@@ -29,6 +29,24 @@ class ExpertCache:
         """Unique ids -> (their slots, the missing ids, the slots to read them into). protect:
         more ids that must stay (a prefetch keeps the experts the current layer computes on);
         touch=False: a prediction, not a use (the policy hears of the use when it comes)."""
+        slots, missing, into, _ = self._place(ids, protect, touch)
+        return slots, missing, into
+
+    def reserve(self, ids, protect=None):
+        """Slots for a prediction's missing ids (not a use) -> (the missing ids, their slots, the ids
+        those slots held until now, -1 where free): give_back() undoes it for ids never read."""
+        _, missing, into, previous = self._place(ids, protect, touch=False)
+        return missing, into, previous
+
+    def give_back(self, ids, slots, previous):
+        """Ids reserved but never read: their slots hold their previous ids again (whose bytes were
+        never overwritten). Only before any other place() (the store drains its read first)."""
+        self.slot_of[ids] = -1
+        self.id_in[slots] = previous
+        back = previous >= 0
+        self.slot_of[previous[back]] = slots[back]
+
+    def _place(self, ids, protect, touch):
         ids = np.asarray(ids, dtype=np.int64)
         keep = ids if protect is None else np.concatenate([ids, np.asarray(protect, dtype=np.int64)])
         if keep.size > self.n_slots:
@@ -41,12 +59,13 @@ class ExpertCache:
             slots = self.slot_of[gone]
             self.slot_of[gone] = -1
             free = np.concatenate([free, slots])
+        previous = self.id_in[free].copy()
         self.slot_of[missing] = free
         self.id_in[free] = missing
         if touch:
             self.policy.touch(ids, self.step)
             self.step += 1
-        return self.slot_of[ids], missing, free
+        return self.slot_of[ids], missing, free, previous
 
     def forget(self, ids):
         """Drop ids whose slots did not get their bytes (a failed read)."""

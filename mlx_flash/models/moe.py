@@ -18,8 +18,8 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from ..errors import FlashError
-from . import llama
 from ..kernels import alike, qmv_many
+from . import llama
 from .llama import Attention
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")

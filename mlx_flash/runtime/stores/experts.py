@@ -48,7 +48,7 @@ class ExpertStats:
         self.hits = np.zeros(n_layers, dtype=np.int64)
         self.bytes = 0
         self.io_s = 0.0
-        self.predicted = 0  # experts the look-ahead named for a layer (not already in the buffer)
+        self.predicted = 0  # experts the look-ahead read for a layer (named, not in the buffer, read in time)
         self.predicted_used = 0  # of those, asked for by that layer
         self.prefetched_bytes = 0
         self.cancelled = 0  # named experts whose read had not begun when their layer came (not read)
@@ -64,10 +64,10 @@ class ExpertStats:
         out = {"experts_asked": asked, "experts_read": asked - int(self.hits.sum()),
                "hit_rate": float(self.hits.sum() / asked) if asked else None, "hit_rate_per_layer": per_layer,
                "bytes_read": self.bytes, "io_s": self.io_s}
-        if self.predicted:
+        if self.predicted or self.cancelled:
             read = self.io_s + self.prefetch_s
             out["prefetch"] = {"predicted": self.predicted, "predicted_used": self.predicted_used,
-                               "precision": self.predicted_used / self.predicted,
+                               "precision": self.predicted_used / self.predicted if self.predicted else None,
                                "cancelled": self.cancelled,
                                "bytes": self.prefetched_bytes, "read_s": self.prefetch_s, "waited_s": self.wait_s,
                                "hidden_share": (self.prefetch_s - self.wait_s) / read if read else None}
@@ -101,7 +101,7 @@ class ExpertStore:
         self.host = self._host_matrices()
         self.prefetch = prefetch and slots < total  # (dense: nothing to read ahead)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-experts") if self.prefetch else None
-        self._pending = None  # (layer, ids being read, their slots, future, threading.Event: stop)
+        self._pending = None  # (layer, ids being read, their slots, the slots' previous ids, future, stop Event)
         self.busy = np.zeros(0, dtype=np.int64)  # the global ids the current layer computes on
         self._predicted = {}  # {layer: global ids the look-ahead read for it}
 
@@ -206,26 +206,35 @@ class ExpertStore:
                     view[into] = buf
 
     def _drain(self):
-        """End the look-ahead's read in flight: batches not begun are cancelled (their experts leave
-        the buffer), the one being read is waited for (its failure raises here)."""
+        """End the look-ahead's read in flight: batches not begun are cancelled (their slots get back
+        the experts they held, whose bytes are untouched), the one being read is waited for (its
+        failure raises here, its experts and those after it out of the buffer)."""
         if self._pending is None:
             return
-        layer, missing, into, fut, stop = self._pending
+        layer, missing, into, previous, fut, stop = self._pending
         self._pending = None
         stop.set()
-        t0 = time.perf_counter()
-        try:
-            seconds, done = fut.result()
-        finally:
-            self.stats.wait_s += time.perf_counter() - t0
+        t0, interrupted = time.perf_counter(), None
+        while True:  # to the end, even if this thread is interrupted: the worker writes into the slots
+            try:
+                seconds, done = fut.result()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+            except BaseException:  # a failed read (the worker forgot the experts it did not read)
+                self.stats.wait_s += time.perf_counter() - t0
+                raise
+        self.stats.wait_s += time.perf_counter() - t0
         self.stats.prefetch_s += seconds
         if done < missing.size:
-            self.cache.forget(missing[done:])
+            self.cache.give_back(missing[done:], into[done:], previous[done:])
             self.stats.cancelled += missing.size - done
         read = missing[:done]
         self._predicted[layer] = read
         self.stats.predicted += read.size
         self.stats.prefetched_bytes += self.read_bytes(layer, read)
+        if interrupted is not None:
+            raise interrupted
 
     def _read_ahead_batches(self, layer, missing, into, stop):
         """The look-ahead's read, READ_AHEAD_BATCH experts at a time, most likely first, until `stop`
@@ -255,10 +264,10 @@ class ExpertStore:
         ids = ids[self.cache.slot_of[ids] < 0][: max(0, self.slots - self.busy.size)]
         if not ids.size:
             return
-        _, missing, into = self.cache.place(ids, protect=self.busy, touch=False)
+        missing, into, previous = self.cache.reserve(ids, protect=self.busy)
         stop = threading.Event()
-        self._pending = (layer, missing, into, self._worker.submit(self._read_ahead_batches, layer, missing, into,
-                                                                    stop), stop)
+        self._pending = (layer, missing, into, previous,
+                         self._worker.submit(self._read_ahead_batches, layer, missing, into, stop), stop)
 
     def _ensure(self, layer, experts):
         """Unique experts of `layer` into the buffer -> their slots."""

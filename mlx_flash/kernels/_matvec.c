@@ -547,7 +547,7 @@ static struct {
     pid_t pid;    /* the process that started the workers */
     _Atomic uint64_t gen;  /* a new job (or a stop) is a new generation; job and n are set before */
     uint64_t start_gen;
-    _Atomic int pending;  /* workers' shares not finished */
+    _Atomic uint64_t pending;  /* workers' shares not finished */
     int sleepers, waiting;  /* under mu: workers asleep on go; the caller asleep on done */
     const job_t *job;
     float *scratch;  /* scratch_per = 2 * (K / g) floats for each of scratch_n threads */
@@ -576,28 +576,14 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* spin_gen: until the generation is not `seen`; spin_pending: until no share is pending; each for
- * at most pool.spin_ns -> 1 if it happened, 0 if the caller must sleep on a condition */
-static int spin_gen(uint64_t seen) {
-    if (atomic_load_explicit(&pool.gen, memory_order_acquire) != seen) return 1;
-    if (pool.spin_ns <= 0) return 0;
-    const int64_t end = now_ns() + pool.spin_ns;
+/* spin until *v == want (is_equal) or != want (else), for at most pool.spin_ns -> 1 if it
+ * happened, 0 if the caller must sleep on a condition */
+static int spin_until(_Atomic uint64_t *v, uint64_t want, int is_equal) {
+    const int64_t end = pool.spin_ns > 0 ? now_ns() + pool.spin_ns : 0;
     for (;;) {
         for (int i = 0; i < 64; i++) {
-            if (atomic_load_explicit(&pool.gen, memory_order_acquire) != seen) return 1;
-            cpu_relax();
-        }
-        if (now_ns() > end) return 0;
-    }
-}
-
-static int spin_pending(void) {
-    if (atomic_load_explicit(&pool.pending, memory_order_acquire) == 0) return 1;
-    if (pool.spin_ns <= 0) return 0;
-    const int64_t end = now_ns() + pool.spin_ns;
-    for (;;) {
-        for (int i = 0; i < 64; i++) {
-            if (atomic_load_explicit(&pool.pending, memory_order_acquire) == 0) return 1;
+            if ((atomic_load_explicit(v, memory_order_acquire) == want) == is_equal) return 1;
+            if (!end) return 0;
             cpu_relax();
         }
         if (now_ns() > end) return 0;
@@ -608,7 +594,7 @@ static void *worker(void *arg) {
     const int i = (int)(intptr_t)arg;
     uint64_t seen = pool.start_gen; /* set before this thread started; no job runs meanwhile */
     for (;;) {
-        if (!spin_gen(seen)) {
+        if (!spin_until(&pool.gen, seen, 0)) {
             pthread_mutex_lock(&pool.mu);
             pool.sleepers++;
             while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) pthread_cond_wait(&pool.go, &pool.mu);
@@ -631,7 +617,7 @@ static void *worker(void *arg) {
 /* a new generation: job (NULL: stop) for every worker */
 static void pool_publish(const job_t *j) {
     pool.job = j;
-    atomic_store_explicit(&pool.pending, pool.n - 1, memory_order_relaxed);
+    atomic_store_explicit(&pool.pending, (uint64_t)(pool.n - 1), memory_order_relaxed);
     atomic_fetch_add_explicit(&pool.gen, 1, memory_order_acq_rel);
     pthread_mutex_lock(&pool.mu); /* a worker checks gen under mu before it sleeps: none is missed */
     if (pool.sleepers) pthread_cond_broadcast(&pool.go);
@@ -682,7 +668,7 @@ static void run_job(const job_t *j) {
     const int par = pool.n > 1 && j->n >= 4 * pool.n && work >= PAR_MIN_WORK;
     if (par) pool_publish(j);
     share(j, 0, par ? pool.n : 1); /* the caller's share: the first, or every row */
-    if (par && !spin_pending()) {
+    if (par && !spin_until(&pool.pending, 0, 1)) {
         pthread_mutex_lock(&pool.mu);
         pool.waiting = 1;
         while (atomic_load_explicit(&pool.pending, memory_order_acquire)) pthread_cond_wait(&pool.done, &pool.mu);
@@ -712,8 +698,8 @@ static int dispatch(const job_t *j, int64_t scratch) {
     return 0;
 }
 
-/* x's group sums and its 4-bit SIMD order (per 16 values: 8 even-indexed, then 8 odd) */
-static void prepare_x(const float *xf, int64_t k, int64_t group, float *xsum, float *xp) {
+/* x's group sums */
+static void group_sums(const float *xf, int64_t k, int64_t group, float *xsum) {
     for (int64_t g0 = 0; g0 < k; g0 += group) {
         float acc[8] = {0}, t = 0;
         for (int64_t i = 0; i < group; i += 8)
@@ -721,27 +707,35 @@ static void prepare_x(const float *xf, int64_t k, int64_t group, float *xsum, fl
         for (int l = 0; l < 8; l++) t += acc[l];
         xsum[g0 / group] = t;
     }
-    for (int64_t i = 0; i < k; i += 16)
-        for (int l = 0; l < 8; l++) xp[i + l] = xf[i + 2 * l], xp[i + 8 + l] = xf[i + 2 * l + 1];
 }
 
-/* x's group sums, its 4-bit AVX2 order and, where the 4-bit AVX-512 BF16 loop will run (by
- * j's k, g, bits and simd), its bfloat16 parts, in one allocation -> it (free it after the
- * job), or NULL (no memory) */
+/* x as the job's rows read it: its group sums, and for 4-bit rows either its bfloat16 parts
+ * (where the AVX-512 BF16 loop runs: j's k, bits and simd) or its AVX2 order (per 16 values,
+ * the 8 even-indexed then the 8 odd), in one allocation -> it (free it after the job), or
+ * NULL (no memory) */
 static float *prepare_x_for(const job_t *j, const float *xf, xprep_t *in) {
     const int64_t ng = j->k / j->g;
-    const int bf16 = j->simd >= 2 && j->bits == 4 && j->k % 64 == 0;
-    float *xsum = malloc(sizeof(float) * (size_t)(ng + j->k) + (bf16 ? sizeof(uint16_t) * 3 * (size_t)j->k : 0));
+    int bf16 = 0;
+#ifdef BF16_PATH
+    bf16 = j->simd >= 2 && j->bits == 4 && j->k % 64 == 0;
+#endif
+    /* after the sums: the AVX2 order (k floats) or the three parts (3k halves: 1.5k floats) */
+    float *xsum = malloc(sizeof(float) * (size_t)(ng + (bf16 ? 2 * j->k : j->k)));
     if (!xsum) return NULL;
-    prepare_x(xf, j->k, j->g, xsum, xsum + ng);
-    in->x = xf, in->xsum = xsum, in->xp = xsum + ng, in->xb = NULL;
+    group_sums(xf, j->k, j->g, xsum);
+    in->x = xf, in->xsum = xsum, in->xp = NULL, in->xb = NULL;
 #ifdef BF16_PATH
     if (bf16) {
-        uint16_t *xb = (uint16_t *)(xsum + ng + j->k);
+        uint16_t *xb = (uint16_t *)(xsum + ng);
         split_x_bf16(xf, j->k, xb);
         in->xb = xb;
+        return xsum;
     }
 #endif
+    float *xp = xsum + ng;
+    for (int64_t i = 0; i < j->k; i += 16)
+        for (int l = 0; l < 8; l++) xp[i + l] = xf[i + 2 * l], xp[i + 8 + l] = xf[i + 2 * l + 1];
+    in->xp = xp;
     return xsum;
 }
 

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from ..errors import FlashError
-from ..kernels import alike, qmv_many
+from ..kernels import qmv_many
 from . import llama
 from .llama import Attention
 
@@ -116,13 +116,14 @@ def host_switch_glu(x, rows: ExpertRows):
     out = np.empty(chosen.shape + (d,), dtype=np.float32)
     if xs.shape[0] == 1:
         gates, ups, downs = ([mats[kind][s] for s in chosen[0].tolist()] for kind in ("gate", "up", "down"))
-        if alike(gates + ups) and alike(downs):
-            # a decode step: every gate and up in one native call, every down in another
-            k = len(gates)
+        k = len(gates)
+        if 2 * k <= gates[0].kernels.MAX_MANY:
+            # a decode step: every gate and up in one native call, every down in another (the store's
+            # slots are alike by construction: one shape per kind, one width, group and scale dtype)
             gu = qmv_many((xs[0],), gates + ups, (0,) * (2 * k))
             g, u = gu[:k], gu[k:]
             qmv_many(tuple(g / (1 + np.exp(-g)) * u), downs, range(k), out=out[0])
-        else:  # matrices of other widths (never in one buffer today): a product per matrix
+        else:  # more routed experts than one native call takes (no family routes to 32): a call per matrix
             for j, (gate, up, down) in enumerate(zip(gates, ups, downs)):
                 g, u = gate.matvec(xs[0]), up.matvec(xs[0])
                 down.matvec(g / (1 + np.exp(-g)) * u, out[0, j])

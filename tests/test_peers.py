@@ -14,6 +14,24 @@ from mlx_flash.errors import FlashError
 MiB = 1 << 20
 
 
+# --- the disk's rate during a decode ---
+
+
+def test_disk_rate_from_the_devices_own_counters(tmp_path):
+    from mlx_flash.bench.peers import child
+
+    assert child.disk_rate((0, 0.0), (64 * MiB, 0.5)) == pytest.approx(64 * MiB / 0.5 / 1e9)
+    assert child.disk_rate((0, 0.0), (MiB, 0.5)) is None  # too little read to time
+    assert child.disk_rate((0, 0.0), (64 * MiB, 0.0)) is None
+    assert child.disk_rate(None, (64 * MiB, 0.5)) is None and child.disk_rate((0, 0.0), None) is None
+    assert child.disk_counters("/proc/self/status") is None  # no block device under /proc
+    assert child.disk_counters(tmp_path / "missing") is None
+    got = child.disk_counters(__file__)  # the checkout's disk: counters where Linux exposes them
+    if got is not None:
+        nbytes, busy = got
+        assert nbytes >= 0 and busy >= 0
+
+
 # --- system specs ---
 
 
@@ -249,6 +267,7 @@ def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):
     assert "| mlx_flash:naive |" in md and "baselines" in md
     peers.write_csv(res, tmp_path / "p.csv")
     assert (tmp_path / "p.csv").read_text().count("\n") == 4
+    assert "decode_disk_gbs" in (tmp_path / "p.csv").read_text().splitlines()[0]
 
 
 def test_flash_budget_limit_hands_mlx_flash_the_cgroup_limit(tiny_flash, tmp_path, monkeypatch):
@@ -271,3 +290,32 @@ def test_flash_budget_limit_hands_mlx_flash_the_cgroup_limit(tiny_flash, tmp_pat
         # the cgroup's limit: the given one rounded down to pages
         assert 250 * 10**6 - 65536 < run["extra"]["memory_limit_bytes"] <= 250 * 10**6
         assert 0 < run["extra"]["memory_budget_bytes"] < 250 * 10**6 - run["extra"]["runtime_bytes"]
+
+
+def test_the_prediction_at_the_decodes_disk_rate_scales_only_the_io(tiny_flash, tmp_path, monkeypatch):
+    """The child predicts twice: with the probed disk, and at the rate the device delivered
+    during the decode (the same curve scaled); a decode that gave no rate keeps the first."""
+    import mlx_flash
+    from mlx_flash.bench.peers import child
+    from mlx_flash.plan.profile import Profile, load_profile, machine_key
+
+    import mlx.core as mx
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path))
+    rt = child.MLXFlashRuntime()
+    rt.imports({})
+    rt.model, rt.tok = mlx_flash.load(tiny_flash, mode="naive", memory_budget="2MB", progress=False)
+    rt.profile = Profile(disk={4096: 0.5, 262144: 2.0}, threads=32, compute={"float32": {10**6: 10.0}},
+                         layer_ms={"dense": {128: 1.0}}, token_ms={"dense": {128: 0.0}}, overlap=0.0,
+                         machine=machine_key(), mlx=mx.__version__, device="cpu", measured="now")
+    assert load_profile() is None  # (the test's own profile only)
+    list(rt.generate({"suppress_ids": [], "prompt_ids": [1, 2, 3], "tokens": 3}))
+    work = rt.model.runtime.work()
+    assert work.read_bytes > 0
+    io = rt.model.runtime.predict(rt.profile).io_ms
+    same = rt.extra(None)
+    assert same["flash_predicted_run_disk_ms"] == same["flash_predicted_ms"]
+    rate = rt.profile.disk_gbs(work.read_size) / 2  # the disk at half the probed rate: the I/O takes twice
+    slow = rt.extra(rate)
+    assert slow["flash_predicted_run_disk_ms"] == pytest.approx(slow["flash_predicted_ms"] + io)
+    rt.model.runtime.close()

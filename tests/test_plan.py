@@ -69,6 +69,13 @@ def test_cost_model_arithmetic():
     assert predict(w, p).compute_ms == pytest.approx(15.0)
     assert Profile.from_dict(p.as_dict()).layer_ms == p.layer_ms
     assert Profile.from_dict(p.as_dict()).token_ms == p.token_ms
+    # the disk curve scaled to a rate measured later at one read size: its shape kept
+    p = _profile()
+    q = p.with_disk_rate(1.0, 262144)
+    assert q.disk_gbs(262144) == pytest.approx(1.0) and q.disk_gbs(4096) == pytest.approx(0.25)
+    assert p.disk == {4096: 0.5, 262144: 2.0}  # (a copy)
+    w = Work(read_bytes=200 * MB, read_size=262144, computed={}, overlapped=False, n_layers=0, mode="dense")
+    assert predict(w, q).io_ms == pytest.approx(2 * predict(w, p).io_ms)
 
 
 def _plan_of(budget, needs):

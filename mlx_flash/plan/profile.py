@@ -26,7 +26,7 @@ import json
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,13 @@ class Profile:
         """GB/s at a read size: interpolated on log(size) between the measured ones."""
         sizes = sorted(int(k) for k in self.disk)
         return float(np.interp(np.log(max(read_bytes, 1)), np.log(sizes), [self.disk[s] for s in sizes]))
+
+    def with_disk_rate(self, gbs, read_bytes):
+        """A copy whose disk curve is this one scaled so that reads of `read_bytes` run at `gbs`
+        (a rate the disk was measured at later, e.g. during a run: this machine's disk drifts
+        ~2x within an hour, its curve's shape much less)."""
+        f = gbs / self.disk_gbs(read_bytes)
+        return replace(self, disk={k: v * f for k, v in self.disk.items()})
 
     def compute_gbs(self, form, elements=None):
         """GB/s of `form` weights consumed by a matrix of `elements` (rows x cols): interpolated on

@@ -47,6 +47,32 @@ def read_bytes():
     return None
 
 
+def disk_counters(path):
+    """(bytes read, seconds busy) so far of the block device holding `path`: Linux's
+    /sys/dev/block/MAJ:MIN/stat (its sectors are 512 bytes whatever the device's; "busy" is
+    io_ticks, the time it had a request in flight). None elsewhere, or where the file system
+    is on no block device (tmpfs, overlay)."""
+    try:
+        st = os.stat(path)
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            v = f.read().split()
+        return int(v[2]) * 512, int(v[9]) / 1e3
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+DISK_RATE_MIN_BYTES = 32 << 20  # a decode that read less from the device gives no rate (too little to time)
+
+
+def disk_rate(before, after):
+    """GB/s the device delivered between two disk_counters() while it was busy, or None (no
+    counters, or too little read to time)."""
+    if before is None or after is None:
+        return None
+    nbytes, busy = after[0] - before[0], after[1] - before[1]
+    return nbytes / busy / 1e9 if nbytes >= DISK_RATE_MIN_BYTES and busy > 0 else None
+
+
 class Events:
     def __init__(self, path):
         self.f = open(path, "a", buffering=1)
@@ -140,7 +166,7 @@ class MLXFlashRuntime:
         return dict(lib_prompt_tps=self.last.prompt_tps, lib_decode_tps=self.last.generation_tps,
                     mlx_peak_memory=int(self.last.peak_memory * 1e9))
 
-    def extra(self):
+    def extra(self, disk_gbs=None):
         out = self.lib_stats()
         try:
             stats = self.model.runtime.stats()
@@ -151,9 +177,16 @@ class MLXFlashRuntime:
             if self.model.runtime.store.stats is not None:
                 out["flash_stats"] = {k: v for k, v in stats["summary"].items() if k.startswith("mean_")
                                       or k == "n_tokens"}
-            prediction = self.model.runtime.predict(self.profile) if self.profile is not None else None
+            rt = self.model.runtime
+            prediction = rt.predict(self.profile) if self.profile is not None else None
             if prediction is not None:  # (after the decode: the KV cache on flash's reads counted)
                 out["flash_predicted_ms"] = prediction.total_ms
+                # and at the rate the disk delivered during this decode: the model's own error,
+                # apart from the disk's drift since it was probed
+                work = rt.work()
+                at_run = (prediction if disk_gbs is None or not work.read_bytes
+                          else rt.predict(self.profile.with_disk_rate(disk_gbs, work.read_size)))
+                out["flash_predicted_run_disk_ms"] = at_run.total_ms
         except Exception as e:  # the stats are a bonus, never the result
             out["flash_stats_error"] = repr(e)
         return out
@@ -174,7 +207,7 @@ class MLXLMRuntime(MLXFlashRuntime):
     def stream_generate(self):
         return self.mlx_lm.stream_generate
 
-    def extra(self):
+    def extra(self, disk_gbs=None):
         return self.lib_stats()
 
 
@@ -233,7 +266,7 @@ class LlamaCppRuntime:
             if n >= cfg["tokens"]:
                 break
 
-    def extra(self):
+    def extra(self, disk_gbs=None):
         return {}
 
 
@@ -266,17 +299,21 @@ def main(argv):
         tokens, times = [], []
         rb0 = read_bytes()
         t0 = time.perf_counter()
+        disk0 = None
         for tok in rt.generate(cfg):
             times.append(time.perf_counter())
             tokens.append(tok)
             if len(tokens) == 1:
                 ev.emit("first_token", prefill_s=times[0] - t0)
+                disk0 = disk_counters(cfg["path"])
         t_end = time.perf_counter()
+        # the disk's rate during the decode (its reads, from the device's own counters)
+        disk_gbs = disk_rate(disk0, disk_counters(cfg["path"]) if len(tokens) > 1 else None)
         ev.emit("done", tokens=tokens, prompt_tokens=len(cfg["prompt_ids"]),
                 prefill_s=times[0] - t0 if times else None,
                 decode_s=times[-1] - times[0] if len(times) > 1 else None,
                 decode_tokens=len(tokens) - 1, total_s=t_end - t0, read_bytes_start=rb0,
-                **rt.extra())
+                decode_disk_gbs=disk_gbs, **rt.extra(disk_gbs))
     except Exception as e:
         if flash_error is not None and isinstance(e, flash_error):
             ev.emit("error", phase=phase, message=str(e))

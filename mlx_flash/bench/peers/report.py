@@ -90,6 +90,8 @@ COLUMNS = [
     ("predicted_ms", "predicted ms/token", "1"),
     ("measured_over_predicted", "measured / predicted", "2"),
     ("disk_gbs_256k", "disk GB/s at the run", "2"),
+    ("decode_disk_gbs", "disk GB/s in decode", "2"),
+    ("measured_over_predicted_run_disk", "measured / predicted at it", "2"),
     ("oom", "OOM", None),
     ("same_tokens_as_reference", "tokens = ref", None),
 ]
@@ -145,6 +147,10 @@ def markdown(res):
         *(["- predicted ms/token: the cost model with the machine profile's rates, the disk's measured just before "
             "each run ('disk GB/s at the run': uncached 256 KiB reads of the profile's probe file; this VM's disk "
             "varies ~2x between hours)"] if any(r.get("disk_gbs_256k") for r in res["rows"]) else []),
+        *(["- 'disk GB/s in decode': what the device holding the model delivered while the decode ran (its own "
+           "counters: bytes read over the time it was busy; every system); 'measured / predicted at it': the cost "
+           "model with that rate, the same curve scaled, so its error apart from the disk's drift since the probe"]
+          if any(r.get("decode_disk_gbs") for r in res["rows"]) else []),
         f"- medians over the runs that finished; 'vs ref' is the median per-round ratio of decode speed to "
         f"{i['reference']}; 'tokens = ref' counts the leading tokens equal to its output",
         f"- {i['started']}; `{i['command']}`" if i.get("command") else f"- {i['started']}",
@@ -168,7 +174,8 @@ def write_csv(res, path):
     keys = ["system", "runtime", "status", "runs", "ok", "oom", "limit_bytes", "memory_budget_bytes",
             "decode_tps", "decode_vs_reference", "prompt_tps", "load_s", "cgroup_peak_bytes", "rss_peak_bytes",
             "read_per_token_bytes", "read_prefill_bytes", "read_load_bytes", "same_tokens_as_reference",
-            "plan_mode", "streamed_attention_bytes", "predicted_ms", "measured_over_predicted", "message"]
+            "plan_mode", "streamed_attention_bytes", "predicted_ms", "measured_over_predicted",
+            "disk_gbs_256k", "decode_disk_gbs", "predicted_run_disk_ms", "measured_over_predicted_run_disk", "message"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()

@@ -119,7 +119,7 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
         rec.read_decode_bytes = _delta(ev.get("first_token", {}).get("read_bytes"), d.get("read_bytes"))
         if rec.read_decode_bytes is not None and rec.decode_tokens:
             rec.read_per_token_bytes = rec.read_decode_bytes / rec.decode_tokens
-        rec.extra = {k: v for k, v in d.items() if k.startswith(("lib_", "mlx_", "flash_"))}
+        rec.extra = {k: v for k, v in d.items() if k.startswith(("lib_", "mlx_", "flash_", "decode_disk_"))}
     if "loaded" in ev:
         rec.extra.update({k: v for k, v in ev["loaded"].items()
                           if k in ("memory_budget_bytes", "plan_weights_bytes", "threads", "mmap",
@@ -128,6 +128,8 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
                                    "streamed_attention_bytes", "disk_gbs_256k")})
     if "flash_predicted_ms" in rec.extra:  # the prediction after the decode, its context known
         rec.extra["predicted_ms"] = rec.extra.pop("flash_predicted_ms")
+    if "flash_predicted_run_disk_ms" in rec.extra:  # ... at the disk's rate during the decode
+        rec.extra["predicted_run_disk_ms"] = rec.extra.pop("flash_predicted_run_disk_ms")
     if res.oom_killed:
         rec.status = "oom"
         rec.message = f"OOM-killed while {_doing(last)}"
@@ -456,12 +458,16 @@ class Peers:
             # the attention read from flash every token (runtime/stores/attention.py), if any
             row["streamed_attention_bytes"] = _median([r.extra["streamed_attention_bytes"] for r in ok
                                                        if r.extra.get("streamed_attention_bytes")])
-            # the cost model against the measured decode (ms per token), per run, then the median
-            errs = [1e3 / r.decode_tps / r.extra["predicted_ms"] for r in ok
-                    if r.decode_tps and r.extra.get("predicted_ms")]
-            row["predicted_ms"] = _median([r.extra.get("predicted_ms") for r in ok if r.extra.get("predicted_ms")])
-            row["measured_over_predicted"] = _median(errs)
-            row["disk_gbs_256k"] = _median([r.extra.get("disk_gbs_256k") for r in ok if r.extra.get("disk_gbs_256k")])
+            # the cost model against the measured decode (ms per token), per run, then the median:
+            # with the disk's rates probed just before the run, and at the rate the device
+            # delivered during the decode (the model's error apart from the disk's drift)
+            for key, of in (("predicted_ms", "measured_over_predicted"),
+                            ("predicted_run_disk_ms", "measured_over_predicted_run_disk")):
+                errs = [1e3 / r.decode_tps / r.extra[key] for r in ok if r.decode_tps and r.extra.get(key)]
+                row[key] = _median([r.extra.get(key) for r in ok if r.extra.get(key)])
+                row[of] = _median(errs)
+            for key in ("disk_gbs_256k", "decode_disk_gbs"):
+                row[key] = _median([r.extra.get(key) for r in ok if r.extra.get(key)])
             if ok and ref_runs:
                 ref_tokens = next(iter(ref_runs.values())).tokens
                 row["same_tokens_as_reference"] = _common_prefix(ok[0].tokens, ref_tokens)

@@ -18,18 +18,23 @@ MiB = 1 << 20
 
 
 def test_disk_rate_from_the_devices_own_counters(tmp_path):
-    from mlx_flash.bench.peers import child
+    from mlx_flash.io import device
 
-    assert child.disk_rate((0, 0.0), (64 * MiB, 0.5)) == pytest.approx(64 * MiB / 0.5 / 1e9)
-    assert child.disk_rate((0, 0.0), (MiB, 0.5)) is None  # too little read to time
-    assert child.disk_rate((0, 0.0), (64 * MiB, 0.0)) is None
-    assert child.disk_rate(None, (64 * MiB, 0.5)) is None and child.disk_rate((0, 0.0), None) is None
-    assert child.disk_counters("/proc/self/status") is None  # no block device under /proc
-    assert child.disk_counters(tmp_path / "missing") is None
-    got = child.disk_counters(__file__)  # the checkout's disk: counters where Linux exposes them
+    assert device.rate((0, 0.0), (64 * MiB, 0.5)) == pytest.approx(64 * MiB / 0.5 / 1e9)
+    assert device.rate((0, 0.0), (MiB, 0.5)) is None  # too little read to time
+    assert device.rate((0, 0.0), (64 * MiB, 0.0)) is None
+    assert device.rate(None, (64 * MiB, 0.5)) is None and device.rate((0, 0.0), None) is None
+    assert device.counters("/proc/self/status") is None  # no block device under /proc
+    assert device.counters(tmp_path / "missing") is None
+    got = device.counters(__file__)  # the checkout's disk: counters where Linux exposes them
     if got is not None:
         nbytes, busy = got
         assert nbytes >= 0 and busy >= 0
+    # the child loads it by path (the llama.cpp peer's environment has no mlx_flash)
+    from mlx_flash.bench.peers import child, run
+
+    assert child.load_module(str(run.DEVICE_MODULE), "_t_device").rate((0, 0.0), (64 * MiB, 1.0)) \
+        == pytest.approx(64 * MiB / 1e9)
 
 
 # --- system specs ---

@@ -283,3 +283,26 @@ def test_explain_without_a_profile_probes_in_a_child_process(smollm2, tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(home))  # (cached now)
     runtime = [int(re.search(r"runtime (\d+) MB \(measured\)", r.stderr).group(1)) for r in (first, again)]
     assert runtime[0] <= runtime[1] + 10, runtime
+
+
+def test_stats_predict_again_at_the_disk_rate_the_decode_got(smollm2, tmp_path, monkeypatch):
+    """Runtime.stats(disk_gbs): the prediction at the rate the device delivered during the decode
+    (generate --stats: io/device.py's counters), the profile's curve scaled: only the I/O moves."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path))
+    save_profile(_profile(compute=_rates(float32=10.0, q4=20.0, float16=5.0, bfloat16=5.0, q8=20.0)))
+    model, _ = mlx_flash.load(smollm2, mode="naive", memory_budget="60MB", progress=False)
+    try:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+        plain = model.runtime.stats()["summary"]
+        assert "predicted_at_run_disk" not in plain
+        read_size = model.runtime.work().read_size
+        got = model.runtime.stats(disk_gbs=_profile().disk_gbs(read_size) / 4)["summary"]
+        at, p = got["predicted_at_run_disk"], got["predicted"]
+        assert p["io_ms"] > 0 and at["io_ms"] == pytest.approx(4 * p["io_ms"])
+        assert at["compute_ms"] == pytest.approx(p["compute_ms"])
+        assert at["profile_disk_gbs"] == pytest.approx(4 * at["disk_gbs"])
+    finally:
+        model.runtime.close()

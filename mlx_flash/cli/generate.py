@@ -275,7 +275,10 @@ def main(argv=None):
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)
         prompt = build_prompt(tokenizer, prompt_text, args.system_prompt, args.ignore_chat_template)
+        from ..io import device
+
         times, last, resp = [], time.perf_counter(), None
+        disk0 = None  # the disk's counters when the decode starts (--stats: the rate it delivered)
         if draft is not None:
             from ..draft import Acceptance
 
@@ -285,6 +288,8 @@ def main(argv=None):
             now = time.perf_counter()
             times.append(now - last)
             last = now
+            if len(times) == 1 and args.stats:
+                disk0 = device.counters(model.runtime.folder)
             if draft is not None:
                 accepted.add(resp.from_draft)
             print(resp.text, end="", flush=True)
@@ -297,7 +302,8 @@ def main(argv=None):
         print(f"Peak memory: {resp.peak_memory:.3f} GB")
         if draft is not None:
             print(accepted.line())
-        report = model.runtime.stats()
+        disk_gbs = device.rate(disk0, device.counters(model.runtime.folder)) if disk0 else None
+        report = model.runtime.stats(disk_gbs)
         if args.stats and len(times) > 1:
             decode = sorted(times[1:])
             n = len(decode)
@@ -311,6 +317,11 @@ def main(argv=None):
                 print(f"Cost model: predicted {p['total_ms']:.1f} ms/token (I/O {p['io_ms']:.1f}, compute "
                       f"{p['compute_ms']:.1f}), measured median {1e3 * decode[n // 2]:.1f}: "
                       f"{decode[n // 2] * 1e3 / p['total_ms']:.2f}x")
+            at = report["summary"].get("predicted_at_run_disk")
+            if at is not None:
+                print(f"  the disk delivered {at['disk_gbs']:.2f} GB/s during the decode (the profile: "
+                      f"{at['profile_disk_gbs']:.2f}); at that rate {at['total_ms']:.1f} ms/token: "
+                      f"{decode[n // 2] * 1e3 / at['total_ms']:.2f}x")
         if args.stats:
             for line in stats_lines(report["summary"]):
                 print(line)

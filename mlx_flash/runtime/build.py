@@ -92,9 +92,11 @@ class Runtime:
         work = self.work()
         return None if work is None else predict(work, profile)
 
-    def stats(self):
+    def stats(self, disk_gbs=None):
         """{"tokens": per-pass rows, "summary": ...}: the paper's Table 3 columns, the budget,
-        the weights in DRAM, the peak RSS. What --stats, eval and the benchmarks show."""
+        the weights in DRAM, the peak RSS. What --stats, eval and the benchmarks show.
+        disk_gbs: the rate the disk delivered during the decode (io/device.py), to predict at
+        it too (the model's error apart from the disk's drift since the profile)."""
         from .memory import peak_rss
 
         store = self.store
@@ -121,6 +123,11 @@ class Runtime:
             prediction = None
         if prediction is not None:
             summary["predicted"] = prediction.as_dict()
+            work = self.work()
+            if disk_gbs is not None and work.read_bytes:
+                at = self.predict(profile.with_disk_rate(disk_gbs, work.read_size))
+                summary["predicted_at_run_disk"] = at.as_dict() | {
+                    "disk_gbs": disk_gbs, "profile_disk_gbs": profile.disk_gbs(work.read_size)}
         rows = []
         if store.stats is not None:
             store.stats.end()

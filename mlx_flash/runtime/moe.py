@@ -40,8 +40,9 @@ class MoERuntime:
     memory: object = None  # memory.MemoryPlan under --memory-limit (set by load())
     read_buffer_bytes: int = 0  # the expert reader's buffers (not in --memory-budget; in --memory-limit)
 
-    def stats(self):
-        """{"tokens": [], "summary": ...}: the expert buffer's use, per layer and in all."""
+    def stats(self, disk_gbs=None):
+        """{"tokens": [], "summary": ...}: the expert buffer's use, per layer and in all.
+        (disk_gbs: as Runtime.stats takes it; no cost model knows experts yet)"""
         from .memory import peak_rss
 
         s = self.store

@@ -47,32 +47,6 @@ def read_bytes():
     return None
 
 
-def disk_counters(path):
-    """(bytes read, seconds busy) so far of the block device holding `path`: Linux's
-    /sys/dev/block/MAJ:MIN/stat (its sectors are 512 bytes whatever the device's; "busy" is
-    io_ticks, the time it had a request in flight). None elsewhere, or where the file system
-    is on no block device (tmpfs, overlay)."""
-    try:
-        st = os.stat(path)
-        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
-            v = f.read().split()
-        return int(v[2]) * 512, int(v[9]) / 1e3
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-DISK_RATE_MIN_BYTES = 32 << 20  # a decode that read less from the device gives no rate (too little to time)
-
-
-def disk_rate(before, after):
-    """GB/s the device delivered between two disk_counters() while it was busy, or None (no
-    counters, or too little read to time)."""
-    if before is None or after is None:
-        return None
-    nbytes, busy = after[0] - before[0], after[1] - before[1]
-    return nbytes / busy / 1e9 if nbytes >= DISK_RATE_MIN_BYTES and busy > 0 else None
-
-
 class Events:
     def __init__(self, path):
         self.f = open(path, "a", buffering=1)
@@ -86,11 +60,12 @@ class Events:
         self.f.flush()  # in the kernel now: a SIGKILL after this loses nothing
 
 
-def load_blas_module(path):
-    """mlx_flash/blas.py by file path: OpenBLAS for mlx_lm too, without importing mlx_flash."""
+def load_module(path, name):
+    """One of mlx_flash's files by path, without importing mlx_flash (the llama.cpp peer's
+    environment has none): blas.py (OpenBLAS for mlx_lm too), io/device.py (the disk's rate)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_peers_blas", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -194,7 +169,7 @@ class MLXFlashRuntime:
 
 class MLXLMRuntime(MLXFlashRuntime):
     def imports(self, cfg):
-        blas = load_blas_module(cfg["blas_module"]).setup_blas()  # before mlx is imported
+        blas = load_module(cfg["blas_module"], "_peers_blas").setup_blas()  # before mlx is imported
         import mlx_lm
 
         self.mlx_lm = mlx_lm
@@ -299,16 +274,17 @@ def main(argv):
         tokens, times = [], []
         rb0 = read_bytes()
         t0 = time.perf_counter()
+        device = load_module(cfg["device_module"], "_peers_device")
         disk0 = None
         for tok in rt.generate(cfg):
             times.append(time.perf_counter())
             tokens.append(tok)
             if len(tokens) == 1:
                 ev.emit("first_token", prefill_s=times[0] - t0)
-                disk0 = disk_counters(cfg["path"])
+                disk0 = device.counters(cfg["path"])
         t_end = time.perf_counter()
         # the disk's rate during the decode (its reads, from the device's own counters)
-        disk_gbs = disk_rate(disk0, disk_counters(cfg["path"]) if len(tokens) > 1 else None)
+        disk_gbs = device.rate(disk0, device.counters(cfg["path"]) if len(tokens) > 1 else None)
         ev.emit("done", tokens=tokens, prompt_tokens=len(cfg["prompt_ids"]),
                 prefill_s=times[0] - t0 if times else None,
                 decode_s=times[-1] - times[0] if len(times) > 1 else None,

@@ -42,6 +42,7 @@ CHILD = Path(__file__).with_name("child.py")
 DISK_NOW_SIZES = (65536, 262144, 1048576)  # the read sizes disk_now measures (the profile's curve interpolates)
 DISK_NOW_SECONDS = 1.0  # ... each
 BLAS_MODULE = Path(__file__).resolve().parents[2] / "blas.py"
+DEVICE_MODULE = Path(__file__).resolve().parents[2] / "io" / "device.py"  # (the child loads both by path)
 
 
 # --- the benchmark ---
@@ -283,6 +284,7 @@ class Peers:
                "resident_dtype": system.resident_dtype,
                "prompt_ids": self.prompt, "tokens": self.tokens, "suppress_ids": self.suppress,
                "probe": probe, "threads": os.cpu_count(), "blas_module": str(BLAS_MODULE),
+               "device_module": str(DEVICE_MODULE),
                "events": str(workdir / "events.jsonl"),
                "disk_gbs": None if disk is None else {str(k): v for k, v in disk.items()}}
         (workdir / "config.json").write_text(json.dumps(cfg))

@@ -128,6 +128,11 @@ def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
     for r in rows.values():
         assert r["floor_ms"] == pytest.approx(r["floor_io_ms"] + r["floor_mem_ms"])
         assert r["predicted_ms"] > 0 and r["measured_over_predicted"] == pytest.approx(r["total_ms"] / r["predicted_ms"])
+        # at the disk's rate during the decode: the tiny rows read too little to time it, so the
+        # same (unless something else read 32 MiB from this disk meanwhile: the device's counters)
+        if r["decode_disk_gbs"] is None:
+            assert r["predicted_run_disk_ms"] == r["predicted_ms"]
+        assert r["measured_over_predicted_run_disk"] == pytest.approx(r["total_ms"] / r["predicted_run_disk_ms"])
     # naive reads more than the sparse rows, and the model says so
     assert rows["naive"]["predicted_ms"] > rows["all"]["predicted_ms"]
     md, written = paper.write_outputs(res, tmp_path, tmp_path / "paper.json")

@@ -142,22 +142,27 @@ def release(model):
     mx.clear_cache()
 
 
-def decode(model, store, prompt, warmup, tokens):
-    """Prompt, warmup tokens, then `tokens` measured decode tokens -> per-token stats rows."""
+def decode(model, store, prompt, warmup, tokens, folder=None):
+    """Prompt, warmup tokens, then `tokens` measured decode tokens -> (per-token stats rows,
+    their wall times, the GB/s the disk holding `folder` delivered during them or None)."""
     from mlx_lm.models.cache import make_prompt_cache
+
+    from ..io import device
 
     cache = make_prompt_cache(model)
     y = mx.argmax(model(mx.array([prompt]), cache=cache)[:, -1], axis=-1)
     mx.eval(y)
-    walls = []
+    walls, disk = [], []
     for i in range(warmup + tokens + 1):
+        if folder is not None and i in (warmup, warmup + tokens):
+            disk.append(device.counters(folder))
         t = time.perf_counter()
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
         mx.eval(y)
         walls.append(1e3 * (time.perf_counter() - t))
     store.stats.end()
     rows = [r for r in store.stats.rows if r["tokens"] == 1][warmup: warmup + tokens]
-    return rows, walls[warmup: warmup + tokens]
+    return rows, walls[warmup: warmup + tokens], device.rate(*disk) if len(disk) == 2 else None
 
 
 def summarize(config, rows, walls, store, plan, resident_bytes, curve, mem_bw, source_stats=None):
@@ -199,7 +204,7 @@ def summarize(config, rows, walls, store, plan, resident_bytes, curve, mem_bw, s
     return row
 
 
-def add_prediction(row, runtime, store, profile):
+def add_prediction(row, runtime, store, profile, disk_gbs=None):
     """The cost model's time beside the measured one (plan/cost.py), where a profile is cached:
     an exact row's from its plan alone; a flash row's from the bytes and reads it measured and
     the rows it computed (the sparsity decides those; the model then predicts their time), with
@@ -223,6 +228,13 @@ def add_prediction(row, runtime, store, profile):
         return
     row["predicted_ms"] = predicted
     row["measured_over_predicted"] = row["total_ms"] / predicted
+    # and at the rate the disk delivered while the row decoded (disk_gbs: io/device.py), the
+    # profile's curve scaled: the model's error apart from the disk's drift since the profile
+    row["decode_disk_gbs"] = disk_gbs
+    at = predict(work, profile.with_disk_rate(disk_gbs, work.read_size)).total_ms \
+        if disk_gbs is not None and work.read_bytes else predicted
+    row["predicted_run_disk_ms"] = at
+    row["measured_over_predicted_run_disk"] = row["total_ms"] / at
 
 
 def refloor(row, curve, mem_bw):
@@ -243,10 +255,10 @@ def refloor(row, curve, mem_bw):
 def median_row(rows):
     """Per-key median of one configuration's rounds (each round's figures stay in `rounds`)."""
     out = dict(rows[0])
-    for k, v in rows[0].items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            vals = [r[k] for r in rows if r.get(k) is not None]
-            out[k] = float(np.median(vals)) if vals else None
+    for k in rows[0]:  # (a figure some rounds have and others not, the disk's rate: theirs)
+        vals = [r[k] for r in rows if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        if vals:
+            out[k] = float(np.median(vals))
     out["tokens"] = sum(r["tokens"] for r in rows)
     out["rounds"] = [dict(r) for r in rows]
     return out
@@ -382,11 +394,11 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             n_warm = warmup if sparse else 1
             bw = max(mem_bw, matvec_bandwidth(lay.n_neurons, lay.d_model))  # now, for this row
             log(f"[round {rnd + 1}/{rounds}] {name}: {n_warm} warm-up + {n_tok} decode tokens")
-            r, walls = decode(sub.model, store, prompt, n_warm, n_tok)
+            r, walls, disk_gbs = decode(sub.model, store, prompt, n_warm, n_tok, sub.folder)
             src_stats = sub.model.runtime.source.stats if sub.model.runtime.source is not None else None
             row = summarize(name, r, walls, store, plan, sub.resident_bytes, curve, bw, src_stats)
             row["dtype"] = sub.dtype
-            add_prediction(row, sub.model.runtime, store, profile)
+            add_prediction(row, sub.model.runtime, store, profile, disk_gbs)
             per[name].append(row)
             best_bw = max(best_bw, bw)
             log(f"  {row['total_ms']:.0f} ms/token: I/O {row['io_ms']:.0f}, mem {row['mem_ms']:.0f}, "
@@ -402,6 +414,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     for r in rows:  # (the median time over the median prediction, not the median of the ratios)
         if r.get("predicted_ms"):
             r["measured_over_predicted"] = r["total_ms"] / r["predicted_ms"]
+            r["measured_over_predicted_run_disk"] = r["total_ms"] / r["predicted_run_disk_ms"]
 
     for sub in subjects[1:]:
         close_subject(sub)
@@ -457,7 +470,9 @@ TABLE3 = [("config", "config", "{}"), ("I/O (ms)", "io_ms", "{:.0f}"), ("mem (ms
           ("predictor (ms)", "predict_ms", "{:.0f}"), ("compute (ms)", "compute_ms", "{:.0f}"),
           ("total (ms)", "total_ms", "{:.0f}"), ("vs naive", "speedup", "{:.2f}x"),
           ("floor (ms)", "floor_ms", "{:.0f}"), ("measured / floor", "measured_over_floor", "{:.2f}"),
-          ("predicted (ms)", "predicted_ms", "{:.0f}"), ("measured / predicted", "measured_over_predicted", "{:.2f}")]
+          ("predicted (ms)", "predicted_ms", "{:.0f}"), ("measured / predicted", "measured_over_predicted", "{:.2f}"),
+          ("disk GB/s in decode", "decode_disk_gbs", "{:.2f}"),
+          ("measured / predicted at it", "measured_over_predicted_run_disk", "{:.2f}")]
 
 
 def _table(rows, cols):

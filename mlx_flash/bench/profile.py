@@ -196,12 +196,14 @@ def runtime_costs(rates, tokens=32, rounds=3):
 
     Each probe is decoded through the real runtime after a 64-token prompt, without prefetch,
     `rounds` times alternating (the median kept), and the cost model's time for its bytes (`rates`: a Profile of the disk and compute rates
-    just measured, no other cost) subtracted: the slope of the rest between 4 and 12 layers is
+    just measured, no other cost; the disk at the rate it delivered during the probe, io/device.py,
+    where the probe read enough to time it) subtracted: the slope of the rest between 4 and 12 layers is
     the per-layer cost, what is left at 4 layers the per-token one. Then the deeper 576-wide
     probe in naive mode (it reads every row) with prefetch and without, alternating `rounds`
     times: the time prefetch saves over the time it could save."""
     import mlx_flash
 
+    from ..io import device
     from ..plan.cost import predict
     from .random_model import build_checkpoint
 
@@ -211,22 +213,28 @@ def runtime_costs(rates, tokens=32, rounds=3):
                    for pair in PROBES.values() for shape in pair}
 
         def decode(shape, mode, prefetch):
-            """-> (median ms per token, the cost model's Work of the run)"""
+            """-> (median ms per token, the cost model's Work of the run, `rates` with the disk
+            at the rate it delivered during the run where it read enough to time it: this
+            machine's disk drifts ~2x from minute to minute, and a read time taken at the
+            curve's rate would move into the per-layer cost)"""
             streams = {} if mode == "dense" else {"memory_budget": "60%", "prefetch": prefetch}
             model, _ = mlx_flash.load(folders[shape], mode=mode, progress=False, **streams)
+            before = device.counters(folders[shape])
             ms = _decode_ms(model, tokens)
+            gbs = device.rate(before, device.counters(folders[shape]))
             work = model.runtime.work()
             model.runtime.close()
-            return ms, work
+            at = rates.with_disk_rate(gbs, work.read_size) if gbs is not None and work.read_bytes else rates
+            return ms, work, at
 
         rest = {}  # (width, mode, shape) -> [ms besides the bytes, one a round], layers
         for _ in range(rounds):  # (rounds alternate the runs: the machine's load drifts)
             for width, pair in PROBES.items():
                 for mode in MODES:
                     for shape in pair:
-                        ms, work = decode(shape, mode, False)
+                        ms, work, at = decode(shape, mode, False)
                         rest.setdefault((width, mode, shape), ([], work.n_layers))[0].append(
-                            ms - predict(work, rates).total_ms)
+                            ms - predict(work, at).total_ms)
         for width, (shallow, deep) in PROBES.items():
             for mode in MODES:
                 (r4, l4), (r12, l12) = [(float(np.median(rest[width, mode, s][0])), rest[width, mode, s][1])
@@ -235,13 +243,16 @@ def runtime_costs(rates, tokens=32, rounds=3):
                 layer_ms.setdefault(mode, {})[width] = per_layer
                 token_ms.setdefault(mode, {})[width] = max(0.0, r4 - l4 * per_layer)
         costs = replace(rates, layer_ms=layer_ms, token_ms=token_ms, overlap=0.0)
-        on, off = [], []
+        on, off, disk = [], [], []
         deep = PROBES[576][1]
         for _ in range(rounds):
-            off.append(decode(deep, "naive", False)[0])
-            ms, work = decode(deep, "naive", True)
+            ms, _, at = decode(deep, "naive", False)
+            off.append(ms)
+            ms, work, at_on = decode(deep, "naive", True)
             on.append(ms)
-    p = predict(work, costs)  # (overlap 0: nothing hidden)
+            disk += [a.disk_gbs(work.read_size) for a in (at, at_on)]
+    # (overlap 0: nothing hidden; the disk at the median rate the runs got)
+    p = predict(work, costs.with_disk_rate(float(np.median(disk)), work.read_size) if work.read_bytes else costs)
     once = costs.token_cost("naive", work.d_model)
     L = work.n_layers
     hideable = min(p.io_ms, p.compute_ms - once) * (L - 1) / L

@@ -105,6 +105,11 @@ def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
     # a machine profile cached: every row gets the cost model's time beside its own
     monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "profiled"))
     save_profile(_profile(compute=_rates(float32=10.0, float16=5.0)), tmp_path / "profiled" / "profile.json")
+    # the disk's own counters, made up: 1 GiB read in 1 busy second between any two reads of them
+    from mlx_flash.io import device
+
+    calls = iter(range(1000))
+    monkeypatch.setattr(device, "counters", lambda path: (lambda n: (n << 30, float(n), 0))(next(calls)))
     res = paper.run("tiny-opt", "float16", memory_budget="90%", tokens=3, warmup=3,
                     windows=(0, 5), window_tokens=3, long_tokens=12, predictor_rank=8,
                     home=home, progress=False, log=lambda *a: None)
@@ -128,11 +133,12 @@ def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
     for r in rows.values():
         assert r["floor_ms"] == pytest.approx(r["floor_io_ms"] + r["floor_mem_ms"])
         assert r["predicted_ms"] > 0 and r["measured_over_predicted"] == pytest.approx(r["total_ms"] / r["predicted_ms"])
-        # at the disk's rate during the decode: the tiny rows read too little to time it, so the
-        # same (unless something else read 32 MiB from this disk meanwhile: the device's counters)
-        if r["decode_disk_gbs"] is None:
-            assert r["predicted_run_disk_ms"] == r["predicted_ms"]
+        # and at the disk's rate during the decode: 1.07 GB/s, where the profile's curve has 2.0 at
+        # 256 KiB (naive's reads: slower) and 0.5-0.6 at a few KiB (the sparse rows': faster)
+        assert r["decode_disk_gbs"] == pytest.approx(2**30 / 1e9)
         assert r["measured_over_predicted_run_disk"] == pytest.approx(r["total_ms"] / r["predicted_run_disk_ms"])
+    assert rows["naive"]["predicted_run_disk_ms"] > rows["naive"]["predicted_ms"]
+    assert rows["all"]["predicted_run_disk_ms"] < rows["all"]["predicted_ms"]
     # naive reads more than the sparse rows, and the model says so
     assert rows["naive"]["predicted_ms"] > rows["all"]["predicted_ms"]
     md, written = paper.write_outputs(res, tmp_path, tmp_path / "paper.json")

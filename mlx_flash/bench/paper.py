@@ -211,6 +211,7 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None):
     naive's per-layer cost, flash mode not being probed."""
     from ..plan.cost import Work, predict
 
+    row["decode_disk_gbs"] = disk_gbs
     if profile is None:
         return
     lay, plan = runtime.manifest.layout, runtime.plan
@@ -230,11 +231,12 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None):
     row["measured_over_predicted"] = row["total_ms"] / predicted
     # and at the rate the disk delivered while the row decoded (disk_gbs: io/device.py), the
     # profile's curve scaled: the model's error apart from the disk's drift since the profile
-    row["decode_disk_gbs"] = disk_gbs
-    at = predict(work, profile.with_disk_rate(disk_gbs, work.read_size)).total_ms \
-        if disk_gbs is not None and work.read_bytes else predicted
-    row["predicted_run_disk_ms"] = at
-    row["measured_over_predicted_run_disk"] = row["total_ms"] / at
+    # (a row that reads nothing: the same; one whose decode gave no rate: none)
+    at = predicted if not work.read_bytes else (
+        predict(work, profile.with_disk_rate(disk_gbs, work.read_size)).total_ms if disk_gbs is not None else None)
+    if at is not None:
+        row["predicted_run_disk_ms"] = at
+        row["measured_over_predicted_run_disk"] = row["total_ms"] / at
 
 
 def refloor(row, curve, mem_bw):
@@ -255,7 +257,8 @@ def refloor(row, curve, mem_bw):
 def median_row(rows):
     """Per-key median of one configuration's rounds (each round's figures stay in `rounds`)."""
     out = dict(rows[0])
-    for k in rows[0]:  # (a figure some rounds have and others not, the disk's rate: theirs)
+    for k in dict.fromkeys(k for r in rows for k in r):  # (a figure some rounds have and others
+        # not, the disk's rate: theirs)
         vals = [r[k] for r in rows if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
         if vals:
             out[k] = float(np.median(vals))
@@ -414,6 +417,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     for r in rows:  # (the median time over the median prediction, not the median of the ratios)
         if r.get("predicted_ms"):
             r["measured_over_predicted"] = r["total_ms"] / r["predicted_ms"]
+        if r.get("predicted_run_disk_ms"):
             r["measured_over_predicted_run_disk"] = r["total_ms"] / r["predicted_run_disk_ms"]
 
     for sub in subjects[1:]:

@@ -288,7 +288,7 @@ def main(argv=None):
             now = time.perf_counter()
             times.append(now - last)
             last = now
-            if len(times) == 1 and args.stats:
+            if len(times) == 1 and (args.stats or args.stats_json):
                 disk0 = device.counters(model.runtime.folder)
             if draft is not None:
                 accepted.add(resp.from_draft)

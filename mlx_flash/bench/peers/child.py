@@ -47,6 +47,15 @@ def read_bytes():
     return None
 
 
+def _device_module(cfg):
+    """io/device.py (the disk's rate during the decode), or None: the rate is a bonus, never
+    the run's failure."""
+    try:
+        return load_module(cfg["device_module"], "_peers_device")
+    except Exception:
+        return None
+
+
 class Events:
     def __init__(self, path):
         self.f = open(path, "a", buffering=1)
@@ -158,10 +167,13 @@ class MLXFlashRuntime:
                 out["flash_predicted_ms"] = prediction.total_ms
                 # and at the rate the disk delivered during this decode: the model's own error,
                 # apart from the disk's drift since it was probed
+                # (a plan that reads nothing: the same; one whose decode gave no rate: none)
                 work = rt.work()
-                at_run = (prediction if disk_gbs is None or not work.read_bytes
-                          else rt.predict(self.profile.with_disk_rate(disk_gbs, work.read_size)))
-                out["flash_predicted_run_disk_ms"] = at_run.total_ms
+                if not work.read_bytes:
+                    out["flash_predicted_run_disk_ms"] = prediction.total_ms
+                elif disk_gbs is not None:
+                    out["flash_predicted_run_disk_ms"] = rt.predict(
+                        self.profile.with_disk_rate(disk_gbs, work.read_size)).total_ms
         except Exception as e:  # the stats are a bonus, never the result
             out["flash_stats_error"] = repr(e)
         return out
@@ -271,20 +283,20 @@ def main(argv):
         ev.emit("loaded", load_s=time.perf_counter() - t0, **info)
 
         phase = "generate"
+        device = _device_module(cfg)
         tokens, times = [], []
         rb0 = read_bytes()
         t0 = time.perf_counter()
-        device = load_module(cfg["device_module"], "_peers_device")
         disk0 = None
         for tok in rt.generate(cfg):
             times.append(time.perf_counter())
             tokens.append(tok)
             if len(tokens) == 1:
                 ev.emit("first_token", prefill_s=times[0] - t0)
-                disk0 = device.counters(cfg["path"])
+                disk0 = device.counters(cfg["path"]) if device else None
         t_end = time.perf_counter()
         # the disk's rate during the decode (its reads, from the device's own counters)
-        disk_gbs = device.rate(disk0, device.counters(cfg["path"]) if len(tokens) > 1 else None)
+        disk_gbs = device.rate(disk0, device.counters(cfg["path"])) if device and len(tokens) > 1 else None
         ev.emit("done", tokens=tokens, prompt_tokens=len(cfg["prompt_ids"]),
                 prefill_s=times[0] - t0 if times else None,
                 decode_s=times[-1] - times[0] if len(times) > 1 else None,

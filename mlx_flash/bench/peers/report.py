@@ -149,7 +149,9 @@ def markdown(res):
             "varies ~2x between hours)"] if any(r.get("disk_gbs_256k") for r in res["rows"]) else []),
         *(["- 'disk GB/s in decode': what the device holding the model delivered while the decode ran (its own "
            "counters: bytes read over the time it was busy; every system); 'measured / predicted at it': the cost "
-           "model with that rate, the same curve scaled, so its error apart from the disk's drift since the probe"]
+           "model with that rate, the same curve scaled, so its error apart from the disk's drift since the probe "
+           "(the rate is at the queue depth the run kept: for a disk-bound row this checks how I/O and compute "
+           "combine more than the disk term)"]
           if any(r.get("decode_disk_gbs") for r in res["rows"]) else []),
         f"- medians over the runs that finished; 'vs ref' is the median per-round ratio of decode speed to "
         f"{i['reference']}; 'tokens = ref' counts the leading tokens equal to its output",

@@ -255,10 +255,10 @@ def refloor(row, curve, mem_bw):
 
 
 def median_row(rows):
-    """Per-key median of one configuration's rounds (each round's figures stay in `rounds`)."""
+    """Per-key median of one configuration's rounds (each round's figures stay in `rounds`); a
+    figure only some rounds have (the disk's rate during a decode): the median of theirs."""
     out = dict(rows[0])
-    for k in dict.fromkeys(k for r in rows for k in r):  # (a figure some rounds have and others
-        # not, the disk's rate: theirs)
+    for k in dict.fromkeys(k for r in rows for k in r):
         vals = [r[k] for r in rows if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
         if vals:
             out[k] = float(np.median(vals))

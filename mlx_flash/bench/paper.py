@@ -209,7 +209,7 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None):
     an exact row's from its plan alone; a flash row's from the bytes and reads it measured and
     the rows it computed (the sparsity decides those; the model then predicts their time), with
     naive's per-layer cost, flash mode not being probed."""
-    from ..plan.cost import Work, predict
+    from ..plan.cost import Work, predict, predict_at_disk_rate
 
     row["decode_disk_gbs"] = disk_gbs
     if profile is None:
@@ -229,14 +229,11 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None):
         return
     row["predicted_ms"] = predicted
     row["measured_over_predicted"] = row["total_ms"] / predicted
-    # and at the rate the disk delivered while the row decoded (disk_gbs: io/device.py), the
-    # profile's curve scaled: the model's error apart from the disk's drift since the profile
-    # (a row that reads nothing: the same; one whose decode gave no rate: none)
-    at = predicted if not work.read_bytes else (
-        predict(work, profile.with_disk_rate(disk_gbs, work.read_size)).total_ms if disk_gbs is not None else None)
+    # and at the rate the disk delivered while the row decoded (none where it gave no rate)
+    at = predict_at_disk_rate(work, profile, disk_gbs)
     if at is not None:
-        row["predicted_run_disk_ms"] = at
-        row["measured_over_predicted_run_disk"] = row["total_ms"] / at
+        row["predicted_run_disk_ms"] = at.total_ms
+        row["measured_over_predicted_run_disk"] = row["total_ms"] / at.total_ms
 
 
 def refloor(row, curve, mem_bw):

@@ -59,7 +59,7 @@ class ExpertCache:
             slots = self.slot_of[gone]
             self.slot_of[gone] = -1
             free = np.concatenate([free, slots])
-        previous = self.id_in[free].copy()
+        previous = self.id_in[free]  # (a fancy index: already a copy)
         self.slot_of[missing] = free
         self.id_in[free] = missing
         if touch:

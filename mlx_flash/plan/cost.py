@@ -67,6 +67,15 @@ def predict(work, profile):
     return Prediction(io, compute + once, total + once)
 
 
+def predict_at_disk_rate(work, profile, disk_gbs):
+    """The prediction with the disk at `disk_gbs`, a rate measured during the run (io/device.py),
+    the profile's curve scaled: the model's error apart from the disk's drift since the profile.
+    A plan that reads nothing: the plain prediction; no rate: None."""
+    if not work.read_bytes:
+        return predict(work, profile)
+    return None if disk_gbs is None else predict(work, profile.with_disk_rate(disk_gbs, work.read_size))
+
+
 def resident_computed(model):
     """{form: bytes} of the resident matrices one token multiplies by (FFNs excluded)."""
     from ..models.ffn import FlashFFN

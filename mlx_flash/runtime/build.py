@@ -114,6 +114,7 @@ class Runtime:
                                              "buffer_bytes": self.attention.weights_bytes}
         if self.memory is not None:
             summary["memory_limit"] = self.memory.as_dict()
+        from ..plan.cost import predict_at_disk_rate
         from ..plan.profile import load_profile
 
         profile = load_profile()  # (a cached one: --stats never measures the machine)
@@ -125,7 +126,7 @@ class Runtime:
             summary["predicted"] = prediction.as_dict()
             work = self.work()
             if disk_gbs is not None and work.read_bytes:
-                at = self.predict(profile.with_disk_rate(disk_gbs, work.read_size))
+                at = predict_at_disk_rate(work, profile, disk_gbs)
                 summary["predicted_at_run_disk"] = at.as_dict() | {
                     "disk_gbs": disk_gbs, "profile_disk_gbs": profile.disk_gbs(work.read_size)}
         rows = []

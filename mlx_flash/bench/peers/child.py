@@ -165,15 +165,12 @@ class MLXFlashRuntime:
             prediction = rt.predict(self.profile) if self.profile is not None else None
             if prediction is not None:  # (after the decode: the KV cache on flash's reads counted)
                 out["flash_predicted_ms"] = prediction.total_ms
-                # and at the rate the disk delivered during this decode: the model's own error,
-                # apart from the disk's drift since it was probed
-                # (a plan that reads nothing: the same; one whose decode gave no rate: none)
-                work = rt.work()
-                if not work.read_bytes:
-                    out["flash_predicted_run_disk_ms"] = prediction.total_ms
-                elif disk_gbs is not None:
-                    out["flash_predicted_run_disk_ms"] = rt.predict(
-                        self.profile.with_disk_rate(disk_gbs, work.read_size)).total_ms
+                # and at the rate the disk delivered during this decode (none where it gave no rate)
+                from mlx_flash.plan.cost import predict_at_disk_rate
+
+                at = predict_at_disk_rate(rt.work(), self.profile, disk_gbs)
+                if at is not None:
+                    out["flash_predicted_run_disk_ms"] = at.total_ms
         except Exception as e:  # the stats are a bonus, never the result
             out["flash_stats_error"] = repr(e)
         return out

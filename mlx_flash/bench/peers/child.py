@@ -47,6 +47,17 @@ def read_bytes():
     return None
 
 
+def major_faults():
+    """Page faults that read from disk, this process's (/proc/self/stat's majflt): under a tight
+    cgroup the kernel evicts the process's file pages (its libraries' code, mapped weights) and
+    each touch reads them back."""
+    try:
+        with open("/proc/self/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[9])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _device_module(cfg):
     """io/device.py (the disk's rate during the decode), or None: the rate is a bonus, never
     the run's failure."""
@@ -64,7 +75,7 @@ class Events:
         st = proc_status()
         rec = {"event": name, "t": time.time(), "rss": st.get("VmRSS"), "hwm": st.get("VmHWM"),
                "rss_anon": st.get("RssAnon"), "rss_file": st.get("RssFile"),
-               "read_bytes": read_bytes(), **fields}
+               "read_bytes": read_bytes(), "major_faults": major_faults(), **fields}
         self.f.write(json.dumps(rec) + "\n")
         self.f.flush()  # in the kernel now: a SIGKILL after this loses nothing
 

@@ -86,6 +86,7 @@ COLUMNS = [
     ("rss_peak_bytes", "RSS peak MB", "mb"),
     ("read_per_token_bytes", "read MB/token", "mb1"),
     ("streamed_attention_bytes", "of it attention MB", "mb"),
+    ("major_faults_per_token", "major faults/token", "1"),
     ("plan_mode", "mode run", None),
     ("predicted_ms", "predicted ms/token", "1"),
     ("measured_over_predicted", "measured / predicted", "2"),
@@ -175,7 +176,7 @@ def markdown(res):
 def write_csv(res, path):
     keys = ["system", "runtime", "status", "runs", "ok", "oom", "limit_bytes", "memory_budget_bytes",
             "decode_tps", "decode_vs_reference", "prompt_tps", "load_s", "cgroup_peak_bytes", "rss_peak_bytes",
-            "read_per_token_bytes", "read_prefill_bytes", "read_load_bytes", "same_tokens_as_reference",
+            "read_per_token_bytes", "major_faults_per_token", "read_prefill_bytes", "read_load_bytes", "same_tokens_as_reference",
             "plan_mode", "streamed_attention_bytes", "predicted_ms", "measured_over_predicted",
             "disk_gbs_256k", "decode_disk_gbs", "predicted_run_disk_ms", "measured_over_predicted_run_disk", "message"]
     with open(path, "w", newline="") as f:

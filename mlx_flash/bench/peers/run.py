@@ -71,6 +71,7 @@ class RunRecord:
     read_prefill_bytes: int = None
     read_decode_bytes: int = None
     read_per_token_bytes: float = None
+    major_faults_per_token: float = None  # in the decode: the process's own pages read back from disk
     wall_s: float = None
     loadavg: list = None  # 1-minute load average before and after the run (a shared machine)
     tokens: list = field(default_factory=list)
@@ -120,6 +121,9 @@ def record_from(system, rnd, res, events, log_tail, limit, budget):
         rec.read_decode_bytes = _delta(ev.get("first_token", {}).get("read_bytes"), d.get("read_bytes"))
         if rec.read_decode_bytes is not None and rec.decode_tokens:
             rec.read_per_token_bytes = rec.read_decode_bytes / rec.decode_tokens
+        faults = _delta(ev.get("first_token", {}).get("major_faults"), d.get("major_faults"))
+        if faults is not None and rec.decode_tokens:
+            rec.major_faults_per_token = faults / rec.decode_tokens
         rec.extra = {k: v for k, v in d.items() if k.startswith(("lib_", "mlx_", "flash_", "decode_disk_"))}
     if "loaded" in ev:
         rec.extra.update({k: v for k, v in ev["loaded"].items()
@@ -449,7 +453,7 @@ class Peers:
             med = lambda key: _median([getattr(r, key) for r in ok])  # noqa: E731
             row.update(load_s=med("load_s"), prompt_tps=med("prompt_tps"), decode_tps=med("decode_tps"),
                        read_per_token_bytes=med("read_per_token_bytes"), read_prefill_bytes=med("read_prefill_bytes"),
-                       read_load_bytes=med("read_load_bytes"))
+                       read_load_bytes=med("read_load_bytes"), major_faults_per_token=med("major_faults_per_token"))
             row["cgroup_peak_bytes"] = _max([r.cgroup_peak_bytes for r in mine])
             row["rss_peak_bytes"] = _max([r.rss_peak_bytes for r in mine])
             ratios = [r.decode_tps / ref_runs[r.round].decode_tps for r in ok

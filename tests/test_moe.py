@@ -215,14 +215,14 @@ def test_a_late_read_ahead_is_cancelled_and_changes_nothing(tmp_path, monkeypatc
     monkeypatch.setattr(store_module, "READ_AHEAD_BATCH", 1)
     model, _ = mlx_flash.load(out, memory_budget=budget, prefetch=True)
     store = model.runtime.store
-    read = store._read
+    read = store._read_into
 
     def slow_read(layer, missing, into):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(0.03)
         read(layer, missing, into)
 
-    store._read = slow_read
+    store._read_into = slow_read
     for ffn in [layer.mlp.experts for layer in model.layers]:  # guess every expert: more than one batch
         if ffn.lookahead is not None:
             ffn.lookahead = (ffn.lookahead[0], lambda residual, inds: mx.arange(12)[None])
@@ -235,6 +235,88 @@ def test_a_late_read_ahead_is_cancelled_and_changes_nothing(tmp_path, monkeypatc
     held = np.flatnonzero(cache.id_in >= 0)
     assert np.array_equal(cache.slot_of[cache.id_in[held]], held)  # each held id points to its slot
     assert np.array_equal(np.sort(np.flatnonzero(cache.slot_of >= 0)), np.sort(cache.id_in[held]))
+
+
+def _quantized_moe(tmp_path):
+    src, _, _ = make_moe_folder(tmp_path / "hf", "qwen3_moe", num_hidden_layers=4, num_experts=12, mlp_only_layers=[])
+    return convert(src, tmp_path / "flash", progress=False, quant=QuantOptions(quantize=True, bits=4, group_size=64))
+
+
+def _slowed(store, seconds):
+    """The store's reads on its worker slowed by `seconds` each (a fault injected: the disk made slow)."""
+    read = store._read_into
+
+    def slow_read(layer, missing, into):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        read(layer, missing, into)
+
+    store._read_into = slow_read
+
+
+def test_missing_experts_read_while_the_cached_ones_compute_change_nothing(tmp_path, monkeypatch):
+    """One position on the CPU: a layer's missing experts are read on the worker while the native kernels
+    compute its cached ones, then computed. Logits and tokens are those of the layer waiting for every
+    read (bit for bit: the same sums); the reads are counted once, and with reads and compute slowed
+    alike (faults injected), part of the read time is hidden (none without the overlap)."""
+    from mlx_flash.models import moe as moe_module
+
+    compute = moe_module._one_position
+
+    def slow_compute(*args, **kwargs):
+        time.sleep(0.01)
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "_one_position", slow_compute)
+    out = _quantized_moe(tmp_path)
+    budget = _budget(out, 9)
+    runs = {}
+    for overlap in (False, True):
+        model, _ = mlx_flash.load(out, memory_budget=budget, prefetch=False, overlap=overlap)
+        store = model.runtime.store
+        assert store.overlap is overlap and store.host is not None
+        logits = model(mx.array([TOKENS]))
+        _slowed(store, 0.01)
+        tokens = greedy(model, TOKENS, 16)
+        runs[overlap] = (logits, tokens, model.runtime.stats()["summary"])
+        model.runtime.close()
+    (a, ta, sa), (b, tb, sb) = runs[False], runs[True]
+    assert mx.array_equal(a, b) and ta == tb
+    assert sa["experts_read"] == sb["experts_read"] > 0 and sa["bytes_read"] == sb["bytes_read"]
+    assert sa["hidden_share"] == 0.0 and sa["io_s"] == sa["read_s"]
+    assert sb["read_s"] >= sb["io_s"] >= 0 and 0 < sb["hidden_share"] <= 1, sb
+
+
+def test_a_missing_expert_that_fails_to_read_on_the_worker_is_said_and_forgotten(tmp_path):
+    """The worker's read of a layer's own missing experts fails (EIO injected): the error names the file
+    and reaches the caller from the layer that waits for it; the experts it was reading leave the
+    buffer, and the next token reads them again and matches a run that never failed."""
+    from mlx_flash.io.reader import ReadError
+
+    out = _quantized_moe(tmp_path)
+    budget = _budget(out, 9)
+    model, _ = mlx_flash.load(out, memory_budget=budget, prefetch=False, overlap=False)
+    want = greedy(model, TOKENS, 6)
+    model.runtime.close()
+
+    model, _ = mlx_flash.load(out, memory_budget=budget, prefetch=False, overlap=True)
+    store = model.runtime.store
+    read = store._read_into
+    failed = []
+
+    def failing_read(layer, missing, into):
+        if not failed and threading.current_thread() is not threading.main_thread():
+            failed.append(missing.copy())
+            raise ReadError(store.groups[layer][0].file.path, 0, "Input/output error (injected)")
+        read(layer, missing, into)
+
+    store._read_into = failing_read
+    model(mx.array([TOKENS]))  # a prompt: read in the layer, not on the worker
+    with pytest.raises(ReadError, match="injected"):
+        greedy(model, TOKENS, 6)
+    assert failed and (store.cache.slot_of[failed[0]] < 0).all()  # forgotten, not held half-read
+    assert greedy(model, TOKENS, 6) == want
+    model.runtime.close()
 
 
 def test_a_reservation_given_back_restores_the_slots_previous_experts():

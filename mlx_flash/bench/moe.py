@@ -1,8 +1,9 @@
 """`mlx_flash.benchmark moe`: a mixture of experts of a real shape (Qwen3-30B-A3B, Mixtral-8x7B)
 with random 4-bit weights, decoded under an expert buffer of a share of the model (EdgeMoE's
 rows): naive (a buffer of one layer's routed experts: every expert read every token), the
-buffer with LRU, LFU and EdgeMoE's eviction, and EdgeMoE's with the router look-ahead reading
-the next layer's experts during this layer's compute. Belady's hit rate, the offline optimum,
+buffer with LRU, LFU and EdgeMoE's eviction, EdgeMoE's with the router look-ahead reading
+the next layer's experts during this layer's compute (+lookahead), with a layer's missing experts
+read while its cached ones compute (+overlap), and with both (the runtime's default). Belady's hit rate, the offline optimum,
 is replayed on the routing the runs recorded. Rows alternate within each round; medians.
 
 Routing is the random model's own (its routers on its residual stream): close to uniform over
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROWS = ("naive", "lru", "lfu", "edgemoe", "edgemoe+lookahead")
+ROWS = ("naive", "lru", "lfu", "edgemoe", "edgemoe+lookahead", "edgemoe+overlap", "edgemoe+lookahead+overlap")
 ROUTINGS = ("trace", "model")
 
 
@@ -94,11 +95,12 @@ def _row_options(row, budget_bytes, top_k_bytes):
     """load() options of a row."""
     if row == "naive":  # one layer's routed experts: nothing survives to the next token
         return dict(memory_budget=str(top_k_bytes), expert_eviction="lru", prefetch=False)
-    policy = row.split("+")[0]
-    return dict(memory_budget=str(budget_bytes), expert_eviction=policy, prefetch=row.endswith("+lookahead"))
+    policy, *features = row.split("+")
+    return dict(memory_budget=str(budget_bytes), expert_eviction=policy, prefetch="lookahead" in features,
+                overlap="overlap" in features)
 
 
-COUNTERS = ("io_s", "wait_s", "prefetch_s", "bytes", "prefetched_bytes", "asked", "hits", "predicted",
+COUNTERS = ("io_s", "read_s", "wait_s", "prefetch_s", "bytes", "prefetched_bytes", "asked", "hits", "predicted",
             "predicted_used", "cancelled")  # the ExpertStats a measured token is charged with
 
 
@@ -194,6 +196,8 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
                     ms = 1e3 * np.median([t for t, _ in measured])
                     print(f"[moe] {shape} {budget} {row}: {ms:.0f} ms/token ({slots} slots)", flush=True)
     disk["at_end"] = disk_curve(files[:4], [lay.stride], seconds=2.0)[lay.stride]
+    from ..runtime.stats import hidden_share
+
     table = []
     gbps = min(disk.values())
     for (budget, row), res in results.items():
@@ -205,7 +209,7 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
         def total(c):  # (rates over all measured tokens)
             return float(sum(d[c] for _, d in res["tokens"]))
 
-        io, wait, pre_s = median("io_s"), median("wait_s"), median("prefetch_s")
+        io, read, wait, pre_s = median("io_s"), median("read_s"), median("wait_s"), median("prefetch_s")
         read_bytes = median("bytes") + median("prefetched_bytes")
         asked, pred = total("asked"), total("predicted")
         table.append({"budget": budget, "row": row, "slots": res["slots"], "ms_per_token": 1e3 * dt,
@@ -214,11 +218,11 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
                       "floor_ms": 1e3 * read_bytes / (gbps * 1e9), "predicted": pred,
                       "precision": total("predicted_used") / pred if pred else None,
                       "cancelled": total("cancelled"),
-                      "hidden_share": (pre_s - wait) / (io + pre_s) if pred and (io + pre_s) else None})
+                      "hidden_share": hidden_share(io, read, wait, pre_s)})
     simulated = _simulate(results, n_all, lay, top_k)
     naive = {e["budget"]: e["ms_per_token"] for e in table if e["row"] == "naive"}
     for e in table:
-        e["vs_naive"] = naive.get(e["budget"], float("nan")) / e["ms_per_token"]
+        e["vs_naive"] = naive[e["budget"]] / e["ms_per_token"] if e["budget"] in naive else None  # (a row of its own)
     report = {"shape": shape, "folder": str(folder), "disk_bytes": disk_bytes, "build_s": build_s,
               "model_bytes": model_bytes, "resident_bytes": resident, "slot_bytes": slot,
               "expert_bytes_on_flash": lay.bundle_bytes, "n_experts": lay.n_experts, "top_k": top_k,
@@ -293,7 +297,8 @@ def _write(report, out):
         return "-" if v is None else format(v, fmt)
 
     for e in report["rows"]:
-        lines.append(f"| {e['budget']} | {e['row']} | {e['slots']} | {e['ms_per_token']:.0f} | {e['vs_naive']:.2f}x "
+        vs = "-" if e["vs_naive"] is None else f"{e['vs_naive']:.2f}x"
+        lines.append(f"| {e['budget']} | {e['row']} | {e['slots']} | {e['ms_per_token']:.0f} | {vs} "
                      f"| {e['io_ms']:.0f} | {e['compute_ms']:.0f} | {e['read_mb_per_token']:.1f} "
                      f"| {f(e['hit_rate'], '.3f')} | {f(e['precision'], '.2f')} | {f(e['hidden_share'], '.0%')} | {e['floor_ms']:.0f} |")
     if report["simulated_hit_rates"]:

@@ -193,15 +193,16 @@ def expert_line(s):
             f"{s['experts_asked']} asked for, {s['experts_read']} read ({s['bytes_read'] / 1e6:.1f} MB in "
             f"{s['io_s']:.2f} s, {s['read_threads']} reader threads with {s['read_buffer_bytes'] / 1e6:.0f} MB of "
             f"buffers); hit rate {hit}" + (f" (per layer {shown})" if layers else "")
-            + _prefetch_text(s.get("prefetch")))
+            + _prefetch_text(s.get("prefetch"))
+            + ("" if s.get("hidden_share") is None else
+               f"; of all expert reading, {100 * s['hidden_share']:.0f} % hidden behind compute"))
 
 
 def _prefetch_text(p):
     if not p:
         return ""
-    hidden = "-" if p["hidden_share"] is None else f"{100 * p['hidden_share']:.0f} %"
     return (f"; look-ahead read {p['predicted']} experts ({p['bytes'] / 1e6:.1f} MB), {p['predicted_used']} of them "
-            f"used ({100 * p['precision']:.0f} %); of all expert reading, {hidden} hidden behind compute")
+            f"used ({100 * p['precision']:.0f} %)")
 
 
 def memory_line(s):

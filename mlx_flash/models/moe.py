@@ -69,6 +69,9 @@ class ExpertRows:
     # one position on the CPU: (the slots as a NumPy array, {kind: [QuantMatrix per slot]}): the native
     # kernels multiply each routed expert where it lies (MLX's quantized gather is ~10x slower there)
     host: Optional[tuple] = None
+    # one position whose missing experts are still being read (the store's overlap): (NumPy bool, the
+    # shape of idx: which choices, a callable that returns when their slots are filled or raises)
+    late: Optional[tuple] = None
 
 
 def _gather_sort(x, indices):  # as mlx_lm's switch_layers: many tokens, experts in order
@@ -106,6 +109,24 @@ def _host_products(mat, xs):
     return out
 
 
+def _one_position(x, slots, mats, out=None):
+    """One position's routed experts (their slots) by the native kernels -> float32 [k, D] (into out)."""
+    gates, ups, downs = ([mats[kind][s] for s in slots.tolist()] for kind in ("gate", "up", "down"))
+    k = len(gates)
+    out = np.empty((k, downs[0].n), dtype=np.float32) if out is None else out
+    if 2 * k <= gates[0].kernels.MAX_MANY:
+        # every gate and up in one native call, every down in another (the store's slots are alike
+        # by construction: one shape per kind, one width, group and scale dtype)
+        gu = qmv_many((x,), gates + ups, (0,) * (2 * k))
+        g, u = gu[:k], gu[k:]
+        qmv_many(tuple(g / (1 + np.exp(-g)) * u), downs, range(k), out=out)
+    else:  # more routed experts than one native call takes (no family routes to 32): a call per matrix
+        for j, (gate, up, down) in enumerate(zip(gates, ups, downs)):
+            g, u = gate.matvec(x), up.matvec(x)
+            down.matvec(g / (1 + np.exp(-g)) * u, out[j])
+    return out
+
+
 def host_switch_glu(x, rows: ExpertRows):
     """The routed experts by the native kernels, expert by expert over the positions routed to it:
     [..., D] -> [..., k, D] (float32 sums; the same values as switch_glu to float32 rounding)."""
@@ -115,18 +136,16 @@ def host_switch_glu(x, rows: ExpertRows):
     chosen = slots.reshape(xs.shape[0], -1)
     out = np.empty(chosen.shape + (d,), dtype=np.float32)
     if xs.shape[0] == 1:
-        gates, ups, downs = ([mats[kind][s] for s in chosen[0].tolist()] for kind in ("gate", "up", "down"))
-        k = len(gates)
-        if 2 * k <= gates[0].kernels.MAX_MANY:
-            # a decode step: every gate and up in one native call, every down in another (the store's
-            # slots are alike by construction: one shape per kind, one width, group and scale dtype)
-            gu = qmv_many((xs[0],), gates + ups, (0,) * (2 * k))
-            g, u = gu[:k], gu[k:]
-            qmv_many(tuple(g / (1 + np.exp(-g)) * u), downs, range(k), out=out[0])
-        else:  # more routed experts than one native call takes (no family routes to 32): a call per matrix
-            for j, (gate, up, down) in enumerate(zip(gates, ups, downs)):
-                g, u = gate.matvec(xs[0]), up.matvec(xs[0])
-                down.matvec(g / (1 + np.exp(-g)) * u, out[0, j])
+        if rows.late is None:
+            _one_position(xs[0], chosen[0], mats, out[0])
+        else:  # the experts in the buffer while the missing ones are read, then those (the same sums)
+            late, wait = rows.late
+            on_time, later = np.flatnonzero(~late.reshape(-1)), np.flatnonzero(late.reshape(-1))
+            if on_time.size:
+                out[0, on_time] = _one_position(xs[0], chosen[0, on_time], mats)
+            wait()
+            if later.size:
+                out[0, later] = _one_position(xs[0], chosen[0, later], mats)
     else:
         for slot in np.unique(chosen).tolist():
             pos, j = np.nonzero(chosen == slot)

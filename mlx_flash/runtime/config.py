@@ -97,13 +97,14 @@ class FlashConfig:
     recovery: bool = _opt(True, "calibrated sources: leave out the recovery adapters of `mlx_flash.calibrate "
                           "--recover` (used when the model has them)", "--no-recovery", negate=True)
     prefetch: bool = _opt(True, "read in the layer, without overlapping compute (naive / hybrid: the "
-                          "next layer's rows; flash: the missing neurons while the cached ones compute)",
-                          "--no-prefetch", negate=True)
+                          "next layer's rows; flash: the missing neurons while the cached ones compute; "
+                          "experts: the next layer's guessed experts, and a layer's missing ones while its "
+                          "cached ones compute)", "--no-prefetch", negate=True)
     # for the paper benchmark, not on the CLI
     bundled: bool = _opt(True, "read a neuron's weight kinds as one bundle (False: one read per kind, "
                          "the paper's layout before row-column bundling)")
-    overlap: bool | None = _opt(None, "flash: read a layer's missing neurons while the cached ones "
-                                "compute (None: as prefetch)")
+    overlap: bool | None = _opt(None, "flash / experts: read a layer's missing neurons / experts while the "
+                                "cached ones compute (None: as prefetch)")
 
     def __post_init__(self):
         def bad(what):

@@ -3,12 +3,22 @@
 One row per forward pass (a prompt chunk or a decode token): I/O, memory
 management, prediction and compute time, bytes read, reads issued, neurons
 active and cached (hit rate), the window the caches kept, and (DIP store) the share
-of the FFN's weights the pass used.
+of the FFN's weights the pass used. And hidden_share, the share of expert reading a mixture
+of experts' compute hid (runtime/stores/experts.py, bench/moe.py).
 """
 
 import time
 
 import numpy as np
+
+
+def hidden_share(io_s, read_s, wait_s, prefetch_s):
+    """Of a mixture of experts' expert reading, the share no layer waited for (compute ran
+    meanwhile): 1 - waited / read over the layers' own reads (io_s waited of read_s) and the
+    look-ahead's (wait_s of prefetch_s); None when nothing was read."""
+    read = read_s + prefetch_s
+    # (a wait includes the worker's hand-off: a few microseconds more than a read nothing hid)
+    return max(0.0, 1 - (io_s + wait_s) / read) if read > 0 else None
 
 
 class TokenStats:

@@ -10,6 +10,14 @@ choice back to the host: it depends on every earlier layer's output and on the p
 token, so no pending computation still reads a slot (the current layer's experts are never
 evicted for its own misses). A prompt whose layer routes to more experts than the buffer
 holds is served in groups, each group's output evaluated before the next group's reads.
+
+Overlap (one position on the CPU, `overlap`): the layer's missing experts are read on the
+worker while the native kernels compute the ones already in the buffer; the FFN then waits
+(ExpertRows.late) and computes the rest. The same sums, in the same slots: only the time moves.
+The worker's read never touches the cache's books (the main thread forgets a failed read's
+experts when it waits), so the look-ahead may reserve slots meanwhile; the current layer's slots,
+the ones being read included, are `busy` and never given to it.
+
 On a GPU the slabs would want a staged copy (as NeuronCache's); not written: the store is
 built on the CPU (and Apple's unified memory) only.
 """
@@ -30,6 +38,7 @@ from ...layout.experts import KINDS, layer_groups
 from ...layout.format import read_checksums
 from ...layout.quant import widen
 from ...models.moe import ExpertRows
+from ..stats import hidden_share
 from .base import cpu_kernels
 
 NARROW_STAGING = 64 << 20  # bytes of narrower experts staged at a time before widening
@@ -47,7 +56,8 @@ class ExpertStats:
         self.asked = np.zeros(n_layers, dtype=np.int64)
         self.hits = np.zeros(n_layers, dtype=np.int64)
         self.bytes = 0
-        self.io_s = 0.0
+        self.io_s = 0.0  # what the layers waited for their own missing experts
+        self.read_s = 0.0  # how long those reads took (more than io_s where compute overlapped them)
         self.predicted = 0  # experts the look-ahead read for a layer (named, not in the buffer, read in time)
         self.predicted_used = 0  # of those, asked for by that layer
         self.prefetched_bytes = 0
@@ -63,21 +73,28 @@ class ExpertStats:
         per_layer = {i: round(float(h / a), 4) for i, (h, a) in enumerate(zip(self.hits, self.asked)) if a}
         out = {"experts_asked": asked, "experts_read": asked - int(self.hits.sum()),
                "hit_rate": float(self.hits.sum() / asked) if asked else None, "hit_rate_per_layer": per_layer,
-               "bytes_read": self.bytes, "io_s": self.io_s}
+               "bytes_read": self.bytes, "io_s": self.io_s, "read_s": self.read_s,
+               "hidden_share": self.hidden_share()}
         if self.predicted or self.cancelled:
-            read = self.io_s + self.prefetch_s
             out["prefetch"] = {"predicted": self.predicted, "predicted_used": self.predicted_used,
                                "precision": self.predicted_used / self.predicted if self.predicted else None,
                                "cancelled": self.cancelled,
-                               "bytes": self.prefetched_bytes, "read_s": self.prefetch_s, "waited_s": self.wait_s,
-                               "hidden_share": (self.prefetch_s - self.wait_s) / read if read else None}
+                               "bytes": self.prefetched_bytes, "read_s": self.prefetch_s, "waited_s": self.wait_s}
         return out
+
+    def hidden_share(self):
+        """Of all expert reading (the layers' own and the look-ahead's), the share no layer waited
+        for: compute ran meanwhile. None when nothing was read."""
+        return hidden_share(self.io_s, self.read_s, self.wait_s, self.prefetch_s)
 
 
 class ExpertStore:
     """A model's experts: `experts(layer, inds)` -> ExpertRows (or a list of parts)."""
 
-    def __init__(self, folder, manifest, slots, dtype, reader, policy="edgemoe", verify=True, prefetch=True):
+    def __init__(self, folder, manifest, slots, dtype, reader, policy="edgemoe", verify=True, prefetch=True,
+                 overlap=None):
+        """prefetch: the look-ahead reads the next layer's guessed experts during this one; overlap
+        (None: as prefetch): one position's missing experts read while its cached ones compute."""
         exp = manifest.experts
         self.layout = lay = exp["layout"]
         self.folder = folder
@@ -100,8 +117,11 @@ class ExpertStore:
         self.bits, self.group_size = (q.bits, q.group_size) if q is not None else (None, None)
         self.host = self._host_matrices()
         self.prefetch = prefetch and slots < total  # (dense: nothing to read ahead)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-experts") if self.prefetch else None
+        self.overlap = (prefetch if overlap is None else overlap) and slots < total and self.host is not None
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="mlx_flash-experts")
+                        if self.prefetch or self.overlap else None)
         self._pending = None  # (layer, ids being read, their slots, the slots' previous ids, future, stop Event)
+        self._late = None  # (missing ids, future): this layer's own read in flight (overlap)
         self.busy = np.zeros(0, dtype=np.int64)  # the global ids the current layer computes on
         self._predicted = {}  # {layer: global ids the look-ahead read for it}
 
@@ -166,6 +186,15 @@ class ExpertStore:
 
     def _read(self, layer, missing, into):
         """Read experts (global ids) of `layer` into their slots; a failure leaves them out of the buffer."""
+        try:
+            self._read_into(layer, missing, into)
+        except BaseException:
+            self.cache.forget(missing)
+            raise
+
+    def _read_into(self, layer, missing, into):
+        """_read without the cache's books (a failure raises, naming the layer and expert of a damaged
+        part): the worker's read of a layer's own experts, which the main thread forgets on failure."""
         local = missing - layer * self.layout.n_experts
         for gf in self.groups[layer]:
             pos = gf.position[local]
@@ -179,12 +208,8 @@ class ExpertStore:
                 else:  # narrower values: read, then widened into their slots
                     self._read_narrow(gf, pos[sel], into[sel])
             except ChecksumError as e:
-                self.cache.forget(missing)
                 raise FlashError(f"layer {layer}, expert {gf.group.experts[e.bundle]} ({KINDS[e.part]}): {e}") \
                     from None
-            except BaseException:
-                self.cache.forget(missing)
-                raise
 
     def _read_narrow(self, gf, pos, slots):
         """Experts stored at fewer bits than the buffer's: their bundles into a staging buffer (a few at
@@ -206,6 +231,11 @@ class ExpertStore:
                     view[into] = buf
 
     def _drain(self):
+        """End the reads in flight: the layer's own (waited for), then the look-ahead's (_drain_ahead)."""
+        self._wait_late()
+        self._drain_ahead()
+
+    def _drain_ahead(self):
         """End the look-ahead's read in flight: batches not begun are cancelled (their slots get back
         the experts they held, whose bytes are untouched), the one being read is waited for (its
         failure raises here, its experts and those after it out of the buffer)."""
@@ -217,15 +247,15 @@ class ExpertStore:
         t0, interrupted = time.perf_counter(), None
         while True:  # to the end, even if this thread is interrupted: the worker writes into the slots
             try:
-                seconds, done = fut.result()
+                seconds, done, error = fut.result()
                 break
             except KeyboardInterrupt as e:
                 interrupted = e
-            except BaseException:  # a failed read (the worker forgot the experts it did not read)
-                self.stats.wait_s += time.perf_counter() - t0
-                raise
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.prefetch_s += seconds
+        if error is not None:  # the batch that failed and the ones after it never came
+            self.cache.forget(missing[done:])
+            raise error
         if done < missing.size:
             self.cache.give_back(missing[done:], into[done:], previous[done:])
             self.stats.cancelled += missing.size - done
@@ -237,18 +267,18 @@ class ExpertStore:
             raise interrupted
 
     def _read_ahead_batches(self, layer, missing, into, stop):
-        """The look-ahead's read, READ_AHEAD_BATCH experts at a time, most likely first, until `stop`
-        -> (seconds, experts read)."""
+        """(the worker) The look-ahead's read, READ_AHEAD_BATCH experts at a time, most likely first,
+        until `stop` -> (seconds, experts read, the error that ended it or None). The cache's books
+        are the main thread's (_drain)."""
         t0, done = time.perf_counter(), 0
         try:
             while done < missing.size and not stop.is_set():
                 end = min(missing.size, done + READ_AHEAD_BATCH)
-                self._read(layer, missing[done:end], into[done:end])
+                self._read_into(layer, missing[done:end], into[done:end])
                 done = end
-        except BaseException:  # (_read forgot its batch; the batches after it never came)
-            self.cache.forget(missing[done:])
-            raise
-        return time.perf_counter() - t0, done
+        except BaseException as e:
+            return time.perf_counter() - t0, done, e
+        return time.perf_counter() - t0, done, None
 
     def read_ahead(self, layer, inds):
         """The look-ahead's guess of `layer`'s experts (router indices, most likely first): read the
@@ -257,7 +287,7 @@ class ExpertStore:
         A wrong guess costs reads, never correctness."""
         if not self.prefetch or layer not in self.groups:
             return
-        self._drain()
+        self._drain_ahead()  # (not the layer's own read: it runs on while this layer computes)
         guess = np.asarray(inds).astype(np.int64).reshape(-1)
         guess = guess[np.sort(np.unique(guess, return_index=True)[1])]  # unique, in the guess's order
         ids = self.cache.ids(layer, guess)
@@ -269,22 +299,70 @@ class ExpertStore:
         self._pending = (layer, missing, into, previous,
                          self._worker.submit(self._read_ahead_batches, layer, missing, into, stop), stop)
 
-    def _ensure(self, layer, experts):
-        """Unique experts of `layer` into the buffer -> their slots."""
+    def _place(self, layer, experts):
+        """Unique experts of `layer` given slots (the look-ahead's read ended first) -> (their
+        slots, the missing global ids, the slots to read those into), counted."""
         self._drain()
         ids = self.cache.ids(layer, experts)
         guessed = self._predicted.pop(layer, None)
         if guessed is not None:
             self.stats.predicted_used += int(np.isin(guessed, ids).sum())
         slots, missing, into = self.cache.place(ids)
+        self.stats.asked[layer] += ids.size
+        self.stats.hits[layer] += ids.size - missing.size
+        if missing.size:
+            self.stats.bytes += self.read_bytes(layer, missing)
+        return slots, missing, into
+
+    def _ensure(self, layer, experts):
+        """Unique experts of `layer` into the buffer -> their slots."""
+        slots, missing, into = self._place(layer, experts)
         if missing.size:
             t0 = time.perf_counter()
             self._read(layer, missing, into)
-            self.stats.io_s += time.perf_counter() - t0
-            self.stats.bytes += self.read_bytes(layer, missing)
-        self.stats.asked[layer] += ids.size
-        self.stats.hits[layer] += ids.size - missing.size
+            dt = time.perf_counter() - t0
+            self.stats.io_s += dt
+            self.stats.read_s += dt
         return slots
+
+    def _timed_read(self, layer, missing, into):
+        """(the worker) -> seconds the read took."""
+        t0 = time.perf_counter()
+        self._read_into(layer, missing, into)
+        return time.perf_counter() - t0
+
+    def _overlapped(self, layer, unique, inverse, shape):
+        """One position's experts, the missing ones read on the worker meanwhile -> ExpertRows whose
+        `late` names the choices still being read and how to wait for them."""
+        slots, missing, into = self._place(layer, unique)
+        rows = self._rows(slots[inverse].reshape(shape))
+        if missing.size:
+            self._late = (missing, self._worker.submit(self._timed_read, layer, missing, into))
+            rows.late = (np.isin(slots[inverse], into).reshape(shape), self._wait_late)
+        return rows
+
+    def _wait_late(self):
+        """Wait for the layer's own read in flight, if any, to its end (even when this thread is
+        interrupted: the worker writes into the slots); a failure forgets its experts and raises."""
+        if self._late is None:
+            return
+        missing, fut = self._late
+        self._late = None
+        t0, interrupted = time.perf_counter(), None
+        while True:
+            try:
+                seconds = fut.result()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = e
+            except BaseException:
+                self.stats.io_s += time.perf_counter() - t0
+                self.cache.forget(missing)
+                raise
+        self.stats.io_s += time.perf_counter() - t0
+        self.stats.read_s += seconds
+        if interrupted is not None:
+            raise interrupted
 
     def experts(self, layer, inds):
         chosen = np.array(inds).astype(np.int64)  # (waits for the router: see the module docstring)
@@ -292,6 +370,8 @@ class ExpertStore:
         if self.stats.trace is not None:
             self.stats.trace.append((layer, unique))
         self.busy = self.cache.ids(layer, unique)
+        if unique.size <= self.slots and self.overlap and chosen.size == chosen.shape[-1]:  # one position
+            return self._overlapped(layer, unique, inverse, chosen.shape)
         if unique.size <= self.slots:
             slots = self._ensure(layer, unique)
             return self._rows(slots[inverse].reshape(chosen.shape))

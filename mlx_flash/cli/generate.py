@@ -191,8 +191,8 @@ def expert_line(s):
     shown = ", ".join(f"{i}: {r:.2f}" for i, r in list(layers.items())[:8]) + (", ..." if len(layers) > 8 else "")
     return (f"Experts: {s['expert_slots']} slots for {s['experts_total']} experts ({s['eviction']} eviction); "
             f"{s['experts_asked']} asked for, {s['experts_read']} read ({s['bytes_read'] / 1e6:.1f} MB in "
-            f"{s['io_s']:.2f} s, {s['read_threads']} reader threads with {s['read_buffer_bytes'] / 1e6:.0f} MB of "
-            f"buffers); hit rate {hit}" + (f" (per layer {shown})" if layers else "")
+            f"{s['read_s']:.2f} s, of it waited for {s['io_s']:.2f} s; {s['read_threads']} reader threads with "
+            f"{s['read_buffer_bytes'] / 1e6:.0f} MB of buffers); hit rate {hit}" + (f" (per layer {shown})" if layers else "")
             + _prefetch_text(s.get("prefetch"))
             + ("" if s.get("hidden_share") is None else
                f"; of all expert reading, {100 * s['hidden_share']:.0f} % hidden behind compute"))

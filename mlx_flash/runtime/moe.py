@@ -108,7 +108,7 @@ def build_moe_runtime(model, folder, manifest, config, resident_bytes, resident_
     reader = FlashReader(threads=threads)
     try:
         store = ExpertStore(folder, manifest, slots, dtype, reader, config.expert_eviction, config.verify,
-                            config.prefetch, config.overlap)
+                            config.prefetch, config.overlaps)
         if mode == "dense":
             store.load_all()
             store.reset_stats()  # (what loading read is not a token's)

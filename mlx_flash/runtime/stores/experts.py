@@ -24,7 +24,7 @@ built on the CPU (and Apple's unified memory) only.
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 
 import numpy as np
 
@@ -231,9 +231,12 @@ class ExpertStore:
                     view[into] = buf
 
     def _drain(self):
-        """End the reads in flight: the layer's own (waited for), then the look-ahead's (_drain_ahead)."""
-        self._wait_late()
-        self._drain_ahead()
+        """End the reads in flight: the layer's own (waited for), then the look-ahead's (_drain_ahead),
+        even when the first failed."""
+        try:
+            self._wait_late()
+        finally:
+            self._drain_ahead()
 
     def _drain_ahead(self):
         """End the look-ahead's read in flight: batches not begun are cancelled (their slots get back
@@ -244,13 +247,8 @@ class ExpertStore:
         layer, missing, into, previous, fut, stop = self._pending
         self._pending = None
         stop.set()
-        t0, interrupted = time.perf_counter(), None
-        while True:  # to the end, even if this thread is interrupted: the worker writes into the slots
-            try:
-                seconds, done, error = fut.result()
-                break
-            except KeyboardInterrupt as e:
-                interrupted = e
+        t0 = time.perf_counter()
+        (seconds, done, error), interrupted = _result(fut)
         self.stats.wait_s += time.perf_counter() - t0
         self.stats.prefetch_s += seconds
         if error is not None:  # the batch that failed and the ones after it never came
@@ -308,10 +306,14 @@ class ExpertStore:
         if guessed is not None:
             self.stats.predicted_used += int(np.isin(guessed, ids).sum())
         slots, missing, into = self.cache.place(ids)
-        self.stats.asked[layer] += ids.size
-        self.stats.hits[layer] += ids.size - missing.size
-        if missing.size:
-            self.stats.bytes += self.read_bytes(layer, missing)
+        try:
+            self.stats.asked[layer] += ids.size
+            self.stats.hits[layer] += ids.size - missing.size
+            if missing.size:
+                self.stats.bytes += self.read_bytes(layer, missing)
+        except BaseException:  # (interrupted before the read: the slots hold nothing of these experts)
+            self.cache.forget(missing)
+            raise
         return slots, missing, into
 
     def _ensure(self, layer, experts):
@@ -326,41 +328,46 @@ class ExpertStore:
         return slots
 
     def _timed_read(self, layer, missing, into):
-        """(the worker) -> seconds the read took."""
+        """(the worker) -> (seconds the read took, the error that ended it or None): the cache's
+        books are the main thread's (_wait_late)."""
         t0 = time.perf_counter()
-        self._read_into(layer, missing, into)
-        return time.perf_counter() - t0
+        try:
+            self._read_into(layer, missing, into)
+        except BaseException as e:
+            return time.perf_counter() - t0, e
+        return time.perf_counter() - t0, None
 
     def _overlapped(self, layer, unique, inverse, shape):
         """One position's experts, the missing ones read on the worker meanwhile -> ExpertRows whose
         `late` names the choices still being read and how to wait for them."""
         slots, missing, into = self._place(layer, unique)
+        if missing.size:
+            try:
+                fut = self._worker.submit(self._timed_read, layer, missing, into)
+            except BaseException:  # (not submitted: the slots hold nothing of these experts)
+                self.cache.forget(missing)
+                raise
+            self._late = (missing, fut)
         rows = self._rows(slots[inverse].reshape(shape))
         if missing.size:
-            self._late = (missing, self._worker.submit(self._timed_read, layer, missing, into))
             rows.late = (np.isin(slots[inverse], into).reshape(shape), self._wait_late)
         return rows
 
     def _wait_late(self):
-        """Wait for the layer's own read in flight, if any, to its end (even when this thread is
-        interrupted: the worker writes into the slots); a failure forgets its experts and raises."""
+        """Wait for the layer's own read in flight, if any, to its end (whatever this thread is
+        interrupted by: the worker writes into the slots); a failed read forgets its experts and
+        raises."""
         if self._late is None:
             return
         missing, fut = self._late
         self._late = None
-        t0, interrupted = time.perf_counter(), None
-        while True:
-            try:
-                seconds = fut.result()
-                break
-            except KeyboardInterrupt as e:
-                interrupted = e
-            except BaseException:
-                self.stats.io_s += time.perf_counter() - t0
-                self.cache.forget(missing)
-                raise
+        t0 = time.perf_counter()
+        (seconds, error), interrupted = _result(fut)
         self.stats.io_s += time.perf_counter() - t0
         self.stats.read_s += seconds
+        if error is not None:
+            self.cache.forget(missing)
+            raise error
         if interrupted is not None:
             raise interrupted
 
@@ -407,6 +414,19 @@ class ExpertStore:
             for gf in groups:
                 self.reader.close_file(gf.file)
         self.groups = {}
+
+
+def _result(fut):
+    """A worker's future waited for to its end, whatever interrupts this thread meanwhile (the
+    worker writes into the slots until it returns) -> (its result, the interruption or None).
+    The worker's reads return their errors; one it raises is a bug, raised here."""
+    interrupted = None
+    while not fut.done():
+        try:
+            futures_wait([fut])
+        except BaseException as e:  # this thread's (a signal handler's, Ctrl-C): after the wait
+            interrupted = interrupted or e
+    return fut.result(), interrupted
 
 
 class _GroupFile:

@@ -2,9 +2,10 @@
 with random 4-bit weights, decoded under an expert buffer of a share of the model (EdgeMoE's
 rows): naive (a buffer of one layer's routed experts: every expert read every token), the
 buffer with LRU, LFU and EdgeMoE's eviction, EdgeMoE's with the router look-ahead reading
-the next layer's experts during this layer's compute (+lookahead), with a layer's missing experts
-read while its cached ones compute (+overlap), and with both (the runtime's default). Belady's hit rate, the offline optimum,
-is replayed on the routing the runs recorded. Rows alternate within each round; medians.
+the next layer's experts during this layer's compute (+lookahead), with a layer's missing
+experts read while its cached ones compute (+overlap), and with both (the runtime's default).
+Belady's hit rate, the offline optimum, is replayed on the routing the runs recorded. Rows
+alternate within each round; medians.
 
 Routing is the random model's own (its routers on its residual stream): close to uniform over
 the experts, so hit rates and the look-ahead's precision here are a pessimistic stand-in for a
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from ..runtime.stats import hidden_share
 
 ROWS = ("naive", "lru", "lfu", "edgemoe", "edgemoe+lookahead", "edgemoe+overlap", "edgemoe+lookahead+overlap")
 ROUTINGS = ("trace", "model")
@@ -100,8 +103,8 @@ def _row_options(row, budget_bytes, top_k_bytes):
                 overlap="overlap" in features)
 
 
-COUNTERS = ("io_s", "read_s", "wait_s", "prefetch_s", "bytes", "prefetched_bytes", "asked", "hits", "predicted",
-            "predicted_used", "cancelled")  # the ExpertStats a measured token is charged with
+COUNTERS = ("io_s", "read_s", "wait_s", "prefetch_s", "bytes", "prefetched_bytes", "asked", "hits",
+            "predicted", "predicted_used", "cancelled")  # the ExpertStats a measured token is charged with
 
 
 def _counters(stats):
@@ -196,8 +199,6 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
                     ms = 1e3 * np.median([t for t, _ in measured])
                     print(f"[moe] {shape} {budget} {row}: {ms:.0f} ms/token ({slots} slots)", flush=True)
     disk["at_end"] = disk_curve(files[:4], [lay.stride], seconds=2.0)[lay.stride]
-    from ..runtime.stats import hidden_share
-
     table = []
     gbps = min(disk.values())
     for (budget, row), res in results.items():
@@ -222,7 +223,7 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     simulated = _simulate(results, n_all, lay, top_k)
     naive = {e["budget"]: e["ms_per_token"] for e in table if e["row"] == "naive"}
     for e in table:
-        e["vs_naive"] = naive[e["budget"]] / e["ms_per_token"] if e["budget"] in naive else None  # (a row of its own)
+        e["vs_naive"] = naive[e["budget"]] / e["ms_per_token"] if e["budget"] in naive else None  # (no naive row run)
     report = {"shape": shape, "folder": str(folder), "disk_bytes": disk_bytes, "build_s": build_s,
               "model_bytes": model_bytes, "resident_bytes": resident, "slot_bytes": slot,
               "expert_bytes_on_flash": lay.bundle_bytes, "n_experts": lay.n_experts, "top_k": top_k,

@@ -166,7 +166,8 @@ class MLXFlashRuntime:
         try:
             stats = self.model.runtime.stats()
             if "expert_slots" in stats["summary"]:  # a mixture of experts: its buffer's use
-                keep = ("hit_rate", "experts_asked", "experts_read", "bytes_read", "io_s", "read_s", "hidden_share", "prefetch")
+                keep = ("hit_rate", "experts_asked", "experts_read", "bytes_read", "io_s", "read_s", "hidden_share",
+                        "prefetch")
                 out["expert_stats"] = {k: stats["summary"].get(k) for k in keep}
                 return out
             if self.model.runtime.store.stats is not None:

@@ -176,7 +176,8 @@ def markdown(res):
 def write_csv(res, path):
     keys = ["system", "runtime", "status", "runs", "ok", "oom", "limit_bytes", "memory_budget_bytes",
             "decode_tps", "decode_vs_reference", "prompt_tps", "load_s", "cgroup_peak_bytes", "rss_peak_bytes",
-            "read_per_token_bytes", "major_faults_per_token", "read_prefill_bytes", "read_load_bytes", "same_tokens_as_reference",
+            "read_per_token_bytes", "major_faults_per_token", "read_prefill_bytes", "read_load_bytes",
+            "same_tokens_as_reference",
             "plan_mode", "streamed_attention_bytes", "predicted_ms", "measured_over_predicted",
             "disk_gbs_256k", "decode_disk_gbs", "predicted_run_disk_ms", "measured_over_predicted_run_disk", "message"]
     with open(path, "w", newline="") as f:

@@ -289,7 +289,11 @@ def _write(report, out):
              + ROUTING_TEXT[report["routing"]]
              + (f" The look-ahead guesses {report['lookahead_width']} experts a layer."
                 if report["routing"] == "trace" and report.get("lookahead_width", report["top_k"]) != report["top_k"]
-                else ""), "",
+                else ""),
+             "", "Rows: +lookahead reads the next layer's guessed experts during this layer; +overlap reads a "
+             "layer's missing experts while its cached ones compute. Expert I/O ms: the time layers waited for "
+             "expert reads (the rest of a token is compute); I/O hidden: the share of all expert read time, the "
+             "layers' own and the look-ahead's, that no layer waited for.", "",
              "| budget | row | slots | ms/token | vs naive | expert I/O ms | compute ms | read MB/token | hit rate "
              "| look-ahead precision | I/O hidden | I/O floor ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

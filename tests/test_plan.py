@@ -181,18 +181,22 @@ def test_explain_and_stats_show_the_plan_and_the_prediction(smollm2, tmp_path):
     assert "Cost model: predicted" in r.stdout and "Mode hybrid" in r.stdout, r.stdout
 
 
+def _check_quick_profile(p):
+    assert p is not None and p.quick and set(p.layer_ms) == {"dense", "hybrid", "naive"}
+    assert all(set(r) == {128, 576} and all(v >= 0 for v in r.values()) for r in p.layer_ms.values())
+    assert set(p.token_ms) == set(p.layer_ms) and 0.0 <= p.overlap <= 1.0
+    assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
+    assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
+
+
+@pytest.mark.slow  # (40 s: the same quick probe as the --explain test below, which checks the profile it writes)
 def test_benchmark_profile_writes_one(tmp_path, smollm2):
     home = tmp_path / "home"
     ffn = next((smollm2 / "ffn").glob("*.bin")) if (smollm2 / "ffn").is_dir() else next(smollm2.glob("**/*.bin"))
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "benchmark", "profile", "--quick", "--file", str(ffn)],
                        capture_output=True, text=True, timeout=300, env=_env(home))
     assert r.returncode == 0, r.stderr
-    p = load_profile(home / "profile.json")
-    assert p is not None and p.quick and set(p.layer_ms) == {"dense", "hybrid", "naive"}
-    assert all(set(r) == {128, 576} and all(v >= 0 for v in r.values()) for r in p.layer_ms.values())
-    assert set(p.token_ms) == set(p.layer_ms) and 0.0 <= p.overlap <= 1.0
-    assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
-    assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
+    _check_quick_profile(load_profile(home / "profile.json"))
 
 
 def _env(home):
@@ -279,7 +283,8 @@ def test_explain_without_a_profile_probes_in_a_child_process(smollm2, tmp_path):
            "--max-tokens", "2", "--memory-limit", "400MB"]
     first = subprocess.run(cmd + ["--explain"], capture_output=True, text=True, timeout=600, env=_env(home))
     assert first.returncode == 0, first.stderr
-    assert "quick probe now, in a child process" in first.stderr and load_profile(home / "profile.json") is not None
+    assert "quick probe now, in a child process" in first.stderr
+    _check_quick_profile(load_profile(home / "profile.json"))
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(home))  # (cached now)
     runtime = [int(re.search(r"runtime (\d+) MB \(measured\)", r.stderr).group(1)) for r in (first, again)]
     assert runtime[0] <= runtime[1] + 10, runtime

@@ -70,10 +70,10 @@ SHAPES.update({
                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                      num_experts=16, num_experts_per_tok=4, vocab_size=512, max_position_embeddings=256),
 })
-# the two probes at 12 layers: the per-layer cost is the slope between 4 and 12 layers, what a
-# token costs once (embedding, lm_head, sampling, Python) the rest
+# the two probes at 36 layers: the per-layer cost is the slope between 4 and 36 layers, what a
+# token costs once (embedding, lm_head, sampling, Python) the rest (bench/profile.py)
 for _probe in ("tiny-llama", "probe-576"):
-    SHAPES[f"{_probe}-12"] = dict(SHAPES[_probe], num_hidden_layers=12)
+    SHAPES[f"{_probe}-36"] = dict(SHAPES[_probe], num_hidden_layers=36)
 
 
 def tensor_shapes(cfg):

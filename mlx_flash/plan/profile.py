@@ -4,7 +4,7 @@
   read size, from 4 KiB to 1 MiB;
 - per layer and per token: what a decode token costs apart from its bytes (MLX's dispatch,
   the store's syncs and reads), by mode and model width, from 4-bit probe models of 4 and
-  12 layers decoded through the real runtime without prefetch (bench/random_model.py): the
+  36 layers decoded through the real runtime without prefetch (bench/random_model.py): the
   slope between the two depths is the per-layer cost, the rest what a token costs once
   (embedding, lm_head, sampling, Python);
 - overlap: the share of min(I/O, compute) that prefetch (the next layer read while this one
@@ -36,8 +36,9 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..home import default_home
 
-VERSION = 4  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
-# 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves
+VERSION = 5  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
+# 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
+# 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from mlx_lm.models.activations import swiglu
 from ..errors import FlashError
 from ..kernels import qmv_many
 from . import llama
+from .ffn import host_silu
 from .llama import Attention
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -119,11 +120,11 @@ def _one_position(x, slots, mats, out=None):
         # by construction: one shape per kind, one width, group and scale dtype)
         gu = qmv_many((x,), gates + ups, (0,) * (2 * k))
         g, u = gu[:k], gu[k:]
-        qmv_many(tuple(g / (1 + np.exp(-g)) * u), downs, range(k), out=out)
+        qmv_many(tuple(host_silu(g) * u), downs, range(k), out=out)
     else:  # more routed experts than one native call takes (no family routes to 32): a call per matrix
         for j, (gate, up, down) in enumerate(zip(gates, ups, downs)):
             g, u = gate.matvec(x), up.matvec(x)
-            down.matvec(g / (1 + np.exp(-g)) * u, out[j])
+            down.matvec(host_silu(g) * u, out[j])
     return out
 
 
@@ -151,7 +152,7 @@ def host_switch_glu(x, rows: ExpertRows):
             pos, j = np.nonzero(chosen == slot)
             xe = np.ascontiguousarray(xs[pos])
             g, u = _host_products(mats["gate"][slot], xe), _host_products(mats["up"][slot], xe)
-            out[pos, j] = _host_products(mats["down"][slot], g / (1 + np.exp(-g)) * u)
+            out[pos, j] = _host_products(mats["down"][slot], host_silu(g) * u)
     return mx.array(out).reshape(*x.shape[:-1], chosen.shape[1], d).astype(x.dtype)
 
 

@@ -59,7 +59,7 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     if file is None:
         file = probe_file()
     say(f"disk: uncached random reads of {file}, {threads} threads")
-    disk = disk_curve([file], CHUNKS, threads, seconds)
+    disk = disk_curve([file], CHUNKS, threads, seconds, rounds=1 if quick else 3)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10, streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
     say("per-layer and per-token costs, overlap: 4-bit models of two widths and depths decoded "
@@ -88,26 +88,31 @@ def probe_file():
     return path
 
 
-def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0):
-    """{read size: GB/s} of uncached random reads of `chunks`-sized pieces of `files`."""
+def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1):
+    """{read size: GB/s} of uncached random reads of `chunks`-sized pieces of `files`, for
+    `seconds` a size. rounds > 1: the sizes in turn, `rounds` times, each for seconds / rounds,
+    the median kept: a stall of this VM's disk (30 MB/s for a minute, seen once) then spoils
+    one round of every size, not every round of one."""
     from ..io import FlashReader
     from ..io.reader import READ_THREADS
 
     threads = threads or READ_THREADS
     rng = np.random.default_rng(seed)
-    out = {}
+    rates = {}
     with FlashReader(threads=threads, direct=True, coalesce_gap=-1) as r:
         fs = [r.open(p) for p in files]
-        for c in [c for c in chunks if c <= min(f.size for f in fs)]:
-            n_per = max(64, int(64 * MiB // c))
-            done, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                f = fs[rng.integers(len(fs))]
-                offs = rng.integers(0, f.size // c, n_per) * c
-                r.read_discard(f, offs, np.full(n_per, c))
-                done += n_per * c
-            out[c] = done / (time.perf_counter() - t0) / 1e9
-    return out
+        sizes = [c for c in chunks if c <= min(f.size for f in fs)]
+        for _ in range(rounds):
+            for c in sizes:
+                n_per = max(64, int(64 * MiB // c))
+                done, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds / rounds:
+                    f = fs[rng.integers(len(fs))]
+                    offs = rng.integers(0, f.size // c, n_per) * c
+                    r.read_discard(f, offs, np.full(n_per, c))
+                    done += n_per * c
+                rates.setdefault(c, []).append(done / (time.perf_counter() - t0) / 1e9)
+    return {c: float(np.median(v)) for c, v in rates.items()}
 
 
 MATRICES = ((1536, 576), (5632, 2048), (11008, 4096))  # a 135M, a 1B and a 7B model's FFN matrix

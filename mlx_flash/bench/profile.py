@@ -5,7 +5,6 @@ models decoded through the real runtime."""
 
 import os
 import tempfile
-from dataclasses import replace
 import time
 
 import numpy as np
@@ -267,8 +266,9 @@ def runtime_costs(rates, tokens=32, rounds=3):
     # what prefetch could hide: the I/O (its bytes at the rate the disk delivered during the
     # runs) or the rest of the run without prefetch, whichever is less, over all layers but
     # one. The rest is measured (the run less its I/O), not predicted from the per-layer costs
-    # above: a few ms of error there moved the share past 1 (clipped), where the SmolLM2
-    # naive rows measured ~0.6 (benchmark peers, 1.2-1.45x slower than predicted)
+    # above: with those, a few ms of their error put the share past 1 (clipped to 1 in every
+    # profile of this machine, while benchmark peers' SmolLM2 naive rows ran 1.2-1.45x slower
+    # than predicted; measured so, 0.75-1.0)
     t_off, t_io, L = float(np.median(off)), float(np.median(io)), work.n_layers
     hideable = min(t_io, t_off - t_io) * (L - 1) / L
     saved = t_off - float(np.median(on))

@@ -38,7 +38,7 @@ def ensure_profile_apart(log=None):
         return p
     (log or (lambda m: print(f"[mlx_flash] {m}", file=sys.stderr)))(
         "machine profile: none is cached for this machine; a quick probe now, in a child process "
-        "(about 40 s here, once; `mlx_flash.benchmark profile` measures it fully)")
+        "(about 30 s here, once; `mlx_flash.benchmark profile` measures it fully)")
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "benchmark", "profile", "--quick"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:

@@ -189,7 +189,7 @@ def _check_quick_profile(p):
     assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
 
 
-@pytest.mark.slow  # (40 s: the same quick probe as the --explain test below, which checks the profile it writes)
+@pytest.mark.slow  # (30-50 s: the same quick probe as the --explain test below, which checks the profile it writes)
 def test_benchmark_profile_writes_one(tmp_path, smollm2):
     home = tmp_path / "home"
     ffn = next((smollm2 / "ffn").glob("*.bin")) if (smollm2 / "ffn").is_dir() else next(smollm2.glob("**/*.bin"))

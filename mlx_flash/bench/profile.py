@@ -66,7 +66,8 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     zero = {m: {1: 0.0} for m in MODES}
     p = Profile(disk, threads, compute, zero, zero, 0.0, machine_key(), mx.__version__, _device(),
                 time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
-    p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, tokens=8 if quick else 32, rounds=1 if quick else 3)
+    p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, tokens=8 if quick else 32, rounds=1 if quick else 3,
+                                                      notes=notes)
     return p
 
 
@@ -203,7 +204,7 @@ PROBES = {128: ("tiny-llama", "tiny-llama-36"), 576: ("probe-576", "probe-576-36
 MODES = ("dense", "hybrid", "naive")
 
 
-def runtime_costs(rates, tokens=32, rounds=3):
+def runtime_costs(rates, tokens=32, rounds=3, notes=None):
     """-> (layer_ms, token_ms, overlap): what a decode token costs besides its bytes, by mode
     and width, and the share of min(I/O, compute) prefetch hides on this machine.
 
@@ -213,7 +214,8 @@ def runtime_costs(rates, tokens=32, rounds=3):
     where the probe read enough to time it) subtracted: the slope of the rest between 4 and 36 layers is
     the per-layer cost, what is left at 4 layers the per-token one. Then the deeper 576-wide
     probe in naive mode (it reads every row) with prefetch and without, alternating `rounds`
-    times: the time prefetch saves over the time it could save."""
+    times: the time prefetch saves over the time it could save. notes: a list the cases
+    where that could not be measured are said in (the profile's notes)."""
     import mlx_flash
 
     from ..io import device
@@ -269,10 +271,15 @@ def runtime_costs(rates, tokens=32, rounds=3):
     # above: with those, a few ms of their error put the share past 1 (clipped to 1 in every
     # profile of this machine, while benchmark peers' SmolLM2 naive rows ran 1.2-1.45x slower
     # than predicted; measured so, 0.75-1.0)
+    # (less what a token costs once, which cost.predict keeps out of the share too)
     t_off, t_io, L = float(np.median(off)), float(np.median(io)), work.n_layers
-    hideable = min(t_io, t_off - t_io) * (L - 1) / L
+    rest = t_off - t_io - token_ms["naive"][576]
+    hideable = min(t_io, rest) * (L - 1) / L
     saved = t_off - float(np.median(on))
     overlap = float(np.clip(saved / hideable, 0.0, 1.0)) if hideable > 0 else 0.0
+    if hideable <= 0 and notes is not None:
+        notes.append(f"overlap: not measurable (the probe without prefetch took {t_off:.1f} ms a token, its "
+                     f"I/O {t_io:.1f} at the disk's rate): taken as 0, prefetch predicted to hide nothing")
     return layer_ms, token_ms, overlap
 
 

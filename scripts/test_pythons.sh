@@ -17,6 +17,11 @@ cd "$(dirname "$0")/.."
 
 TESTS=(tests/test_reader.py tests/test_convert.py tests/test_parity.py tests/test_cli.py
        tests/test_half.py tests/test_kernels.py)
+# The kernels' numerics are C's, whatever the Python: under the other Pythons one case of each
+# parametrized numerics test exercises their use of the C API (refcounts, the GIL, buffers); the
+# main suite runs every case. (~20 s a Python: CI stays under its 20 minutes.)
+DESELECT="not (test_packed_rows_equal_dequantized_rows and not options0) and \
+not (test_flash_decode_on_the_active_rows_equals_the_masked_window and not options0)"
 PYENV_VERSIONS="$( (command -v pyenv >/dev/null && pyenv root) || echo "$HOME/.pyenv")/versions"
 
 find_python() {  # the first candidate that runs and is that version (pyenv shims may not)
@@ -53,7 +58,7 @@ for v in "$@"; do
   # the extension is optional at install time; here it must have built
   "$venv/bin/python" -c "import mlx_flash.io as io, sys; \
 assert io.native_available(), 'the native reader did not build for Python ' + sys.version"
-  "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider "${TESTS[@]}"
+  "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider -k "$DESELECT" "${TESTS[@]}"
   tested+=("$v")
 done
 

@@ -112,7 +112,7 @@ def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(device, "counters", lambda path: (lambda n: (n << 30, float(n), 0))(next(calls)))
     res = paper.run("tiny-opt", "float16", memory_budget="90%", tokens=3, warmup=3,
                     windows=(0, 5), window_tokens=3, long_tokens=12, predictor_rank=8,
-                    home=home, progress=False, log=lambda *a: None)
+                    home=home, progress=False, log=lambda *a: None, disk_seconds=0.1)
     rows = {r["config"]: r for r in res["rows"]}
     assert list(rows) == list(paper.CONFIGS)
     from mlx_flash.layout.format import read_manifest
@@ -155,7 +155,7 @@ def test_paper_compares_dtypes_in_one_run(tiny, tmp_path):
     _, home = tiny
     res = paper.run("tiny-opt", ["float16", "q4"], memory_budget="90%", configs=("naive", "all"),
                     tokens=3, warmup=2, rounds=1, windows=(), long_tokens=0, predictor_rank=8,
-                    home=home, progress=False, log=lambda *a: None)
+                    home=home, progress=False, log=lambda *a: None, disk_seconds=0.1)
     rows = {r["config"]: r for r in res["rows"]}
     assert list(rows) == ["naive [float16]", "all [float16]", "naive [q4]", "all [q4]"]
     assert [s["dtype"] for s in res["subjects"]] == ["float16", "q4"]

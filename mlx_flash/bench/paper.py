@@ -328,8 +328,10 @@ def row_name(config, dtype, dtypes):
 def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup=6, rounds=2,
         prompt_tokens=8, configs=tuple(CONFIGS), windows=(0, 1, 2, 3, 4, 5, 6, 8),
         window_tokens=12, long_tokens=1000, threads=READ_THREADS, predictor_rank=128, active=0.03,
-        new=0.024, k=5, home=None, progress=True, log=print, verify=True, resident_dtype=None):
+        new=0.024, k=5, home=None, progress=True, log=print, verify=True, resident_dtype=None,
+        disk_seconds=1.0):
     """Everything of `mlx_flash.benchmark paper`; returns a dict (rows, figures, machine).
+    disk_seconds: how long each read size of the disk curve is read, at the start and each round.
     dtype: the weights on flash, float32 / float16 / bfloat16, or q4 / q8 (group-wise 4- or
     8-bit, group 64, float16 scales; dequantized as the reader copies them); a list of them
     runs every row for each, alternating, in one run (Figures 7 and 8: the first only)."""
@@ -353,7 +355,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     chunks = sorted({4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB}
                     | {b for s in subjects for b in (s.manifest.layout.bundle_bytes,
                                                     s.manifest.layout.kind_bytes(lay.kinds[0]))})
-    curve = disk_curve(files, chunks)
+    curve = disk_curve(files, chunks, seconds=disk_seconds)
     mv_bw = matvec_bandwidth(lay.n_neurons, lay.d_model)
     mem_bw = max(memory_bandwidth(), mv_bw)  # the fastest the weights were seen to stream
     log("disk GB/s: " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items())
@@ -378,7 +380,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     curves, best_bw = [curve], mem_bw
     for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
         if rnd:  # the disk again: the floor takes the best the device showed in the run
-            curves.append(disk_curve(files, chunks))
+            curves.append(disk_curve(files, chunks, seconds=disk_seconds))
             curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
         for config, sub in names:

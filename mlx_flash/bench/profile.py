@@ -66,8 +66,8 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     zero = {m: {1: 0.0} for m in MODES}
     p = Profile(disk, threads, compute, zero, zero, 0.0, machine_key(), mx.__version__, _device(),
                 time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
-    p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, tokens=8 if quick else 32, rounds=1 if quick else 3,
-                                                      notes=notes)
+    p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
+                                                      rounds=1 if quick else 3)
     return p
 
 
@@ -204,7 +204,7 @@ PROBES = {128: ("tiny-llama", "tiny-llama-36"), 576: ("probe-576", "probe-576-36
 MODES = ("dense", "hybrid", "naive")
 
 
-def runtime_costs(rates, tokens=32, rounds=3, notes=None):
+def runtime_costs(rates, notes, tokens=32, rounds=3):
     """-> (layer_ms, token_ms, overlap): what a decode token costs besides its bytes, by mode
     and width, and the share of min(I/O, compute) prefetch hides on this machine.
 
@@ -214,8 +214,8 @@ def runtime_costs(rates, tokens=32, rounds=3, notes=None):
     where the probe read enough to time it) subtracted: the slope of the rest between 4 and 36 layers is
     the per-layer cost, what is left at 4 layers the per-token one. Then the deeper 576-wide
     probe in naive mode (it reads every row) with prefetch and without, alternating `rounds`
-    times: the time prefetch saves over the time it could save. notes: a list the cases
-    where that could not be measured are said in (the profile's notes)."""
+    times: the time prefetch saves over the time it could save. notes: the profile's list, where
+    an overlap that could not be measured is said."""
     import mlx_flash
 
     from ..io import device
@@ -258,26 +258,26 @@ def runtime_costs(rates, tokens=32, rounds=3, notes=None):
                 layer_ms.setdefault(mode, {})[width] = per_layer
                 token_ms.setdefault(mode, {})[width] = max(0.0, r4 - l4 * per_layer)
         on, off, io = [], [], []
-        deep = PROBES[576][1]
+        width = 576
+        deep = PROBES[width][1]
         for _ in range(rounds):
             ms_off, _, at = decode(deep, "naive", False)
             ms_on, work, at_on = decode(deep, "naive", True)
             off.append(ms_off)
             on.append(ms_on)
             io += [predict(work, a).io_ms for a in (at, at_on)]
-    # what prefetch could hide: the I/O (its bytes at the rate the disk delivered during the
-    # runs) or the rest of the run without prefetch, whichever is less, over all layers but
-    # one. The rest is measured (the run less its I/O), not predicted from the per-layer costs
-    # above: with those, a few ms of their error put the share past 1 (clipped to 1 in every
-    # profile of this machine, while benchmark peers' SmolLM2 naive rows ran 1.2-1.45x slower
-    # than predicted; measured so, 0.75-1.0)
-    # (less what a token costs once, which cost.predict keeps out of the share too)
+    # What prefetch could hide, over all layers but one: the I/O (its bytes at the rate the disk
+    # delivered during the runs) or the compute, whichever is less. The compute is measured (the
+    # run without prefetch less its I/O and what a token costs once, which cost.predict keeps out
+    # of the share too), not predicted from the per-layer costs above: a few ms of their error
+    # put the share past 1 (clipped) in every profile of this machine, while benchmark peers'
+    # SmolLM2 naive rows ran 1.2-1.45x slower than predicted; measured so, 0.75-1.0.
     t_off, t_io, L = float(np.median(off)), float(np.median(io)), work.n_layers
-    rest = t_off - t_io - token_ms["naive"][576]
-    hideable = min(t_io, rest) * (L - 1) / L
+    compute = t_off - t_io - token_ms["naive"][width]
+    hideable = min(t_io, compute) * (L - 1) / L
     saved = t_off - float(np.median(on))
     overlap = float(np.clip(saved / hideable, 0.0, 1.0)) if hideable > 0 else 0.0
-    if hideable <= 0 and notes is not None:
+    if hideable <= 0:
         notes.append(f"overlap: not measurable (the probe without prefetch took {t_off:.1f} ms a token, its "
                      f"I/O {t_io:.1f} at the disk's rate): taken as 0, prefetch predicted to hide nothing")
     return layer_ms, token_ms, overlap

@@ -362,6 +362,33 @@ def test_column_sums_continue_a_previous_part_to_the_bit(bits, simd_and_threads)
         assert np.array_equal(got, whole)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_column_sums_over_runs_of_any_length_equal_the_portable_loops(bits, simd_and_threads):
+    """qaxpy_cols's SIMD loop takes a run's rows (those sharing a table row) four at a time: runs
+    of 1 to 9 rows, scattered over the buffer as a cache's are, give the portable loops' sums to
+    the bit on every level and thread count."""
+    from mlx_flash.kernels import qaxpy_cols
+    from mlx_flash.layout.quant import QuantSpec
+
+    rng = np.random.default_rng(7 + bits)
+    spec = QuantSpec(bits, 32, "float16")
+    n, d = 320, 128
+    buf = rng.integers(0, 256, (n, d * bits // 8), dtype=np.uint8)
+    tables = tuple(rng.standard_normal((n // 32, d)).astype(np.float16) for _ in range(2))
+    runs = [rng.choice(np.arange(t * 32, t * 32 + 32), size=k, replace=False)
+            for t, k in enumerate([1, 2, 3, 4, 5, 6, 7, 9, 8, 3])]
+    sel = np.concatenate(runs)
+    trow = sel // 32
+    h = rng.standard_normal(sel.size).astype(np.float32)
+    got = []
+    for simd, threads in simd_and_threads:
+        kernels.simd(simd)
+        kernels.set_threads(threads)
+        got.append((simd, qaxpy_cols(kernels, h, buf, sel, trow, tables, spec)))
+    portable = [y for simd, y in got if simd == 0]
+    assert portable and all(np.array_equal(y, portable[0]) for _, y in got)
+
+
 def test_the_pool_survives_resizing():
     """Workers started after a resize wait for the next job (they once took the stop signal of
     the workers before them and exited, and the next call waited forever)."""

@@ -47,6 +47,14 @@ def test_cost_model_arithmetic():
     assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 / 10)
     p.overlap = 0.5  # hiding half of it (the reader's threads share the cores with the compute)
     assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 - 0.5 * 32.0 * 9 / 10)
+    # flash mode's overlap hides reads behind the cached rows' compute only (10 MB: 1 ms), not behind all of it
+    w.hideable = {"float32": 10 * MB}
+    assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 - 0.5 * 1.0 * 9 / 10)
+    w.hideable = None
+    # rows dequantized into float32 on the way: the reader's cost a value, part of the I/O
+    p.convert_ns = 2.0
+    assert predict(Work(0, 1, {}, False, 0, "dense", converted_values=10**6), p).io_ms == pytest.approx(2.0)
+    p.convert_ns = 0.0
     p.overlap, p.token_ms = 1.0, {"dense": {128: 3.0}}  # once a token, never hidden
     assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 / 10 + 3.0)
     assert predict(w, p).compute_ms == pytest.approx(32.0 + 3.0)
@@ -61,6 +69,13 @@ def test_cost_model_arithmetic():
     w = Work(0, 1, {"q4": 40 * MB}, False, 0, "dense", matrix_elements=10**7)
     assert predict(w, p).compute_ms == pytest.approx(5.0)  # 40 MB at 8 GB/s
     assert Profile.from_dict(p.as_dict()).compute == p.compute  # (JSON keys are strings)
+    # an FFN's packed rows at their kernels' own rate; where those were not measured (off the
+    # CPU, where MLX computes both), at the resident matrices'
+    assert p.compute_gbs("q4-rows", 10**7) == pytest.approx(8.0)
+    p.compute["q4-rows"] = {10**6: 2.0}
+    assert p.compute_gbs("q4-rows", 10**7) == 2.0 and p.compute_gbs("q4", 10**7) == pytest.approx(8.0)
+    with pytest.raises(FlashError, match="no compute rate for q8"):
+        p.compute_gbs("q8-rows")
     # the per-layer overhead by model width, interpolated, the ends held beyond
     p = _profile(layer_ms={"dense": {128: 1.0, 576: 2.0}})
     assert p.layer_cost("dense", 352) == pytest.approx(1.5) and p.layer_cost("dense", 4096) == 2.0
@@ -135,6 +150,8 @@ def test_auto_under_a_budget_holds_what_fits_and_stays_exact(smollm2):
     model, _ = mlx_flash.load(smollm2, memory_budget=str(int(need * 0.9)))
     rt = model.runtime
     assert rt.mode == "hybrid" and rt.choice.candidates[0].plan is None  # dense did not fit
+    lay = rt.manifest.layout  # the cost model counts every FFN row at the packed row kernels' rate
+    assert rt.work().computed["q4-rows"] == rt.plan.n_layers * rt.plan.n_neurons * lay.bundle_bytes
     # more than the paper's half: as many neurons as the budget allows
     assert rt.plan.n_neurons // 2 < rt.plan.capacity < rt.plan.n_neurons
     assert rt.plan.weights_bytes <= int(need * 0.9)
@@ -186,6 +203,11 @@ def _check_quick_profile(p):
     assert all(set(r) == {128, 576} and all(v >= 0 for v in r.values()) for r in p.layer_ms.values())
     assert set(p.token_ms) == set(p.layer_ms) and 0.0 <= p.overlap <= 1.0
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
+    assert min(p.disk) == 2048  # (a 4-bit 7B's unbundled neuron rows are read 2.5 KiB at a time)
+    assert 0.0 < p.convert_ns < 100.0  # (0.25-0.4 ns a value here)
+    from mlx_flash.kernels import kernels_module
+    if kernels_module()[0] is not None:  # the FFN's packed row kernels, measured apart
+        assert {"q4-rows", "q8-rows"} <= set(p.compute)
     assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
 
 

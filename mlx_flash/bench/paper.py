@@ -207,8 +207,9 @@ def summarize(config, rows, walls, store, plan, resident_bytes, curve, mem_bw, s
 def add_prediction(row, runtime, store, profile, disk_gbs=None):
     """The cost model's time beside the measured one (plan/cost.py), where a profile is cached:
     an exact row's from its plan alone; a flash row's from the bytes and reads it measured and
-    the rows it computed (the sparsity decides those; the model then predicts their time), with
-    naive's per-layer cost, flash mode not being probed."""
+    the rows it computed (the sparsity decides those; the model then predicts their time) and its
+    predictors' weights, with naive's per-layer cost, flash mode not being probed; its overlap
+    hides reads behind the cached rows' compute only."""
     from ..plan.cost import Work, predict, predict_at_disk_rate
 
     row["decode_disk_gbs"] = disk_gbs
@@ -218,11 +219,20 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None):
     work = runtime.work()  # (an exact row's; None in flash mode)
     if work is None:
         computed = dict(runtime.resident_work)
-        form = f"q{lay.quant.bits}" if getattr(store, "packed", False) else "float32"
-        computed[form] = computed.get(form, 0) + row["computed_rows"] * plan.neuron_bytes  # (all layers')
-        work = Work(int(row["flash_to_dram_gb"] * 1e9), max(1, int(row["read_kib"] * KiB)), computed,
+        form = f"q{lay.quant.bits}-rows" if getattr(store, "packed", False) else "float32"
+        rows = {form: row["computed_rows"] * plan.neuron_bytes}  # (all layers')
+        computed[form] = computed.get(form, 0) + rows[form]
+        # the predictors' products (the row's predictor column): float32 matrices a token multiplies by
+        predictors = getattr(getattr(store, "source", None), "resident_bytes", 0)
+        computed["float32"] = computed.get("float32", 0) + predictors
+        read = int(row["flash_to_dram_gb"] * 1e9)
+        float_rows = not getattr(store, "packed", False) and (lay.quant is not None or lay.dtype != "float32")
+        # the overlap (a layer's missing rows read while its cached rows compute) hides reads
+        # behind those rows' compute, not behind attention's
+        work = Work(read, max(1, int(row["read_kib"] * KiB)), computed,
                     runtime.config.overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons,
-                    lay.d_model)
+                    lay.d_model, converted_values=read // lay.stride * len(lay.kinds) * lay.d_model if float_rows else 0,
+                    hideable=rows)
     try:
         predicted = predict(work, profile).total_ms
     except FlashError:  # (a profile without this weight form's rate)

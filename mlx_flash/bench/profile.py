@@ -15,7 +15,7 @@ from ..errors import FlashError
 from ..plan.profile import VERSION, Profile, _device, machine_key, profile_path, load_profile
 
 KiB, MiB = 1024, 1024 * 1024
-CHUNKS = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB)
+CHUNKS = (2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB)  # (2 KiB: a 4-bit 7B's neuron row, unbundled)
 PROBE_FILE_BYTES = 256 * MiB  # the disk probe's file (its own, written once, then read uncached)
 STREAMED_BYTES = 256 * MiB  # the distinct weights a rate cycles through: past any CPU cache
 
@@ -66,6 +66,8 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     zero = {m: {1: 0.0} for m in MODES}
     p = Profile(disk, threads, compute, zero, zero, 0.0, machine_key(), mx.__version__, _device(),
                 time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
+    say("the reader's conversion: 4-bit rows read into float32 rows, against the reads alone")
+    p.convert_ns = convert_cost(threads, rounds=5 if quick else 15)
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
                                                       rounds=1 if quick else 3)
     return p
@@ -113,6 +115,43 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1):
                     done += n_per * c
                 rates.setdefault(c, []).append(done / (time.perf_counter() - t0) / 1e9)
     return {c: float(np.median(v)) for c, v in rates.items()}
+
+
+def convert_cost(threads=None, d=4096, batch=400, rounds=7):
+    """ns a value costs the reader when a read's rows are dequantized into float32 on the way (a
+    flash store's float cache, a streamed layer's float rows), besides the disk's time: `batch`
+    random bundles of two 4-bit rows of d values (a 4-bit 7B's neuron, 4.5 KiB) of a file of our
+    own, read into scattered float32 rows of a destination past the CPU's caches, against the
+    same reads thrown away, through the page cache (so the disk's noise stays out of the difference), in
+    alternating rounds, the median kept. The disk curve's probe only throws its reads away;
+    in a flash store here the float32 rows written into DRAM (7x the 4-bit bytes read) and their
+    conversion cost ~5 us such a read, against 13-14 us for the read itself."""
+    from ..io import FlashReader, Quantized
+    from ..io.reader import READ_THREADS
+    from ..layout.quant import QuantSpec
+
+    row = QuantSpec(4, 64, "float16").row_bytes(d)
+    stride = 2 * row
+    q = Quantized(4, 64, "float16")
+    rng = np.random.default_rng(1)
+    spread = 8  # destination rows 8x the batch's (100 MB), drawn at random, as a cache's are
+    dst = [np.zeros((spread * batch, d), np.float32) for _ in range(2)]
+    segments = [(0, d, q, dst[0]), (row, d, q, dst[1])]
+    n = 4 * batch
+    with tempfile.TemporaryDirectory() as tmp, \
+            FlashReader(threads=threads or READ_THREADS, direct=False, coalesce_gap=-1) as r:
+        path = os.path.join(tmp, "bundles.bin")  # (written now: in the page cache)
+        rng.integers(0, 256, n * stride, dtype=np.uint8).tofile(path)
+        f = r.open(path)
+        per = []
+        for _ in range(rounds):
+            ids = np.sort(rng.choice(n, batch, replace=False)).astype(np.int64)
+            t0 = time.perf_counter()
+            r.read_discard(f, ids * stride, np.full(batch, stride))
+            t1 = time.perf_counter()
+            r.read_bundles(f, ids, stride, segments, rng.choice(spread * batch, batch, replace=False))
+            per.append((time.perf_counter() - t1) - (t1 - t0))
+    return max(0.0, float(np.median(per)) / (batch * 2 * d) * 1e9)
 
 
 MATRICES = ((1536, 576), (5632, 2048), (11008, 4096))  # a 135M, a 1B and a 7B model's FFN matrix
@@ -193,7 +232,46 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES):
         nbytes = ms[0].weight.nbytes + ms[0].scales.nbytes + ms[0].biases.nbytes
         out[f"q{bits}"] = rate(ms, nbytes)
         del ms
+        if on_cpu and kernels is not None:
+            out[f"q{bits}-rows"] = _ffn_rows_rate(kernels, rows, cols, bits, repeat, copies)
     return out
+
+
+def _ffn_rows_rate(kernels, n, d, bits, repeat, copies):
+    """GB/s of a quantized FFN's rows consumed by one token's products, through the kernels
+    FlashFFN runs on them (models/ffn.py `_packed`): n up rows (scales inline) -> qmv_rows, then n
+    down columns (their scales in the layer's table) -> qaxpy_cols, each kind's rows contiguous as
+    the stores hold them. Not the resident matrices' rate: the column kernel runs ~30 % slower a
+    byte here, and an OPT-6.7B-shaped model's FFN computed at 7 GB/s where its attention took 9."""
+    from ..kernels import qaxpy_cols, qmv_rows
+    from ..layout.quant import QuantSpec
+
+    spec = QuantSpec(bits, 64, "float16")
+    up_bytes, down_bytes = spec.row_bytes(d), spec.packed_bytes(d)
+    nbytes = n * (up_bytes + down_bytes)
+    rng = np.random.default_rng(0)  # (the values do not matter to the time; their bytes must be distinct)
+    layers = [(rng.integers(0, 256, (n, up_bytes), dtype=np.uint8), rng.integers(0, 256, (n, down_bytes), dtype=np.uint8))
+              for _ in range(copies(nbytes))]
+    table = tuple((rng.standard_normal((n // 64, d)) * 0.01).astype(np.float16) for _ in range(2))
+    sel = np.arange(n, dtype=np.int64)
+    trow = sel // 64
+    scales_off, biases_off = spec.inline_offsets(d)
+    x = rng.standard_normal(d).astype(np.float32)
+
+    def layer(i):
+        up, down = layers[i % len(layers)]
+        h = qmv_rows(kernels, x, up, sel, spec, scales_off, biases_off)
+        qaxpy_cols(kernels, h, down, sel, trow, table, spec)
+
+    for i in range(len(layers)):
+        layer(i)  # warm
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for i in range(repeat):
+            layer(i)
+        best = min(best, time.perf_counter() - t)
+    return nbytes * repeat / best / 1e9
 
 
 # width: (4, 36 layers), 4-bit. 36, not 12: the slope between 4 and 12 layers moved 3x from

@@ -1,6 +1,7 @@
 """The cost model: one decode token's time under a plan, from this machine's profile.
 
-    I/O      = bytes read from flash / the disk's uncached throughput at the read size
+    I/O      = bytes read from flash / the disk's uncached throughput at the read size, + the
+               reader's cost of the values it dequantizes / converts into float32 rows on the way
     compute  = sum over the forms weights are held in of bytes consumed / that form's rate at
                the model's matrix size (one FFN matrix; small matrices run slower per byte)
     layers   = the layers x the mode's cost per layer besides its bytes (MLX's dispatch, the
@@ -10,7 +11,9 @@
     total    = I/O + compute + layers, less with prefetch (the next layer read while this one
                computes) the share of min(I/O, compute + layers) the profile measured it to
                hide here, over all layers but one (the first layer's read, or the last
-               layer's compute, that nothing hides): overlap 1 gives max(I/O, C) + min/L
+               layer's compute, that nothing hides): overlap 1 gives max(I/O, C) + min/L;
+               flash mode's overlap (a layer's missing rows read while its cached rows
+               compute) hides reads behind those rows' compute only (Work.hideable)
 
 Weights consumed per token: every resident matrix a token multiplies by (attention,
 lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every
@@ -29,7 +32,7 @@ class Work:
 
     read_bytes: int  # from flash
     read_size: int  # bytes per read (contiguous streams coalesce up to the reader's max read)
-    computed: dict  # weight form (profile.compute's keys) -> bytes the compute consumes
+    computed: dict  # weight form (profile.compute's keys: q4 a resident matrix, q4-rows an FFN's packed rows) -> bytes
     overlapped: bool  # reads run while the previous layer computes (prefetch)
     n_layers: int
     mode: str  # whose per-layer overhead applies
@@ -37,6 +40,8 @@ class Work:
     d_model: int = 0  # the width the per-layer overhead is read at
     kv_read_bytes: int = 0  # the KV cache on flash: keys and values read back per token
     kv_read_size: int = 0  # ... bytes per read
+    converted_values: int = 0  # values the reader dequantizes / converts into float32 rows on the way
+    hideable: dict | None = None  # the bytes (by form) whose compute the reads overlap (None: all of it)
 
 
 @dataclass
@@ -56,13 +61,19 @@ def predict(work, profile):
     io = 1e3 * work.read_bytes / (profile.disk_gbs(work.read_size) * 1e9) if work.read_bytes else 0.0
     if work.kv_read_bytes:
         io += 1e3 * work.kv_read_bytes / (profile.disk_gbs(work.kv_read_size) * 1e9)
+    io += work.converted_values * profile.convert_ns * 1e-6
     size = work.matrix_elements or None
-    compute = sum(1e3 * b / (profile.compute_gbs(form, size) * 1e9) for form, b in work.computed.items() if b)
+
+    def of(computed):
+        return sum(1e3 * b / (profile.compute_gbs(form, size) * 1e9) for form, b in computed.items() if b)
+
+    compute = of(work.computed)
     L, width = max(work.n_layers, 1), work.d_model or None
     compute += work.n_layers * profile.layer_cost(work.mode, width)
     total = io + compute
     if work.overlapped:
-        total -= profile.overlap * min(io, compute) * (L - 1) / L
+        hideable = compute if work.hideable is None else of(work.hideable)
+        total -= profile.overlap * min(io, hideable) * (L - 1) / L
     once = profile.token_cost(work.mode, width)
     return Prediction(io, compute + once, total + once)
 
@@ -131,13 +142,15 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=0, kv_re
     def add(form, nbytes):
         computed[form] = computed.get(form, 0) + nbytes
 
-    if packed:
-        add(f"q{layout.quant.bits}", L * n * layout.bundle_bytes)
+    if packed:  # (the FFN's row kernels: their own rate, models/ffn.py)
+        add(f"q{layout.quant.bits}-rows", L * n * layout.bundle_bytes)
     else:
         add("float16" if plan.held_neuron_bytes else "float32",
             L * held * values * (2 if plan.held_neuron_bytes else 4))
         add("float32", L * streamed * values * 4)
     ffn_read = L * streamed * layout.stride
     size = min(max_read, max(streamed * layout.stride, 1)) if ffn_read else max_read
+    converted = 0 if packed or (layout.quant is None and layout.dtype == "float32") else L * streamed * values
     return Work(ffn_read + attention_read, size, computed,
-                plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, *kv_read)
+                plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, *kv_read,
+                converted_values=converted)

@@ -1,19 +1,22 @@
 """This machine's rates, measured once and cached: what the cost model (plan/cost.py) divides by.
 
 - disk: uncached random reads (O_DIRECT / F_NOCACHE, the reader's thread pool), GB/s by
-  read size, from 4 KiB to 1 MiB;
+  read size, from 2 KiB to 1 MiB;
 - per layer and per token: what a decode token costs apart from its bytes (MLX's dispatch,
   the store's syncs and reads), by mode and model width, from 4-bit probe models of 4 and
   36 layers decoded through the real runtime without prefetch (bench/random_model.py): the
   slope between the two depths is the per-layer cost, the rest what a token costs once
   (embedding, lm_head, sampling, Python);
+- convert: what a read costs besides the disk when its rows arrive as float32 (dequantized or
+  converted on the way into a float cache), per value;
 - overlap: the share of min(I/O, compute) that prefetch (the next layer read while this one
   computes) hides here, from the deeper probe decoded with and without it: near 1 where the
   reader's threads have cores of their own, less where they share two with the compute;
 - compute: GB/s of weights consumed by one decode step's matrix-vector products, for
   each form a weight can be held in: float32 (BLAS), 16-bit held (converted into a
   float32 arena, then BLAS: models/half.py) and 4-/8-bit quantized (the native kernels
-  on the CPU, MLX's quantized matmul elsewhere: models/quantized.py).
+  on the CPU, MLX's quantized matmul elsewhere: models/quantized.py); and on the CPU an FFN's
+  packed rows (q4-rows, q8-rows: the row and column kernels models/ffn.py runs on them).
 
 Here: the profile and its cache. bench/profile.py measures it (it decodes a model through the
 runtime, which this layer sits below); `mlx_flash.benchmark profile` writes it into
@@ -36,9 +39,10 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..home import default_home
 
-VERSION = 5  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
+VERSION = 6  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
 # 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
-# 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound)
+# 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound); 6: the FFN's packed
+# row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Profile:
     quick: bool = False
     version: int = VERSION
     notes: list = field(default_factory=list)
+    convert_ns: float = 0.0  # ns the reader spends a value it dequantizes / converts into float32 rows
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""
@@ -73,6 +78,8 @@ class Profile:
         """GB/s of `form` weights consumed by a matrix of `elements` (rows x cols): interpolated on
         log(elements) between the measured sizes (a small matrix's fixed costs weigh more:
         576 x 1536 runs at a third of a 7B FFN matrix's rate here); None: the largest."""
+        if form not in self.compute and form.endswith("-rows"):
+            form = form[: -len("-rows")]  # (measured where the native kernels do not run: MLX computes both)
         if form not in self.compute:
             raise FlashError(f"the machine profile has no compute rate for {form} weights "
                              f"(it has {', '.join(self.compute)}): run mlx_flash.benchmark profile")

@@ -137,12 +137,16 @@ def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
         # 256 KiB (naive's reads: slower) and 0.5-0.6 at a few KiB (the sparse rows': faster)
         assert r["decode_disk_gbs"] == pytest.approx(2**30 / 1e9)
         assert r["measured_over_predicted_run_disk"] == pytest.approx(r["total_ms"] / r["predicted_run_disk_ms"])
+        # and with the disk curve the round measured on the checkpoint (not the made-up profile's)
+        assert r["measured_over_predicted_run_curve"] == pytest.approx(r["total_ms"] / r["predicted_run_curve_ms"])
+    assert rows["naive"]["predicted_run_curve_ms"] != pytest.approx(rows["naive"]["predicted_ms"])
+    assert len(res["disk_layer_curves_gbs"]) == 2  # (measured a layer's reads at a time, as the profile's)
     assert rows["naive"]["predicted_run_disk_ms"] > rows["naive"]["predicted_ms"]
     assert rows["all"]["predicted_run_disk_ms"] < rows["all"]["predicted_ms"]
     # naive reads more than the sparse rows, and the model says so
     assert rows["naive"]["predicted_ms"] > rows["all"]["predicted_ms"]
     md, written = paper.write_outputs(res, tmp_path, tmp_path / "paper.json")
-    assert "## Table 3" in md and "| all |" in md and "measured / predicted" in md
+    assert "## Table 3" in md and "| all |" in md and "measured / predicted at the round's disk curve" in md
     assert json.loads((tmp_path / "paper.json").read_text())["rows"][0]["config"] == "naive"
     assert all(p.exists() for p in written)
 

@@ -55,6 +55,11 @@ def test_cost_model_arithmetic():
     p.convert_ns = 2.0
     assert predict(Work(0, 1, {}, False, 0, "dense", converted_values=10**6), p).io_ms == pytest.approx(2.0)
     p.convert_ns = 0.0
+    # rows a cache moves within itself (memory management): their bytes at the float32 rate, never hidden
+    w.moved_bytes = 10 * MB
+    got = predict(w, p)
+    assert got.mem_ms == pytest.approx(1.0) and got.total_ms == pytest.approx(100.0 + 32.0 - 0.5 * 32.0 * 9 / 10 + 1.0)
+    w.moved_bytes = 0
     p.overlap, p.token_ms = 1.0, {"dense": {128: 3.0}}  # once a token, never hidden
     assert predict(w, p).total_ms == pytest.approx(100.0 + 32.0 / 10 + 3.0)
     assert predict(w, p).compute_ms == pytest.approx(32.0 + 3.0)

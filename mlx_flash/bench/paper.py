@@ -37,7 +37,7 @@ import gc
 import json
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +46,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 from ..io import READ_THREADS
-from .profile import disk_curve
+from .profile import LAYER_READS, disk_curve
 from .random_model import build_checkpoint
 from .trace import TraceModel, TraceSource
 
@@ -204,12 +204,14 @@ def summarize(config, rows, walls, store, plan, resident_bytes, curve, mem_bw, s
     return row
 
 
-def add_prediction(row, runtime, store, profile, disk_gbs=None):
+def add_prediction(row, runtime, store, profile, disk_gbs=None, run_curve=None):
     """The cost model's time beside the measured one (plan/cost.py), where a profile is cached:
     an exact row's from its plan alone; a flash row's from the bytes and reads it measured and
     the rows it computed (the sparsity decides those; the model then predicts their time) and its
     predictors' weights, with naive's per-layer cost, flash mode not being probed; its overlap
-    hides reads behind the cached rows' compute only."""
+    hides reads behind the cached rows' compute only. Again with the disk curve measured on the
+    checkpoint in this round (`run_curve`: the disk's drift since the profile set apart), and at
+    the rate the device's counters gave during the decode (`disk_gbs`)."""
     from ..plan.cost import Work, predict, predict_at_disk_rate
 
     row["decode_disk_gbs"] = disk_gbs
@@ -228,17 +230,22 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None):
         read = int(row["flash_to_dram_gb"] * 1e9)
         float_rows = not getattr(store, "packed", False) and (lay.quant is not None or lay.dtype != "float32")
         # the overlap (a layer's missing rows read while its cached rows compute) hides reads
-        # behind those rows' compute, not behind attention's
+        # behind those rows' compute, not behind attention's; its cache appends the new rows
+        # after moving rows into the holes of those that left: about one row moved a row read
+        moved = read // lay.stride * plan.neuron_bytes if runtime.config.overlaps else 0
         work = Work(read, max(1, int(row["read_kib"] * KiB)), computed,
                     runtime.config.overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons,
                     lay.d_model, converted_values=read // lay.stride * len(lay.kinds) * lay.d_model if float_rows else 0,
-                    hideable=rows)
+                    hideable=rows, moved_bytes=moved)
     try:
         predicted = predict(work, profile).total_ms
     except FlashError:  # (a profile without this weight form's rate)
         return
     row["predicted_ms"] = predicted
     row["measured_over_predicted"] = row["total_ms"] / predicted
+    if run_curve:
+        row["predicted_run_curve_ms"] = predict(work, replace(profile, disk=dict(run_curve))).total_ms
+        row["measured_over_predicted_run_curve"] = row["total_ms"] / row["predicted_run_curve_ms"]
     # and at the rate the disk delivered while the row decoded (none where it gave no rate)
     at = predict_at_disk_rate(work, profile, disk_gbs)
     if at is not None:
@@ -387,12 +394,16 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         row_config(config)
     names = [(c, s) for s in subjects for c in configs]  # a subject's rows together: one model at a time
     per = {row_name(c, s.dtype, dtypes): [] for c, s in names}
-    curves, best_bw = [curve], mem_bw
+    curves, best_bw, layer_curves = [curve], mem_bw, []
     for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
         if rnd:  # the disk again: the floor takes the best the device showed in the run
             curves.append(disk_curve(files, chunks, seconds=disk_seconds))
             curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
+        # and as the profile measures it (a layer's reads at a time), for the prediction at this
+        # round's disk: the disk's drift since the profile set apart from the model's error
+        if profile is not None:
+            layer_curves.append(disk_curve(files, chunks, seconds=disk_seconds, batch=LAYER_READS))
         for config, sub in names:
             name = row_name(config, sub.dtype, dtypes)
             for other in subjects:
@@ -410,7 +421,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             src_stats = sub.model.runtime.source.stats if sub.model.runtime.source is not None else None
             row = summarize(name, r, walls, store, plan, sub.resident_bytes, curve, bw, src_stats)
             row["dtype"] = sub.dtype
-            add_prediction(row, sub.model.runtime, store, profile, disk_gbs)
+            add_prediction(row, sub.model.runtime, store, profile, disk_gbs, layer_curves[-1] if layer_curves else None)
             per[name].append(row)
             best_bw = max(best_bw, bw)
             log(f"  {row['total_ms']:.0f} ms/token: I/O {row['io_ms']:.0f}, mem {row['mem_ms']:.0f}, "
@@ -428,6 +439,8 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             r["measured_over_predicted"] = r["total_ms"] / r["predicted_ms"]
         if r.get("predicted_run_disk_ms"):
             r["measured_over_predicted_run_disk"] = r["total_ms"] / r["predicted_run_disk_ms"]
+        if r.get("predicted_run_curve_ms"):
+            r["measured_over_predicted_run_curve"] = r["total_ms"] / r["predicted_run_curve_ms"]
 
     for sub in subjects[1:]:
         close_subject(sub)
@@ -465,7 +478,9 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         "checkpoint": str(first.folder), "trace": trace_stats | {"concentration": trace.concentration},
         "predictor_rank": predictor_rank, "disk_curve_gbs": {str(c): v for c, v in curve.items()},
         "memory_gbs": best_bw, "matvec_gbs": mv_bw, "disk_curves_gbs": [
-            {str(c): v for c, v in cv.items()} for cv in curves], "rows": rows, "fig7": fig7, "fig8": fig8,
+            {str(c): v for c, v in cv.items()} for cv in curves],
+        "disk_layer_curves_gbs": [{str(c): v for c, v in cv.items()} for cv in layer_curves],
+        "rows": rows, "fig7": fig7, "fig8": fig8,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "blas": blas_info()},
         "tokens": tokens, "warmup": warmup, "rounds": rounds,
@@ -484,6 +499,7 @@ TABLE3 = [("config", "config", "{}"), ("I/O (ms)", "io_ms", "{:.0f}"), ("mem (ms
           ("total (ms)", "total_ms", "{:.0f}"), ("vs naive", "speedup", "{:.2f}x"),
           ("floor (ms)", "floor_ms", "{:.0f}"), ("measured / floor", "measured_over_floor", "{:.2f}"),
           ("predicted (ms)", "predicted_ms", "{:.0f}"), ("measured / predicted", "measured_over_predicted", "{:.2f}"),
+          ("measured / predicted at the round's disk curve", "measured_over_predicted_run_curve", "{:.2f}"),
           ("disk GB/s in decode", "decode_disk_gbs", "{:.2f}"),
           ("measured / predicted at it", "measured_over_predicted_run_disk", "{:.2f}")]
 

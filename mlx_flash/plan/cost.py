@@ -8,7 +8,9 @@
                store's syncs), + what a token costs once (embedding, sampling, Python): the
                profile's probe models at two widths and two depths, less what this model
                predicts for their bytes, at the model's width
-    total    = I/O + compute + layers, less with prefetch (the next layer read while this one
+    mem      = bytes of rows a cache moves within itself (flash mode's overlap: rows swapped into
+               the holes of those that left, so new ones append) / the float32 matrix rate
+    total    = I/O + compute + layers + mem, less with prefetch (the next layer read while this one
                computes) the share of min(I/O, compute + layers) the profile measured it to
                hide here, over all layers but one (the first layer's read, or the last
                layer's compute, that nothing hides): overlap 1 gives max(I/O, C) + min/L;
@@ -41,6 +43,7 @@ class Work:
     kv_read_bytes: int = 0  # the KV cache on flash: keys and values read back per token
     kv_read_size: int = 0  # ... bytes per read
     converted_values: int = 0  # values the reader dequantizes / converts into float32 rows on the way
+    moved_bytes: int = 0  # memory management: bytes of rows a cache moves within itself per token
     hideable: dict | None = None  # the bytes (by form) whose compute the reads overlap (None: all of it)
 
 
@@ -49,12 +52,14 @@ class Prediction:
     io_ms: float
     compute_ms: float  # the weights' bytes and the per-layer overhead
     total_ms: float
+    mem_ms: float = 0.0  # memory management: rows moved within a cache
 
     def describe(self):
-        return f"{self.total_ms:.0f} ms/token (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f})"
+        mem = f", memory management {self.mem_ms:.0f}" if self.mem_ms else ""
+        return f"{self.total_ms:.0f} ms/token (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f}{mem})"
 
     def as_dict(self):
-        return {"io_ms": self.io_ms, "compute_ms": self.compute_ms, "total_ms": self.total_ms}
+        return {"io_ms": self.io_ms, "compute_ms": self.compute_ms, "mem_ms": self.mem_ms, "total_ms": self.total_ms}
 
 
 def predict(work, profile):
@@ -74,8 +79,11 @@ def predict(work, profile):
     if work.overlapped:
         hideable = compute if work.hideable is None else of(work.hideable)
         total -= profile.overlap * min(io, hideable) * (L - 1) / L
+    # rows moved within a cache: a pass over their bytes at the float32 matrix rate (both stream
+    # memory); never hidden (a layer's rows move before its reads start)
+    mem = 1e3 * work.moved_bytes / (profile.compute_gbs("float32", size) * 1e9) if work.moved_bytes else 0.0
     once = profile.token_cost(work.mode, width)
-    return Prediction(io, compute + once, total + once)
+    return Prediction(io, compute + once, total + mem + once, mem)
 
 
 def predict_at_disk_rate(work, profile, disk_gbs):

@@ -155,8 +155,9 @@ def test_auto_under_a_budget_holds_what_fits_and_stays_exact(smollm2):
     model, _ = mlx_flash.load(smollm2, memory_budget=str(int(need * 0.9)))
     rt = model.runtime
     assert rt.mode == "hybrid" and rt.choice.candidates[0].plan is None  # dense did not fit
-    lay = rt.manifest.layout  # the cost model counts every FFN row at the packed row kernels' rate
-    assert rt.work().computed["q4-rows"] == rt.plan.n_layers * rt.plan.n_neurons * lay.bundle_bytes
+    if getattr(rt.store, "packed", False):  # (rows at their bits: the native kernels compute them)
+        lay = rt.manifest.layout  # the cost model counts every FFN row at the packed row kernels' rate
+        assert rt.work().computed["q4-rows"] == rt.plan.n_layers * rt.plan.n_neurons * lay.bundle_bytes
     # more than the paper's half: as many neurons as the budget allows
     assert rt.plan.n_neurons // 2 < rt.plan.capacity < rt.plan.n_neurons
     assert rt.plan.weights_bytes <= int(need * 0.9)
@@ -209,9 +210,9 @@ def _check_quick_profile(p):
     assert set(p.token_ms) == set(p.layer_ms) and 0.0 <= p.overlap <= 1.0
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
     assert min(p.disk) == 2048  # (a 4-bit 7B's unbundled neuron rows are read 2.5 KiB at a time)
-    assert 0.0 < p.convert_ns < 100.0  # (0.25-0.4 ns a value here)
+    assert 0.0 <= p.convert_ns < 100.0  # (0.25-0.4 ns a value here; 0 where the reads alone took longer)
     from mlx_flash.kernels import kernels_module
-    if kernels_module()[0] is not None:  # the FFN's packed row kernels, measured apart
+    if kernels_module()[0] is not None and p.device == "cpu":  # the FFN's packed row kernels, measured apart
         assert {"q4-rows", "q8-rows"} <= set(p.compute)
     assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
 

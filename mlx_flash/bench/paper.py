@@ -222,21 +222,20 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None, run_curve=None):
     if work is None:
         computed = dict(runtime.resident_work)
         form = f"q{lay.quant.bits}-rows" if getattr(store, "packed", False) else "float32"
-        rows = {form: row["computed_rows"] * plan.neuron_bytes}  # (all layers')
-        computed[form] = computed.get(form, 0) + rows[form]
+        rows = row["computed_rows"] * plan.neuron_bytes  # (all layers')
+        computed[form] = computed.get(form, 0) + rows
         # the predictors' products (the row's predictor column): float32 matrices a token multiplies by
-        predictors = getattr(getattr(store, "source", None), "resident_bytes", 0)
-        computed["float32"] = computed.get("float32", 0) + predictors
-        read = int(row["flash_to_dram_gb"] * 1e9)
+        computed["float32"] = computed.get("float32", 0) + plan.source_bytes
+        read_rows = int(row["computed_rows"] * (1 - row["hit_rate"]))  # (the rows read, gaps aside)
         float_rows = not getattr(store, "packed", False) and (lay.quant is not None or lay.dtype != "float32")
         # the overlap (a layer's missing rows read while its cached rows compute) hides reads
-        # behind those rows' compute, not behind attention's; its cache appends the new rows
+        # behind the cached rows' compute, not behind attention's; its cache appends the new rows
         # after moving rows into the holes of those that left: about one row moved a row read
-        moved = read // lay.stride * plan.neuron_bytes if runtime.config.overlaps else 0
-        work = Work(read, max(1, int(row["read_kib"] * KiB)), computed,
-                    runtime.config.overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons,
-                    lay.d_model, converted_values=read // lay.stride * len(lay.kinds) * lay.d_model if float_rows else 0,
-                    hideable=rows, moved_bytes=moved)
+        overlaps = runtime.config.overlaps
+        work = Work(int(row["flash_to_dram_gb"] * 1e9), max(1, int(row["read_kib"] * KiB)), computed,
+                    overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons, lay.d_model,
+                    converted_values=read_rows * len(lay.kinds) * lay.d_model if float_rows else 0,
+                    hideable={form: rows * row["hit_rate"]}, moved_bytes=read_rows * plan.neuron_bytes if overlaps else 0)
     try:
         predicted = predict(work, profile).total_ms
     except FlashError:  # (a profile without this weight form's rate)

@@ -142,6 +142,8 @@ def convert_cost(threads=None, d=4096, batch=400, rounds=7):
     rng = np.random.default_rng(1)
     spread = 8  # destination rows 8x the batch's (100 MB), drawn at random, as a cache's are
     dst = [np.zeros((spread * batch, d), np.float32) for _ in range(2)]
+    for a in dst:
+        a.fill(0.0)  # (its pages mapped now, not in the timed reads)
     segments = [(0, d, q, dst[0]), (row, d, q, dst[1])]
     n = 4 * batch
     with tempfile.TemporaryDirectory() as tmp, \
@@ -150,13 +152,17 @@ def convert_cost(threads=None, d=4096, batch=400, rounds=7):
         rng.integers(0, 256, n * stride, dtype=np.uint8).tofile(path)
         f = r.open(path)
         per = []
-        for _ in range(rounds):
-            ids = np.sort(rng.choice(n, batch, replace=False)).astype(np.int64)
-            t0 = time.perf_counter()
-            r.read_discard(f, ids * stride, np.full(batch, stride))
-            t1 = time.perf_counter()
-            r.read_bundles(f, ids, stride, segments, rng.choice(spread * batch, batch, replace=False))
-            per.append((time.perf_counter() - t1) - (t1 - t0))
+        for i in range(rounds):  # (the two in turn, each on bundles of its own: none warm in a cache)
+            ids = [np.sort(rng.choice(n, batch, replace=False)).astype(np.int64) for _ in range(2)]
+            times = {}
+            for what in (("discard", "convert") if i % 2 else ("convert", "discard")):
+                t = time.perf_counter()
+                if what == "discard":
+                    r.read_discard(f, ids[0] * stride, np.full(batch, stride))
+                else:
+                    r.read_bundles(f, ids[1], stride, segments, rng.choice(spread * batch, batch, replace=False))
+                times[what] = time.perf_counter() - t
+            per.append(times["convert"] - times["discard"])
     return max(0.0, float(np.median(per)) / (batch * 2 * d) * 1e9)
 
 
@@ -248,7 +254,9 @@ def _ffn_rows_rate(kernels, n, d, bits, repeat, copies):
     FlashFFN runs on them (models/ffn.py `_packed`): n up rows (scales inline) -> qmv_rows, then n
     down columns (their scales in the layer's table) -> qaxpy_cols, each kind's rows contiguous as
     the stores hold them. Not the resident matrices' rate: the column kernel runs ~30 % slower a
-    byte here, and an OPT-6.7B-shaped model's FFN computed at 7 GB/s where its attention took 9."""
+    byte here, and an OPT-6.7B-shaped model's FFN computed at 7 GB/s where its attention took 9.
+    Every row of the layer, in runs of 64 sharing a scale-table row: a sparse selection of a few
+    rows a run (flash mode's packed caches) pays the runs' fixed costs more often."""
     from ..kernels import qaxpy_cols, qmv_rows
     from ..layout.quant import QuantSpec
 
@@ -256,8 +264,8 @@ def _ffn_rows_rate(kernels, n, d, bits, repeat, copies):
     up_bytes, down_bytes = spec.row_bytes(d), spec.packed_bytes(d)
     nbytes = n * (up_bytes + down_bytes)
     rng = np.random.default_rng(0)  # (the values do not matter to the time; their bytes must be distinct)
-    layers = [(rng.integers(0, 256, (n, up_bytes), dtype=np.uint8), rng.integers(0, 256, (n, down_bytes), dtype=np.uint8))
-              for _ in range(copies(nbytes))]
+    layers = [(rng.integers(0, 256, (n, up_bytes), dtype=np.uint8),
+               rng.integers(0, 256, (n, down_bytes), dtype=np.uint8)) for _ in range(copies(nbytes))]
     table = tuple((rng.standard_normal((n // 64, d)) * 0.01).astype(np.float16) for _ in range(2))
     sel = np.arange(n, dtype=np.int64)
     trow = sel // 64

@@ -288,9 +288,9 @@ AVX2 static void dequant_col_avx2(const uint8_t *p, int64_t bits, int64_t k, con
 
 /* qaxpy_cols's row step over a few rows at once (at most 4), 32 values at a time: acc[c] += h[0] *
  * q_0[c], then += h[1] * q_1[c], ... (each row's multiply, then its add, in the rows' order: the
- * portable loop's operations, so its sums to the bit), with acc
- * loaded and stored once for them all instead of once a row: the row step is bound by acc's
- * load/store traffic, not the weights' (OPT-6.7B's down columns here: ~2x) */
+ * portable loop's operations, so its sums to the bit; setup.py's -ffp-contract=off keeps them
+ * from fusing), with acc loaded and stored once for them all instead of once a row (OPT-6.7B's
+ * 4-bit down columns here, scripts/bench_ffn_kernels.py: 5.6-6.1 -> 6.4-7.3 GB/s) */
 AVX2 static void axpy_cols_avx2(const uint8_t *const *p, const float *h, int m, int64_t bits, int64_t n,
                                 float *acc) {
     __m256 hv[4], v[4];
@@ -406,8 +406,6 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
         for (int64_t c = 0; c < n; c++) acc[c] = 0;
 #ifdef AVX2_PATH
         const int simd = j->simd && (bits == 4 || bits == 8) && n % 32 == 0;
-#endif
-#ifdef AVX2_PATH
         if (simd) { /* the run's rows 4 at a time (hs summed in the same order) */
             while (i < j->m && j->trow[i] == t) {
                 const uint8_t *ps[4];
@@ -419,8 +417,8 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
                     hs += hb[m];
                 }
                 for (int64_t k = i; k < i + 4 && k < j->m; k++) { /* the next rows' values, fetched meanwhile */
-                    const uint8_t *q = j->w + j->sel[k] * j->row_bytes + c0 * bits / 8;
-                    for (int64_t o = 0; o < n * bits / 8; o += 64) _mm_prefetch((const char *)q + o, _MM_HINT_T0);
+                    const uint8_t *next = j->w + j->sel[k] * j->row_bytes + c0 * bits / 8;
+                    for (int64_t o = 0; o < n * bits / 8; o += 64) _mm_prefetch((const char *)next + o, _MM_HINT_T0);
                 }
                 axpy_cols_avx2(ps, hb, m, bits, n, acc);
             }

@@ -137,7 +137,8 @@ def resident_computed(model):
 def exact_work(plan, layout, packed, resident, max_read, attention_read=0, kv_read=(0, 0)):
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
-    (form q<bits>), else float32, and a float16-held cache's rows at float16.
+    (form q<bits>-rows: the FFN's row kernels), else float32, and a float16-held cache's rows
+    at float16; streamed float rows of a 16-bit or quantized layout are converted on the way.
     attention_read: the bytes of attention read from flash every token (streamed layers).
     kv_read: (bytes, bytes per read) of the KV cache on flash read back per token (at the
     decode's mean context: an input, like the prompt)."""

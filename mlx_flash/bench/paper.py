@@ -235,7 +235,8 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None, run_curve=None):
         work = Work(int(row["flash_to_dram_gb"] * 1e9), max(1, int(row["read_kib"] * KiB)), computed,
                     overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons, lay.d_model,
                     converted_values=read_rows * len(lay.kinds) * lay.d_model if float_rows else 0,
-                    hideable={form: rows * row["hit_rate"]}, moved_bytes=read_rows * plan.neuron_bytes if overlaps else 0)
+                    hideable={form: rows * row["hit_rate"]},
+                    moved_bytes=read_rows * plan.neuron_bytes if overlaps else 0)
     try:
         predicted = predict(work, profile).total_ms
     except FlashError:  # (a profile without this weight form's rate)
@@ -399,10 +400,11 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             curves.append(disk_curve(files, chunks, seconds=disk_seconds))
             curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
-        # and as the profile measures it (a layer's reads at a time), for the prediction at this
-        # round's disk: the disk's drift since the profile set apart from the model's error
+        # and as the profile measures it (a layer's reads at a time, the sizes in turn three times,
+        # medians: a short stall of the disk then spoils one pass, not a size), for the prediction
+        # at this round's disk: the disk's drift since the profile set apart from the model's error
         if profile is not None:
-            layer_curves.append(disk_curve(files, chunks, seconds=disk_seconds, batch=LAYER_READS))
+            layer_curves.append(disk_curve(files, chunks, seconds=disk_seconds, rounds=3, batch=LAYER_READS))
         for config, sub in names:
             name = row_name(config, sub.dtype, dtypes)
             for other in subjects:
@@ -420,7 +422,8 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
             src_stats = sub.model.runtime.source.stats if sub.model.runtime.source is not None else None
             row = summarize(name, r, walls, store, plan, sub.resident_bytes, curve, bw, src_stats)
             row["dtype"] = sub.dtype
-            add_prediction(row, sub.model.runtime, store, profile, disk_gbs, layer_curves[-1] if layer_curves else None)
+            add_prediction(row, sub.model.runtime, store, profile, disk_gbs,
+                           layer_curves[-1] if layer_curves else None)
             per[name].append(row)
             best_bw = max(best_bw, bw)
             log(f"  {row['total_ms']:.0f} ms/token: I/O {row['io_ms']:.0f}, mem {row['mem_ms']:.0f}, "

@@ -112,7 +112,8 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch
         sizes = [c for c in chunks if c <= min(f.size for f in fs)]
         for _ in range(rounds):
             for c in sizes:
-                n_per = max(64, int(64 * MiB // c)) if batch is None else min(batch, max(64, int(64 * MiB // c)))
+                n_per = max(64, int(64 * MiB // c))
+                n_per = n_per if batch is None else min(batch, n_per)
                 done, t0 = 0, time.perf_counter()
                 while time.perf_counter() - t0 < seconds / rounds:
                     f = fs[rng.integers(len(fs))]
@@ -128,8 +129,9 @@ def convert_cost(threads=None, d=4096, batch=400, rounds=7):
     flash store's float cache, a streamed layer's float rows), besides the disk's time: `batch`
     random bundles of two 4-bit rows of d values (a 4-bit 7B's neuron, 4.5 KiB) of a file of our
     own, read into scattered float32 rows of a destination past the CPU's caches, against the
-    same reads thrown away, through the page cache (so the disk's noise stays out of the difference), in
-    alternating rounds, the median kept. The disk curve's probe only throws its reads away;
+    same reads thrown away, through the page cache (the disk's noise kept out of the
+    difference), in alternating rounds, the median kept. The disk curve's probe only throws its
+    reads away;
     in a flash store here the float32 rows written into DRAM (7x the 4-bit bytes read) and their
     conversion cost ~5 us such a read, against 13-14 us for the read itself."""
     from ..io import FlashReader, Quantized

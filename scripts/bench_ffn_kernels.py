@@ -4,7 +4,8 @@
 
 models/ffn.py `_packed`: the up rows (scales inline) through qmv_rows, then the down columns
 (their scales in the layer's table) through qaxpy_cols, each kind's rows contiguous as a store
-holds them; `--layers` such layers cycled through (past the CPU's caches), the best of 5 runs.
+holds them (bench/profile.py's ffn_rows: one table shared by the layers); `--layers` such layers
+cycled through (past the CPU's caches), the best of 5 runs.
 Defaults: an OPT-6.7B layer at 4 bits, group 64. `mlx_flash.benchmark profile` measures the pair
 together as the cost model's q4-rows rate; this prints each kernel apart (to compare builds: run
 it against each build's kernels in alternating rounds).
@@ -19,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mlx_flash.bench.profile import ffn_rows  # noqa: E402
 from mlx_flash.kernels import kernels_module, qaxpy_cols, qmv_rows, simd_name  # noqa: E402
-from mlx_flash.layout.quant import QuantSpec  # noqa: E402
 
 
 def main():
@@ -33,32 +34,24 @@ def main():
     kernels, why = kernels_module()
     if kernels is None:
         sys.exit(f"bench_ffn_kernels: {why}")
-    spec = QuantSpec(a.bits, 64, "float16")
-    up, down = spec.row_bytes(a.d), spec.packed_bytes(a.d)
-    rng = np.random.default_rng(0)
-    ups = [rng.integers(0, 256, (a.n, up), dtype=np.uint8) for _ in range(a.layers)]
-    downs = [rng.integers(0, 256, (a.n, down), dtype=np.uint8) for _ in range(a.layers)]
-    tables = [tuple((rng.standard_normal((a.n // 64, a.d)) * 0.01).astype(np.float16) for _ in range(2))
-              for _ in range(a.layers)]
-    sel = np.arange(a.n, dtype=np.int64)
-    trow = sel // 64
-    x = rng.standard_normal(a.d).astype(np.float32)
-    h = rng.standard_normal(a.n).astype(np.float32)
-    so, bo = spec.inline_offsets(a.d)
+    f = ffn_rows(a.n, a.d, a.bits, a.layers)  # (the profile's q4-rows data)
+    so, bo = f.spec.inline_offsets(a.d)
+    h = np.random.default_rng(1).standard_normal(a.n).astype(np.float32)
 
     def rows():
-        for b in ups:
-            qmv_rows(kernels, x, b, sel, spec, so, bo)
+        for up, _ in f.layers:
+            qmv_rows(kernels, f.x, up, f.sel, f.spec, so, bo)
 
     def cols():
-        for b, t in zip(downs, tables):
-            qaxpy_cols(kernels, h, b, sel, trow, t, spec)
+        for _, down in f.layers:
+            qaxpy_cols(kernels, h, down, f.sel, f.trow, f.table, f.spec)
 
     print(f"d {a.d}, {a.n} neurons, {a.bits}-bit group 64, {a.layers} layers cycled; {simd_name(kernels)}, "
           f"{kernels.threads()} threads")
-    for name, f, nbytes in (("qmv_rows (up rows)", rows, up), ("qaxpy_cols (down columns)", cols, down)):
-        f()
-        best = min(_timed(f) for _ in range(5))
+    up, down = (f.layers[0][k].shape[1] for k in (0, 1))
+    for name, run, nbytes in (("qmv_rows (up rows)", rows, up), ("qaxpy_cols (down columns)", cols, down)):
+        run()
+        best = min(_timed(run) for _ in range(5))
         print(f"{name}: {a.layers * a.n * nbytes / best / 1e9:.2f} GB/s ({1e3 * best / a.layers:.2f} ms a layer)")
 
 

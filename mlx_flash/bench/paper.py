@@ -212,7 +212,7 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None, run_curve=None):
     hides reads behind the cached rows' compute only. Again with the disk curve measured on the
     checkpoint in this round (`run_curve`: the disk's drift since the profile set apart), and at
     the rate the device's counters gave during the decode (`disk_gbs`)."""
-    from ..plan.cost import Work, predict, predict_at_disk_rate
+    from ..plan.cost import Work, converts, predict, predict_at_disk_rate
 
     row["decode_disk_gbs"] = disk_gbs
     if profile is None:
@@ -227,14 +227,14 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None, run_curve=None):
         # the predictors' products (the row's predictor column): float32 matrices a token multiplies by
         computed["float32"] = computed.get("float32", 0) + plan.source_bytes
         read_rows = int(row["computed_rows"] * (1 - row["hit_rate"]))  # (the rows read, gaps aside)
-        float_rows = not getattr(store, "packed", False) and (lay.quant is not None or lay.dtype != "float32")
         # the overlap (a layer's missing rows read while its cached rows compute) hides reads
         # behind the cached rows' compute, not behind attention's; its cache appends the new rows
         # after moving rows into the holes of those that left: about one row moved a row read
         overlaps = runtime.config.overlaps
         work = Work(int(row["flash_to_dram_gb"] * 1e9), max(1, int(row["read_kib"] * KiB)), computed,
                     overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons, lay.d_model,
-                    converted_values=read_rows * len(lay.kinds) * lay.d_model if float_rows else 0,
+                    converted_values=read_rows * len(lay.kinds) * lay.d_model
+                    if converts(lay, getattr(store, "packed", False)) else 0,
                     hideable={form: rows * row["hit_rate"]},
                     moved_bytes=read_rows * plan.neuron_bytes if overlaps else 0)
     try:

@@ -6,6 +6,7 @@ models decoded through the real runtime."""
 import os
 import tempfile
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -131,9 +132,8 @@ def convert_cost(threads=None, d=4096, batch=400, rounds=7):
     own, read into scattered float32 rows of a destination past the CPU's caches, against the
     same reads thrown away, through the page cache (the disk's noise kept out of the
     difference), in alternating rounds, the median kept. The disk curve's probe only throws its
-    reads away;
-    in a flash store here the float32 rows written into DRAM (7x the 4-bit bytes read) and their
-    conversion cost ~5 us such a read, against 13-14 us for the read itself."""
+    reads away; in a flash store here the float32 rows written into DRAM (7x the 4-bit bytes
+    read) and their conversion cost ~5 us such a read, against 13-14 us for the read itself."""
     from ..io import FlashReader, Quantized
     from ..io.reader import READ_THREADS
     from ..layout.quant import QuantSpec
@@ -260,26 +260,16 @@ def _ffn_rows_rate(kernels, n, d, bits, repeat, copies):
     Every row of the layer, in runs of 64 sharing a scale-table row: a sparse selection of a few
     rows a run (flash mode's packed caches) pays the runs' fixed costs more often."""
     from ..kernels import qaxpy_cols, qmv_rows
-    from ..layout.quant import QuantSpec
 
-    spec = QuantSpec(bits, 64, "float16")
-    up_bytes, down_bytes = spec.row_bytes(d), spec.packed_bytes(d)
-    nbytes = n * (up_bytes + down_bytes)
-    rng = np.random.default_rng(0)  # (the values do not matter to the time; their bytes must be distinct)
-    layers = [(rng.integers(0, 256, (n, up_bytes), dtype=np.uint8),
-               rng.integers(0, 256, (n, down_bytes), dtype=np.uint8)) for _ in range(copies(nbytes))]
-    table = tuple((rng.standard_normal((n // 64, d)) * 0.01).astype(np.float16) for _ in range(2))
-    sel = np.arange(n, dtype=np.int64)
-    trow = sel // 64
-    scales_off, biases_off = spec.inline_offsets(d)
-    x = rng.standard_normal(d).astype(np.float32)
+    nbytes = n * ffn_row_bytes(d, bits)
+    f = ffn_rows(n, d, bits, copies(nbytes))
 
     def layer(i):
-        up, down = layers[i % len(layers)]
-        h = qmv_rows(kernels, x, up, sel, spec, scales_off, biases_off)
-        qaxpy_cols(kernels, h, down, sel, trow, table, spec)
+        up, down = f.layers[i % len(f.layers)]
+        h = qmv_rows(kernels, f.x, up, f.sel, f.spec, *f.spec.inline_offsets(d))
+        qaxpy_cols(kernels, h, down, f.sel, f.trow, f.table, f.spec)
 
-    for i in range(len(layers)):
+    for i in range(len(f.layers)):
         layer(i)  # warm
     best = float("inf")
     for _ in range(3):
@@ -288,6 +278,41 @@ def _ffn_rows_rate(kernels, n, d, bits, repeat, copies):
             layer(i)
         best = min(best, time.perf_counter() - t)
     return nbytes * repeat / best / 1e9
+
+
+class FFNRows(NamedTuple):
+    """Random packed rows of `len(layers)` FFN layers as the stores hold them, for timing the
+    kernels FlashFFN runs on them (the values do not matter to the time; the bytes must be
+    distinct): per layer (up rows with their scales inline, down columns), the down columns'
+    scale table, every row selected in runs of 64 sharing a table row, a token's vector."""
+
+    spec: object  # layout.quant.QuantSpec: bits, group 64, float16 scales
+    layers: list  # [(up uint8 [n, row_bytes], down uint8 [n, packed_bytes])]
+    table: tuple  # (scales, biases) float16 [n / 64, d]
+    sel: np.ndarray
+    trow: np.ndarray
+    x: np.ndarray
+
+
+def ffn_row_bytes(d, bits):
+    """Bytes of one neuron's up row (scales inline) and down column at `bits`, group 64."""
+    from ..layout.quant import QuantSpec
+
+    spec = QuantSpec(bits, 64, "float16")
+    return spec.row_bytes(d) + spec.packed_bytes(d)
+
+
+def ffn_rows(n, d, bits, count):
+    """FFNRows of `count` layers of n neurons of width d (scripts/bench_ffn_kernels.py too)."""
+    from ..layout.quant import QuantSpec
+
+    spec = QuantSpec(bits, 64, "float16")
+    rng = np.random.default_rng(0)
+    layers = [(rng.integers(0, 256, (n, spec.row_bytes(d)), dtype=np.uint8),
+               rng.integers(0, 256, (n, spec.packed_bytes(d)), dtype=np.uint8)) for _ in range(count)]
+    table = tuple((rng.standard_normal((n // 64, d)) * 0.01).astype(np.float16) for _ in range(2))
+    sel = np.arange(n, dtype=np.int64)
+    return FFNRows(spec, layers, table, sel, sel // 64, rng.standard_normal(d).astype(np.float32))
 
 
 # width: (4, 36 layers), 4-bit. 36, not 12: the slope between 4 and 12 layers moved 3x from

@@ -134,6 +134,12 @@ def resident_computed(model):
     return out
 
 
+def converts(layout, packed):
+    """Whether the reader converts the rows it reads into float32 on the way: a 16-bit or
+    quantized layout read into float rows (not held at their bits: `packed`)."""
+    return not packed and (layout.quant is not None or layout.dtype != "float32")
+
+
 def exact_work(plan, layout, packed, resident, max_read, attention_read=0, kv_read=(0, 0)):
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
@@ -159,7 +165,7 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=0, kv_re
         add("float32", L * streamed * values * 4)
     ffn_read = L * streamed * layout.stride
     size = min(max_read, max(streamed * layout.stride, 1)) if ffn_read else max_read
-    converted = 0 if packed or (layout.quant is None and layout.dtype == "float32") else L * streamed * values
+    converted = L * streamed * values if converts(layout, packed) else 0
     return Work(ffn_read + attention_read, size, computed,
                 plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, *kv_read,
                 converted_values=converted)

@@ -444,22 +444,29 @@ def test_stats(disk_dir):
         assert s.as_dict() == {k: 0 for k in s.as_dict()}
 
 
-def test_bundles_bridge_at_most_one_bundle(disk_dir):
-    # a gap the reader would bridge (1 MiB here, 16 KiB by default) is skipped when it is
-    # longer than a bundle: small (4-bit) bundles would read more bridge than payload
-    path, layout, _ = _bundle_file(disk_dir, "bridge.bin")
+def test_bundles_bridge_the_readers_gap(disk_dir):
+    # bundles bridge the reader's gap whatever their size: a read's own cost is the
+    # same for small (4-bit, DIP) bundles, which merged only when one bundle apart
+    # read ~25x as many times (the comment at DEFAULT_COALESCE_GAP)
+    path, layout, rows = _bundle_file(disk_dir, "bridge.bin")
     dst, segs = _segs(layout)
     assert layout.stride == layout.bundle_bytes  # bundles touch: the gap of [0, k] is k - 1 bundles
-    with FlashReader(threads=2, coalesce_gap=1 << 20) as r:
+    with FlashReader(threads=2, coalesce_gap=3 * layout.stride) as r:
         f = r.open(path)
-        r.read_bundles(f, np.array([0, 2]), layout.stride, segs, np.arange(2))
-        assert r.stats.reads_issued == 1  # one bundle bridged
+        r.read_bundles(f, np.array([0, 4]), layout.stride, segs, np.arange(2))
+        assert r.stats.reads_issued == 1  # three bundles bridged
+        assert r.stats.bytes_read == 5 * layout.stride
+        for k, d in zip(layout.kinds, dst):  # the bridge read and discarded
+            np.testing.assert_array_equal(d[:2], _expected(rows[k][[0, 4]], "float16", np.float32))
         r.stats.reset()
-        r.read_bundles(f, np.array([0, 3]), layout.stride, segs, np.arange(2))
-        assert r.stats.reads_issued == 2  # two bundles: skipped
+        r.read_bundles(f, np.array([0, 5]), layout.stride, segs, np.arange(2))
+        assert r.stats.reads_issued == 2  # four bundles: skipped
         r.stats.reset()
-        r.read_bundles(f, np.array([0, 3]), layout.stride, segs, np.arange(2), gap=1 << 20)
-        assert r.stats.reads_issued == 1  # a batch's own gap is taken as given
+        r.read_bundles(f, np.array([0, 5]), layout.stride, segs, np.arange(2), gap=-1)
+        assert r.stats.reads_issued == 2  # a batch's own gap is taken as given
+        r.stats.reset()
+        r.read_bundles(f, np.array([0, 1]), layout.stride, segs, np.arange(2), gap=-1)
+        assert r.stats.reads_issued == 2
 
 
 def _refuse_odirect_at_open(monkeypatch):

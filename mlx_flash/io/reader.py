@@ -70,11 +70,15 @@ log = logging.getLogger("mlx_flash.io")
 # FACTS.md's curve (2 GiB file) gives l ~ 5 us, B ~ 4 GB/s, l * B ~ 20 KB.
 # Hence 16 KiB: a 16 KiB bundle nobody wants between two wanted ones is read
 # and discarded rather than skipped (at the break-even point the two cost
-# the same; anything larger is skipped). read_bundles bridges at most one
-# bundle (its stride, padding included): at the break-even the time is equal
-# but the bytes are not, and a 4.5 KiB 4-bit bundle bridging 16 KiB read 13 %
-# more per OPT-6.7B token (65.8 vs 58.0 MB) for the same I/O time (302 vs
-# 287 ms, 4 rounds, 32 threads).
+# the same; anything larger is skipped). read_bundles bridges the same gap,
+# whatever the bundle's size (until 2026-11-26 it bridged at most one bundle, to
+# keep the bytes down): on a 4-bit SmolLM2's DIP rows (288 B down rows, 1.5 KiB
+# input columns) at a 22 % budget, bridging one bundle issued ~9,100 reads a
+# token in 168 ms of I/O; bridging 16 KiB, ~370 in 60 ms (2.8x less I/O time
+# for 2.6x the bytes); OPT-6.7B's 4.6 KiB 4-bit bundles read 15 % more bytes
+# (0.068 against 0.059 GB a token) in the same I/O time (233/221 against
+# 234/237 ms over two rounds; on 2026-11-23, 302 against 287). Bundles of
+# 16 KiB and more (float16 / float32 7B rows) bridge as before.
 READ_THREADS = 32  # the paper's 32 parallel reads (every default thread count is this one)
 DEFAULT_COALESCE_GAP = 16 * 1024
 # A merged read never spans more than this: the measured throughput is flat
@@ -659,7 +663,7 @@ class FlashReader:
         treated as not done. dst_rows must not repeat within a batch.
         base: byte offset added to every bundle's start (a part of each bundle);
         gap: this batch's coalescing gap (0: merge only touching reads, < 0: never
-        merge); by default the reader's, but never more than one bundle (stride).
+        merge); by default the reader's (DEFAULT_COALESCE_GAP: a read's own cost in bytes).
         checks: (crc, parts): every bundle's parts [(offset, length, column)] must have
         the CRC32C crc[neuron_ids[k], column] (crc: uint32 [n_bundles, columns]) before
         any row of its read is placed; a mismatch is read once more, then raised as a
@@ -682,7 +686,7 @@ class FlashReader:
             ids, rows = ids[order], rows[order]
         starts = base + ids * stride
         if gap is None:
-            gap = min(self.coalesce_gap, stride)
+            gap = self.coalesce_gap
         with self._lock:
             plan = self._plan(f, starts, np.full(len(starts), need, dtype=np.int64), private=True,
                               gap=gap)

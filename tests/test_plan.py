@@ -55,6 +55,13 @@ def test_cost_model_arithmetic():
     p.convert_ns = 2.0
     assert predict(Work(0, 1, {}, False, 0, "dense", converted_values=10**6), p).io_ms == pytest.approx(2.0)
     p.convert_ns = 0.0
+    # each batch of reads (a layer's) waits its first read's latency beyond its bytes: part of the
+    # I/O, so prefetch hides it with the rest
+    p.batch_ms = 0.5
+    assert predict(Work(0, 1, {}, False, 0, "dense", read_batches=10), p).io_ms == pytest.approx(5.0)
+    w.read_batches, w.overlapped = 10, False
+    assert predict(w, p).io_ms == pytest.approx(105.0)
+    w.read_batches, w.overlapped, p.batch_ms = 0, True, 0.0
     # rows a cache moves within itself (memory management): their bytes at the float32 rate, never hidden
     w.moved_bytes = 10 * MB
     got = predict(w, p)
@@ -74,6 +81,8 @@ def test_cost_model_arithmetic():
     w = Work(0, 1, {"q4": 40 * MB}, False, 0, "dense", matrix_elements=10**7)
     assert predict(w, p).compute_ms == pytest.approx(5.0)  # 40 MB at 8 GB/s
     assert Profile.from_dict(p.as_dict()).compute == p.compute  # (JSON keys are strings)
+    p.batch_ms = 0.25
+    assert Profile.from_dict(p.as_dict()).batch_ms == 0.25
     # an FFN's packed rows at their kernels' own rate; where those were not measured (off the
     # CPU, where MLX computes both), at the resident matrices'
     assert p.compute_gbs("q4-rows", 10**7) == pytest.approx(8.0)
@@ -96,6 +105,25 @@ def test_cost_model_arithmetic():
     assert p.disk == {4096: 0.5, 262144: 2.0}  # (a copy)
     w = Work(read_bytes=200 * MB, read_size=262144, computed={}, overlapped=False, n_layers=0, mode="dense")
     assert predict(w, q).io_ms == pytest.approx(2 * predict(w, p).io_ms)
+
+
+def test_exact_work_counts_a_batch_of_reads_per_layer_and_store():
+    from types import SimpleNamespace as NS
+
+    from mlx_flash.plan.cost import exact_work
+
+    lay = NS(kinds=("gate", "up", "down"), d_model=64, stride=1024, quant=None, dtype="float32", bundle_bytes=768)
+
+    def plan(mode, held):
+        return NS(n_layers=4, n_neurons=100, mode=mode, held_neuron_bytes=0, prefetch=True,
+                  layer_capacity=lambda i: held)
+
+    assert exact_work(plan("dense", 100), lay, False, {}, 1 << 18).read_batches == 0  # reads nothing
+    assert exact_work(plan("hybrid", 50), lay, False, {}, 1 << 18).read_batches == 4  # a layer's stream
+    w = exact_work(plan("naive", 0), lay, False, {}, 1 << 18, attention_read=(10 * MB, 3), kv_read=(MB, 4096))
+    assert w.read_batches == 4 + 3 + 4 and w.read_bytes == 4 * 100 * 1024 + 10 * MB
+    # the attention of 3 streamed layers in a dense FFN: its batches alone
+    assert exact_work(plan("dense", 100), lay, False, {}, 1 << 18, attention_read=(MB, 3)).read_batches == 3
 
 
 def _plan_of(budget, needs):

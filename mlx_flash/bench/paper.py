@@ -236,7 +236,9 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None, run_curve=None):
                     converted_values=read_rows * len(lay.kinds) * lay.d_model
                     if converts(lay, getattr(store, "packed", False)) else 0,
                     hideable={form: rows * row["hit_rate"]},
-                    moved_bytes=read_rows * plan.neuron_bytes if overlaps else 0)
+                    moved_bytes=read_rows * plan.neuron_bytes if overlaps else 0,
+                    # a layer's missing rows: one batch, or one a weight kind unbundled
+                    read_batches=plan.n_layers * (1 if runtime.config.bundled else len(lay.kinds)))
     try:
         predicted = predict(work, profile).total_ms
     except FlashError:  # (a profile without this weight form's rate)

@@ -60,6 +60,7 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
         file = probe_file()
     say(f"disk: uncached random reads of {file}, {threads} threads")
     disk = disk_curve([file], CHUNKS, threads, seconds, rounds=1 if quick else 3, batch=LAYER_READS)
+    batch_ms = batch_latency(file, disk, threads, batches=30 if quick else 150)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10, streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
     say("per-layer and per-token costs, overlap: 4-bit models of two widths and depths decoded "
@@ -69,6 +70,7 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
                 time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
     say("the reader's conversion: 4-bit rows read into float32 rows, against the reads alone")
     p.convert_ns = convert_cost(threads, rounds=5 if quick else 15)
+    p.batch_ms = batch_ms  # (before runtime_costs: its probes' batches are then not a per-layer cost)
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
                                                       rounds=1 if quick else 3)
     return p
@@ -123,6 +125,34 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch
                     done += n_per * c
                 rates.setdefault(c, []).append(done / (time.perf_counter() - t0) / 1e9)
     return {c: float(np.median(v)) for c, v in rates.items()}
+
+
+BATCHES = ((1, 4 * KiB), (3, 256 * KiB), (32, 4 * KiB))  # reads x size: a layer's few reads
+
+
+def batch_latency(file, curve, threads=None, batches=150, seed=2):
+    """ms a small batch of uncached reads costs beyond its bytes at the curve's rate: its first
+    read's latency and the pool's wake-up, which the curve's deep queue leaves out. BATCHES's
+    shapes in turn, `batches` of each, the median time of each shape less its bytes at the
+    curve, the median over the shapes. Here 0.2-0.5 ms (1 x 4 KiB took 0.21-0.25 ms against
+    0.014 for its bytes; 3 x 256 KiB 0.92-0.98 against 0.50)."""
+    from ..io import FlashReader
+    from ..io.reader import READ_THREADS
+
+    rng = np.random.default_rng(seed)
+    times = {shape: [] for shape in BATCHES}
+    with FlashReader(threads=threads or READ_THREADS, direct=True, coalesce_gap=-1) as r:
+        f = r.open(file)
+        for _ in range(batches):
+            for n, c in BATCHES:
+                offs = rng.integers(0, f.size // c, n) * c
+                t = time.perf_counter()
+                r.read_discard(f, offs, np.full(n, c))
+                times[n, c].append(time.perf_counter() - t)
+    sizes = sorted(curve)
+    surplus = [1e3 * (np.median(t) - n * c / (np.interp(np.log(c), np.log(sizes), [curve[s] for s in sizes]) * 1e9))
+               for (n, c), t in times.items()]
+    return max(0.0, float(np.median(surplus)))
 
 
 def convert_cost(threads=None, d=4096, batch=400, rounds=7):
@@ -328,9 +358,11 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
     and width, and the share of min(I/O, compute) prefetch hides on this machine.
 
     Each probe is decoded through the real runtime after a 64-token prompt, without prefetch,
-    `rounds` times alternating (the median kept), and the cost model's time for its bytes (`rates`: a Profile of the disk and compute rates
-    just measured, no other cost; the disk at the rate it delivered during the probe, io/device.py,
-    where the probe read enough to time it) subtracted: the slope of the rest between 4 and 36 layers is
+    `rounds` times alternating (the median kept), less the time its store waited for its reads (as
+    the store measured it: the disk's drift and the I/O model's own error kept out; version 6
+    subtracted the predicted read time, and its per-layer costs moved with the disk) and the cost
+    model's compute time for its bytes (`rates`: a Profile of the compute rates just measured, no
+    other cost): the slope of the rest between 4 and 36 layers is
     the per-layer cost, what is left at 4 layers the per-token one. Then the deeper 576-wide
     probe in naive mode (it reads every row) with prefetch and without, alternating `rounds`
     times: the time prefetch saves over the time it could save. notes: the profile's list, where
@@ -350,25 +382,35 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
             """-> (median ms per token, the cost model's Work of the run, `rates` with the disk
             at the rate it delivered during the run where it read enough to time it: this
             machine's disk drifts ~2x from minute to minute, and a read time taken at the
-            curve's rate would move into the per-layer cost)"""
+            curve's rate would move into the per-layer cost; the median ms a token waited for
+            its reads, as the store measured it)"""
             streams = {} if mode == "dense" else {"memory_budget": "60%", "prefetch": prefetch}
             model, _ = mlx_flash.load(folders[shape], mode=mode, progress=False, **streams)
             before = device.counters(folders[shape])
+            stats = getattr(model.runtime.store, "stats", None)
             ms = _decode_ms(model, tokens)
             gbs = device.rate(before, device.counters(folders[shape]))
+            waited = 0.0
+            if stats is not None:
+                stats.end()
+                waited = float(np.median([r["io_ms"] for r in stats.rows if r["tokens"] == 1][-tokens:]))
             work = model.runtime.work()
             model.runtime.close()
             at = rates.with_disk_rate(gbs, work.read_size) if gbs is not None and work.read_bytes else rates
-            return ms, work, at
+            return ms, work, at, waited
 
         rest = {}  # (width, mode, shape) -> [ms besides the bytes, one a round], layers
         for _ in range(rounds):  # (rounds alternate the runs: the machine's load drifts)
             for width, pair in PROBES.items():
                 for mode in MODES:
                     for shape in pair:
-                        ms, work, at = decode(shape, mode, False)
+                        # the read time as the store waited it, not as predicted: the disk's
+                        # minute-to-minute drift (and the model's error for it) then stays out of
+                        # the per-layer cost, which version 6 took it into: 0.74-1.32 ms a layer
+                        # for hybrid at d576 in two profiles an hour apart, 0.81-1.18x in its row
+                        ms, work, at, waited = decode(shape, mode, False)
                         rest.setdefault((width, mode, shape), ([], work.n_layers))[0].append(
-                            ms - predict(work, at).total_ms)
+                            ms - waited - predict(work, at).compute_ms)
         for width, (shallow, deep) in PROBES.items():
             for mode in MODES:
                 (r4, l4), (rd, ld) = [(float(np.median(rest[width, mode, s][0])), rest[width, mode, s][1])
@@ -380,8 +422,8 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
         width = 576
         deep = PROBES[width][1]
         for _ in range(rounds):
-            ms_off, _, at = decode(deep, "naive", False)
-            ms_on, work, at_on = decode(deep, "naive", True)
+            ms_off, _, at, _ = decode(deep, "naive", False)
+            ms_on, work, at_on, _ = decode(deep, "naive", True)
             off.append(ms_off)
             on.append(ms_on)
             io += [predict(work, a).io_ms for a in (at, at_on)]

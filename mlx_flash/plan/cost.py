@@ -1,7 +1,12 @@
 """The cost model: one decode token's time under a plan, from this machine's profile.
 
     I/O      = bytes read from flash / the disk's uncached throughput at the read size, + the
-               reader's cost of the values it dequantizes / converts into float32 rows on the way
+               reader's cost of the values it dequantizes / converts into float32 rows on the way,
+               + the batches of reads a token issues (a layer's FFN rows, its streamed
+               attention, its KV cache) x what a batch costs beyond its bytes (its first read's
+               latency and the reader's pool waking: 0.2-0.5 ms here, which the throughput of a
+               deep queue leaves out; a layer of hybrid's reads, 3 of 256 KiB, waited 1.15 ms
+               for 0.8 ms of bytes)
     compute  = sum over the forms weights are held in of bytes consumed / that form's rate at
                the model's matrix size (one FFN matrix; small matrices run slower per byte)
     layers   = the layers x the mode's cost per layer besides its bytes (MLX's dispatch, the
@@ -45,6 +50,7 @@ class Work:
     converted_values: int = 0  # values the reader dequantizes / converts into float32 rows on the way
     moved_bytes: int = 0  # memory management: bytes of rows a cache moves within itself per token
     hideable: dict | None = None  # the bytes (by form) whose compute the reads overlap (None: all of it)
+    read_batches: int = 0  # batches of reads a token issues (one a layer and store that reads)
 
 
 @dataclass
@@ -67,6 +73,7 @@ def predict(work, profile):
     if work.kv_read_bytes:
         io += 1e3 * work.kv_read_bytes / (profile.disk_gbs(work.kv_read_size) * 1e9)
     io += work.converted_values * profile.convert_ns * 1e-6
+    io += work.read_batches * profile.batch_ms
     size = work.matrix_elements or None
 
     def of(computed):
@@ -140,14 +147,15 @@ def converts(layout, packed):
     return not packed and (layout.quant is not None or layout.dtype != "float32")
 
 
-def exact_work(plan, layout, packed, resident, max_read, attention_read=0, kv_read=(0, 0)):
+def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), kv_read=(0, 0)):
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
     (form q<bits>-rows: the FFN's row kernels), else float32, and a float16-held cache's rows
     at float16; streamed float rows of a 16-bit or quantized layout are converted on the way.
-    attention_read: the bytes of attention read from flash every token (streamed layers).
+    attention_read: (bytes, layers) of attention read from flash every token (streamed layers).
     kv_read: (bytes, bytes per read) of the KV cache on flash read back per token (at the
-    decode's mean context: an input, like the prompt)."""
+    decode's mean context: an input, like the prompt). Each layer that reads issues one batch
+    per store (FFN rows, attention, KV cache)."""
     L, n = plan.n_layers, plan.n_neurons
     held = plan.layer_capacity(0) if plan.mode != "naive" else 0
     streamed = n - held
@@ -166,6 +174,7 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=0, kv_re
     ffn_read = L * streamed * layout.stride
     size = min(max_read, max(streamed * layout.stride, 1)) if ffn_read else max_read
     converted = L * streamed * values if converts(layout, packed) else 0
-    return Work(ffn_read + attention_read, size, computed,
+    batches = (L if ffn_read else 0) + attention_read[1] + (L if kv_read[0] else 0)
+    return Work(ffn_read + attention_read[0], size, computed,
                 plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, *kv_read,
-                converted_values=converted)
+                converted_values=converted, read_batches=batches)

@@ -1,9 +1,11 @@
 """This machine's rates, measured once and cached: what the cost model (plan/cost.py) divides by.
 
 - disk: uncached random reads (O_DIRECT / F_NOCACHE, the reader's thread pool), GB/s by
-  read size, from 2 KiB to 1 MiB;
+  read size, from 2 KiB to 1 MiB; and what a small batch of them (a layer's) costs beyond its
+  bytes at that rate: its first read's latency, which a deep queue's throughput hides;
 - per layer and per token: what a decode token costs apart from its bytes (MLX's dispatch,
-  the store's syncs and reads), by mode and model width, from 4-bit probe models of 4 and
+  the store's syncs; not the time it waits for its reads, which the I/O term holds), by mode
+  and model width, from 4-bit probe models of 4 and
   36 layers decoded through the real runtime without prefetch (bench/random_model.py): the
   slope between the two depths is the per-layer cost, the rest what a token costs once
   (embedding, lm_head, sampling, Python);
@@ -39,10 +41,11 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..home import default_home
 
-VERSION = 6  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
+VERSION = 7  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
 # 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
 # 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound); 6: the FFN's packed
-# row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost
+# row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost;
+# 7: what a batch of reads costs beyond its bytes (version 6's per-layer costs held it)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Profile:
     version: int = VERSION
     notes: list = field(default_factory=list)
     convert_ns: float = 0.0  # ns the reader spends a value it dequantizes / converts into float32 rows
+    batch_ms: float = 0.0  # ms a batch of reads costs beyond its bytes at the curve's rate (latency)
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""

@@ -407,7 +407,7 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
 
 
 def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs, resident_work,
-            attention_read=0):
+            attention_read=(0, 0)):
     """--mode auto's Choice (plan/choose.py): the exact plans that fit, each predicted by the
     cost model where this machine's profile is cached (never measured here). rows16: dense and
     hybrid are compared with their FFN rows held at float16 too."""
@@ -483,7 +483,8 @@ def _with_attention(resident, attention):
 
 
 def _attention_read(attention):
-    return attention.streamed_bytes if attention is not None else 0
+    """(bytes, layers) of attention streamed from flash every token ((0, 0): none)."""
+    return (attention.streamed_bytes, len(attention.spans)) if attention is not None else (0, 0)
 
 
 def rebuild_runtime(model, config, source=None):

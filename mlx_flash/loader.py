@@ -307,7 +307,8 @@ def _build_model(folder, manifest, config: FlashConfig):
         from .models.ffn import FlashFFN
         from .models.half import hold_at_16_bits
 
-        arena = hold_at_16_bits(model, DTYPES[held], DTYPES[dtype], skip=(FlashFFN,))
+        arena = hold_at_16_bits(model, DTYPES[held], DTYPES[dtype], skip=(FlashFFN,),
+                                kernels=_half_kernels(dtype, on_cpu))
         weights = dict(tree_flatten(model.parameters())) | {"<float32 arena>": arena.array}
     mx.eval(model.parameters())
     # The file's float16 buffers, freed by the conversion, stay in MLX's buffer
@@ -374,6 +375,19 @@ def _load_moe(folder, manifest, config):
     _set_caches(model, model.runtime, config, memory, None)
     model.eval()
     return model, tokenizer
+
+
+def _half_kernels(dtype, on_cpu):
+    """The native module whose gather_mv multiplies a decode step's 16-bit held rows (the CPU, float32
+    compute), or None (said once where it is not built: each weight is then converted into a
+    float32 arena for BLAS every token, ~6x slower at SmolLM2's size here)."""
+    if not on_cpu or dtype != "float32":
+        return None
+    kernels, why = kernels_module()
+    if kernels is None:
+        log_once("half-kernels", "mlx_flash: weights held at 16 bits are converted into float32 for BLAS at every "
+                 "use (the native kernels would read them as they are): %s", why)
+    return kernels
 
 
 def _on_native_kernels(model, dtype):

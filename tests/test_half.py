@@ -7,6 +7,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import mlx_flash
+from mlx_flash.kernels import kernels_module
 from mlx_flash.cache import NeuronCache
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
@@ -82,6 +83,8 @@ def test_held_model_matches_float32(llama16, reference, mode, budget):
     assert model.runtime.resident_dtype == "float16"
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, HalfLinear) and attn.q_proj.weight.dtype == mx.float16
+    # a decode step's products on the CPU: the native 16-bit kernel, where it is built
+    assert (attn.q_proj._kernels is not None) == (kernels_module()[0] is not None)
     assert isinstance(model.model.embed_tokens, HalfEmbedding)
     assert model.layers[0].input_layernorm.weight.dtype == mx.float32
     np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)

@@ -257,6 +257,52 @@ def test_gather_products_equal_numpy(simd_and_threads):
         gather_axpy(kernels, h, w, sel[:2])
 
 
+@pytest.mark.parametrize("code", [1, 2])  # float16, bfloat16
+def test_16_bit_rows_give_the_float32_rows_sums_to_the_bit(code, simd_and_threads):
+    # a held (16-bit) matrix's products: each value converted as it is read, then the very
+    # sums of its float32 rows (tails of every length; rows past 4 x threads, shared out)
+    from mlx_flash.kernels import gather_axpy, gather_mv
+
+    rng = np.random.default_rng(1)
+    for n, k in ((7, 1), (33, 31), (64, 577), (300, 1536)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w[0, 0], w[-1, -1] = 6e4, -3e-5  # float16's large values and subnormals
+        w16 = w.astype(np.float16) if code == 1 else (w.view(np.uint32) >> 16).astype(np.uint16)
+        w32 = w16.astype(np.float32) if code == 1 else (w16.astype(np.uint32) << 16).view(np.float32)
+        sel = rng.permutation(n)[: max(1, n - 3)].astype(np.int64)
+        x = rng.standard_normal(k).astype(np.float32)
+        h = rng.standard_normal(sel.size).astype(np.float32)
+        for simd, threads in simd_and_threads:
+            kernels.simd(simd)
+            kernels.set_threads(threads)
+            got, want = gather_mv(kernels, x, w16, sel), gather_mv(kernels, x, w32, sel)
+            assert (got == want).all()
+            np.testing.assert_allclose(got, w32[sel].astype(np.float64) @ x, rtol=1e-4, atol=1e-3)
+            out = rng.standard_normal(k).astype(np.float32)
+            got = gather_axpy(kernels, h, w16, sel, out=out.copy())
+            assert (got == gather_axpy(kernels, h, w32, sel, out=out.copy())).all()
+            np.testing.assert_allclose(got, out + h @ w32[sel].astype(np.float64), rtol=1e-4, atol=1e-2)
+    with pytest.raises(ValueError, match="gather_mv"):
+        kernels.gather_mv(x, w16, sel, np.empty(sel.size, np.float32), k + 1, False, code)
+    with pytest.raises(ValueError, match="gather_axpy"):
+        kernels.gather_axpy(h, w16, sel, np.empty(k, np.float32), k, False, 3)  # no such code
+
+
+def test_a_16_bit_held_linear_decodes_through_the_kernel_as_through_the_arena():
+    from mlx_flash.models.half import Arena, HalfLinear
+
+    rng = np.random.default_rng(2)
+    w = mx.array(rng.standard_normal((96, 80)).astype(np.float16))
+    b = mx.array(rng.standard_normal(96).astype(np.float32))
+    arena = Arena(1024)
+    native, plain = HalfLinear(w, b, arena, kernels), HalfLinear(w, b, arena)
+    for shape in ((1, 1, 80), (1, 3, 80), (1, 9, 80)):  # a decode step, a small pass, a prompt
+        x = mx.array(rng.standard_normal(shape).astype(np.float32))
+        want = x @ w.astype(mx.float32).T + b
+        np.testing.assert_allclose(np.array(native(x)), np.array(want), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.array(plain(x)), np.array(want), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("options", [dict(sparsity="oracle", density=0.5),
                                      dict(sparsity="oracle", density=0.5, overlap=True)])
 def test_flash_decode_on_the_active_rows_equals_the_masked_window(smollm2, options):

@@ -139,18 +139,25 @@ def alike(mats):
         (first.n, first.k, first.bits, first.group_size, first.code, first.kernels) for m in mats)
 
 
+def row_code(w):
+    """_matvec.c's code of a matrix's values: float32 0, float16 1, and 2 for uint16 (bfloat16's
+    bits, as models/half.py views a bfloat16 weight)."""
+    return {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}[w.dtype]
+
+
 def gather_mv(kernels, x, w, sel):
-    """[W[i] . x for i in sel]: x float32 [K], W float32 NumPy [rows, K], sel int64 -> float32 [len(sel)]."""
+    """[W[i] . x for i in sel]: x float32 [K], W NumPy [rows, K] (float32, float16, or uint16:
+    bfloat16's bits; 16-bit values converted as they are read), sel int64 -> float32 [len(sel)]."""
     y = np.empty(len(sel), np.float32)
-    kernels.gather_mv(x, w, sel, y, w.shape[1])
+    kernels.gather_mv(x, w, sel, y, w.shape[1], False, row_code(w))
     return y
 
 
 def gather_axpy(kernels, h, w, sel, out=None):
-    """sum_i h[i] * W[sel[i]]: h float32 [len(sel)], W float32 NumPy [rows, K] -> float32 [K].
+    """sum_i h[i] * W[sel[i]]: h float32 [len(sel)], W NumPy [rows, K] as gather_mv's -> float32 [K].
     out: a float32 [K] the sum is added to, term by term in the rows' order (a previous part's)."""
     y = np.empty(w.shape[1], np.float32) if out is None else out
-    kernels.gather_axpy(h, w, sel, y, w.shape[1], out is not None)
+    kernels.gather_axpy(h, w, sel, y, w.shape[1], out is not None, row_code(w))
     return y
 
 

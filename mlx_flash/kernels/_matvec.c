@@ -26,7 +26,10 @@
  *
  * 2. Over chosen rows of a float32 matrix (a neuron cache holds the window's
  * neurons; a token uses the few active ones): gather_mv y[i] = W[sel[i]] . x and
- * gather_axpy y = sum_i h[i] * W[sel[i]], reading those rows only, in place.
+ * gather_axpy y = sum_i h[i] * W[sel[i]], reading those rows only, in place. The same
+ * over a matrix held at float16 or bfloat16 (models/half.py, a held dense FFN): each
+ * value converted in registers (F16C / a shift) as the row streams, the sums those of the
+ * float32 rows, where a float32 arena for BLAS was filled with every weight each token.
  *
  * Why one file past 500 lines: every kernel is a kind of one job that the same
  * pool runs (the job struct, the pool and the dispatch are shared); most of the
@@ -167,6 +170,39 @@ AVX2 static float dot4_avx2(const float *a, const float *b, int64_t n) {
     float t = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; i < n; i++) t += a[i] * b[i];
     return t;
+}
+
+/* a 16-bit row (float16 or bfloat16 bits) . x, converted in registers: 32 values a step in
+ * four independent sums, as dot4_avx2 (the row streams once, never written as float32) */
+AVX2 static inline __m256 load16_avx2(const uint16_t *w, int bf16) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)w);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+}
+
+AVX2 static float dot16_avx2(const uint16_t *w, const float *x, int64_t n, int64_t code) {
+    const int bf16 = code == BF16;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(load16_avx2(w + i, bf16), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(load16_avx2(w + i + 8, bf16), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(load16_avx2(w + i + 16, bf16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(load16_avx2(w + i + 24, bf16), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    float t = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) t += load_scale((const uint8_t *)(w + i), code) * x[i];
+    return t;
+}
+
+/* y[c] += h * W16[c] for c in [c0, c1) 8 at a time (a multiply, then an add: never fused,
+ * as the float32 loop) -> the first c left for the caller's loop */
+AVX2 static int64_t axpy16_avx2(float h, const uint16_t *w, int64_t code, float *y, int64_t c0, int64_t c1) {
+    const int bf16 = code == BF16;
+    const __m256 hv = _mm256_set1_ps(h);
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8)
+        _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_mul_ps(hv, load16_avx2(w + c, bf16))));
+    return c;
 }
 
 AVX2 static void scales_f32_avx2(const uint8_t *p, int64_t code, int64_t n, float *out) {
@@ -353,17 +389,31 @@ static void dequantize_row(const job_t *j, const uint8_t *w, const float *sc, co
     }
 }
 
-/* GATHER_MV, rows [r0, r1) of sel: y[i] = W[sel[i]] . x */
+/* a 16-bit row . x, as dot_portable over the row converted to float32 (the same sums) */
+static float dot16_portable(const uint16_t *w, const float *x, int64_t n, int64_t code) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += load_scale((const uint8_t *)(w + i + l), code) * x[i + l];
+    float t = 0;
+    for (; i < n; i++) t += load_scale((const uint8_t *)(w + i), code) * x[i];
+    for (int l = 0; l < 8; l++) t += acc[l];
+    return t;
+}
+
+/* GATHER_MV, rows [r0, r1) of sel: y[i] = W[sel[i]] . x (W float32, or 16-bit: scode) */
 static void gather_mv(const job_t *j, int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; i++) {
-        const float *w = (const float *)(j->w + j->sel[i] * j->row_bytes);
+        const uint8_t *w = j->w + j->sel[i] * j->row_bytes;
 #ifdef AVX2_PATH
         if (j->simd) {
-            j->y[i] = dot4_avx2(w, j->x, j->k);
+            j->y[i] = j->scode == F32 ? dot4_avx2((const float *)w, j->x, j->k)
+                                      : dot16_avx2((const uint16_t *)w, j->x, j->k, j->scode);
             continue;
         }
 #endif
-        j->y[i] = dot_portable(w, j->x, j->k);
+        j->y[i] = j->scode == F32 ? dot_portable((const float *)w, j->x, j->k)
+                                  : dot16_portable((const uint16_t *)w, j->x, j->k, j->scode);
     }
 }
 
@@ -373,8 +423,20 @@ static void gather_axpy(const job_t *j, int64_t c0, int64_t c1) {
     if (!j->accumulate)
         for (int64_t c = c0; c < c1; c++) y[c] = 0;
     for (int64_t i = 0; i < j->m; i++) {
-        const float *w = (const float *)(j->w + j->sel[i] * j->row_bytes);
+        const uint8_t *row = j->w + j->sel[i] * j->row_bytes;
         const float hi = j->h[i];
+        if (j->scode != F32) { /* 16-bit rows: each value converted, then the same multiply and add */
+            int64_t c = c0;
+#ifdef AVX2_PATH
+            if (j->simd) c = axpy16_avx2(hi, (const uint16_t *)row, j->scode, y, c0, c1);
+#endif
+            for (; c < c1; c++) {
+                const float t = hi * load_scale(row + 2 * c, j->scode);
+                y[c] += t;
+            }
+            continue;
+        }
+        const float *w = (const float *)row;
         for (int64_t c = c0; c < c1; c++) {
             const float t = hi * w[c];
             y[c] += t;
@@ -508,6 +570,7 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
         gather_mv(j, r0, r1);
         return;
     }
+
     if (j->kind == GATHER_AXPY) {
         gather_axpy(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15); /* shares of whole 64-byte lines */
         return;
@@ -1014,17 +1077,21 @@ out:
     return result;
 }
 
-/* gather_mv(x, W, sel, y): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y, accumulate=0):
- * y = sum_i h[i] W[sel[i]] (accumulate: y += that, in the order qaxpy_cols's accumulate keeps).
- * W float32 [rows, k] (C order), sel int64 (each in 0 .. rows-1), x / y float32. */
+/* gather_mv(x, W, sel, y, k, _, code=0): y[i] = W[sel[i]] . x; gather_axpy(h, W, sel, y, k,
+ * accumulate=0, code=0): y = sum_i h[i] W[sel[i]] (accumulate: y += that, in the order
+ * qaxpy_cols's accumulate keeps). W [rows, k] (C order): float32 (code 0), or the uint16 bits
+ * of float16 (1) / bfloat16 (2), each value converted as it is read, the sums those of the
+ * float32 rows; sel int64 (each in 0 .. rows-1), x / y float32. */
 static PyObject *gather(PyObject *args, int kind) {
     Py_buffer v, w, sel, y;
     long long k;
-    int accumulate = 0;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*L|p", &v, &w, &sel, &y, &k, &accumulate)) return NULL;
+    int accumulate = 0, code = F32;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*L|pi", &v, &w, &sel, &y, &k, &accumulate, &code)) return NULL;
     PyObject *result = NULL;
-    const int64_t m = sel.len / 8, rows = k > 0 ? w.len / (4 * k) : 0;
-    int ok = k > 0 && w.len == rows * 4 * k && sel.len % 8 == 0 && ((uintptr_t)w.buf % 4) == 0 &&
+    const int64_t vb = code == F32 ? 4 : 2; /* bytes a value of W */
+    const int64_t m = sel.len / 8, rows = k > 0 ? w.len / (vb * k) : 0;
+    int ok = k > 0 && (code == F32 || code == F16 || code == BF16) && w.len == rows * vb * k && sel.len % 8 == 0 &&
+             ((uintptr_t)w.buf % vb) == 0 &&
              ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)v.buf % 4) == 0 && ((uintptr_t)y.buf % 4) == 0 &&
              (kind == GATHER_MV ? v.len == 4 * k && y.len == 4 * m : v.len == 4 * m && y.len == 4 * k);
     const int64_t *ids = (const int64_t *)sel.buf;
@@ -1036,7 +1103,8 @@ static PyObject *gather(PyObject *args, int kind) {
     }
     job_t j;
     memset(&j, 0, sizeof j);
-    j.w = w.buf, j.row_bytes = 4 * k, j.k = k, j.sel = ids, j.m = m, j.y = y.buf, j.simd = use_simd, j.kind = kind;
+    j.w = w.buf, j.row_bytes = vb * k, j.k = k, j.sel = ids, j.m = m, j.y = y.buf, j.simd = use_simd, j.kind = kind;
+    j.scode = code;
     j.accumulate = kind == GATHER_AXPY && accumulate;
     if (kind == GATHER_MV)
         j.x = v.buf, j.n = m;

@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..io import reader as _reader
+from ..kernels import SMALL_PASS, gather_mv, host_f32
 
 HELD_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 _CODES = {mx.float16: 1, mx.bfloat16: 2}  # the native converter's dtype codes
@@ -94,27 +95,39 @@ def chunked_matmul(x, n_out, d, fill, arena, bias=None):
 
 
 class _Held(nn.Module):
-    """A 16-bit weight, its uint16 view for the converter, and the arena it is used through."""
+    """A 16-bit weight, its uint16 view for the converter, and the arena it is used through;
+    with the native kernels (CPU, float32 compute), a pass of up to kernels.SMALL_PASS positions
+    multiplies the 16-bit rows directly (gather_mv over all rows), converting them in registers."""
 
-    def __init__(self, weight, arena):
+    def __init__(self, weight, arena, kernels=None):
         super().__init__()
         self.weight = weight
         self._arena = arena
         self._rows16 = _uint16_view(weight)
         self._code = _CODES[weight.dtype]
+        self._kernels = kernels
+        self._all = np.arange(self._rows16.shape[0], dtype=np.int64)  # (the kernel's rows: all of them)
 
     def _fill(self, start, stop, out):
         self._arena.convert(self._rows16[start:stop], self._code, out, 0, out.size)
 
     def _matmul(self, x, bias=None):
-        return chunked_matmul(x, *self._rows16.shape, self._fill, self._arena, bias)
+        n, d = self._rows16.shape
+        positions = x.size // d
+        if self._kernels is None or positions > SMALL_PASS:
+            return chunked_matmul(x, n, d, self._fill, self._arena, bias)
+        v = host_f32(x).reshape(positions, d)
+        rows = self._rows16 if self._code == 2 else self._rows16.view(np.float16)  # (bfloat16: its bits)
+        y = mx.array(np.stack([gather_mv(self._kernels, v[i], rows, self._all) for i in range(positions)]))
+        y = y.reshape(*x.shape[:-1], n).astype(x.dtype)
+        return y if bias is None else y + bias
 
 
 class HalfLinear(_Held):
     """nn.Linear whose weight stays at 16 bits in DRAM (exact: float16 -> float32 is lossless)."""
 
-    def __init__(self, weight, bias, arena):
-        super().__init__(weight, arena)
+    def __init__(self, weight, bias, arena, kernels=None):
+        super().__init__(weight, arena, kernels)
         if bias is not None:
             self.bias = bias
 
@@ -125,15 +138,15 @@ class HalfLinear(_Held):
 class HalfEmbedding(_Held):
     """nn.Embedding at 16 bits: lookups convert their rows; as_linear goes through the arena."""
 
-    def __init__(self, weight, arena, dtype=mx.float32):
-        super().__init__(weight, arena)
+    def __init__(self, weight, arena, dtype=mx.float32, kernels=None):
+        super().__init__(weight, arena, kernels)
         self._dtype = dtype
 
     def __call__(self, x):
         return self.weight[x].astype(self._dtype)
 
     def as_linear(self, x):
-        if x.size == x.shape[-1]:  # one position (decode): eager, through the arena
+        if x.size == x.shape[-1]:  # one position (decode): eager, the kernel or the arena
             return self._matmul(x)
         # Several positions (a prompt, an evaluation batch): lazy, with MLX's own (slower)
         # conversion per chunk, so that a caller that drops these logits (mlx_lm's prefill
@@ -143,10 +156,12 @@ class HalfEmbedding(_Held):
                                for i in range(0, self.weight.shape[0], step)], axis=-1)
 
 
-def hold_at_16_bits(model, held, compute, skip=()):
+def hold_at_16_bits(model, held, compute, skip=(), kernels=None):
     """Swap every nn.Linear / nn.Embedding of `model` (outside modules of the types
     `skip`) for its 16-bit held version; every other parameter goes to `compute`.
-    Returns the arena they share: ARENA_VALUES, or the largest weight if smaller.
+    kernels: the native module (CPU, float32 compute), whose gather_mv then multiplies a
+    decode step's 16-bit rows directly. Returns the arena they share: ARENA_VALUES, or the largest
+    weight if smaller.
 
     The weights must already be at `held` (the flash dtype): nothing is rounded here."""
     found = []  # (parent, (name, index in a list or None), module)
@@ -165,8 +180,8 @@ def hold_at_16_bits(model, held, compute, skip=()):
     walk(model)
     weights = [c.weight for _, _, c in found] or [mx.zeros((1, 1))]
     arena = Arena(max(max(w.shape[1] for w in weights), min(ARENA_VALUES, max(w.size for w in weights))))
-    swaps = [(parent, key, HalfLinear(c.weight, c.get("bias"), arena) if isinstance(c, nn.Linear)
-              else HalfEmbedding(c.weight, arena, compute)) for parent, key, c in found]
+    swaps = [(parent, key, HalfLinear(c.weight, c.get("bias"), arena, kernels) if isinstance(c, nn.Linear)
+              else HalfEmbedding(c.weight, arena, compute, kernels)) for parent, key, c in found]
     for parent, (name, i), new in swaps:
         if "bias" in new:
             new.bias = new.bias.astype(compute)

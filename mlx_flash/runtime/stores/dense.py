@@ -13,8 +13,10 @@ from .base import Store, cpu_kernels, read_layer_bytes
 class DenseStore(Store):
     """Every FFN row of every layer in DRAM, as contiguous [n, d] matrices per kind.
 
-    held=True: every row at float16 (as on flash), one layer at a time converted to float32
-    through an arena just before use (models/half.py): exact, half the DRAM.
+    held=True: every row at float16 (as on flash), half the DRAM, exact: a decode step on the
+    CPU multiplies the float16 rows in place (the native kernels' gather_mv / gather_axpy,
+    converting each value as it is read); a prompt converts one layer at a time into a float32
+    arena for BLAS (models/half.py).
     packed=True: a quantized layout's rows at their bits, as on flash (packed values, inline
     scales; the down columns' scales in `tables`), computed on in place by the native CPU
     kernels (models/ffn.py FlashFFN._packed): a 4-bit model's FFN takes ~1/7 of its float32
@@ -26,7 +28,7 @@ class DenseStore(Store):
         self.arena = None
         self.layout = layout = manifest.layout
         self.tables = tables
-        self.kernels = cpu_kernels() if packed else None
+        self.kernels = cpu_kernels() if packed or (held and dtype == mx.float32) else None
         self.packed = {k: layout.kind_bytes(k) for k in layout.kinds} if packed else None
         if packed and (layout.quant is None or "down" not in layout.columns or self.kernels is None or held):
             raise FlashError("packed FFN rows need a quantized layout (down stored as columns), float32 "
@@ -69,5 +71,7 @@ class DenseStore(Store):
                                              self.tables[layer], self.kernels))
         if self.arena is None:
             return self.layers[layer]
+        if self.kernels is not None and x.size == x.shape[-1]:  # one position: the rows as held
+            return FFNRows(up=None, down=None, select=(self.layers[layer], self._all, self.kernels))
         mx.eval(x)  # every earlier reader of the arena is an ancestor of x
         return FFNRows(**self.arena.fill_rows(self.layers[layer]))

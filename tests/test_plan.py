@@ -90,6 +90,12 @@ def test_cost_model_arithmetic():
     assert p.compute_gbs("q4-rows", 10**7) == 2.0 and p.compute_gbs("q4", 10**7) == pytest.approx(8.0)
     with pytest.raises(FlashError, match="no compute rate for q8"):
         p.compute_gbs("q8-rows")
+    # held float16 rows converted into an arena (a hybrid's caches): their own rate where the
+    # kernels run (the kernels' is float16's), else float16's
+    p.compute["float16"] = {10**6: 9.0}
+    assert p.compute_gbs("float16-arena", 10**7) == 9.0
+    p.compute["float16-arena"] = {10**6: 3.0}
+    assert p.compute_gbs("float16-arena", 10**7) == 3.0 and p.compute_gbs("float16", 10**7) == 9.0
     # the per-layer overhead by model width, interpolated, the ends held beyond
     p = _profile(layer_ms={"dense": {128: 1.0, 576: 2.0}})
     assert p.layer_cost("dense", 352) == pytest.approx(1.5) and p.layer_cost("dense", 4096) == 2.0

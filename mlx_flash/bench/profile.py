@@ -257,15 +257,19 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES):
     del ws
     on_cpu = mx.default_device() == mx.cpu
     arena = Arena()
+    kernels, _ = kernels_module()
     for name, dt in (("float16", mx.float16), ("bfloat16", mx.bfloat16)):
         w16s = [w.astype(dt) for w in matrices(copies(rows * cols * 2))]
         mx.eval(w16s)
-        # on the CPU held weights go through the float32 arena (models/half.py); elsewhere MLX
-        # multiplies them as they are
-        fs = [HalfLinear(w16, None, arena) if on_cpu else (lambda x, w16=w16: x @ w16.T) for w16 in w16s]
+        # on the CPU a held weight's decode product runs the native kernels on its 16-bit rows
+        # (models/half.py; a held dense FFN too), and without them goes through the float32
+        # arena; elsewhere MLX multiplies them as they are
+        fs = [HalfLinear(w16, None, arena, kernels) if on_cpu else (lambda x, w16=w16: x @ w16.T) for w16 in w16s]
         out[name] = rate(fs, w16s[0].nbytes)
+        if name == "float16" and on_cpu and kernels is not None:
+            # a held hybrid / naive cache's rows: converted into a float32 arena, then BLAS
+            out["float16-arena"] = rate([HalfLinear(w16, None, arena) for w16 in w16s], w16s[0].nbytes)
         del fs, w16s
-    kernels, _ = kernels_module()
     for bits in (4, 8):
         ms = []
         for w in matrices(copies(rows * cols * bits // 8)):

@@ -3,20 +3,23 @@
 On the CPU only float32 matmuls use BLAS (FACTS.md: float16 / bfloat16 / 4- and
 8-bit matmuls run at ~1 GB/s, MLX's own float16 -> float32 `astype` at 1.4 GB/s).
 A model converted at float16 can still be held at float16, half the DRAM of
-float32, and stay exact: just before a weight is used, a chunk of its rows is
-converted (F16C, in C, ~15 GB/s of float32 out here) into a small float32 arena
-and multiplied there by BLAS while the chunk is still in the CPU's caches.
+float32, and stay exact:
+- a decode step (up to kernels.SMALL_PASS positions) multiplies the 16-bit rows
+  as they are: the native kernels' gather_mv converts each value in registers
+  (F16C / a shift) and sums as over the float32 rows (kernels/_matvec.c). Float16
+  SmolLM2 held at float16 decodes in 35.9 ms a token here, against 62.1 through
+  the arena below and 57.7 held at float32 (results/half-kernels-stop41/);
+- a prompt, or a CPU without the kernels: just before a weight is used, a chunk
+  of its rows is converted (F16C, in C, ~15 GB/s of float32 out here) into a small
+  float32 arena and multiplied there by BLAS while the chunk is still in the CPU's
+  caches.
 
 The arena is one preallocated MLX float32 array written through a NumPy view,
 like the neuron caches. Each use evaluates its input first (which finishes
 every earlier computation that read the arena: they are its ancestors), fills
 the arena, and evaluates its own result before the next chunk overwrites it.
 So a HalfLinear is eager where nn.Linear is lazy: an eval per chunk (~100 us on
-MLX's CPU stream; a decode token of SmolLM2 makes ~150). Measured on SmolLM2
-(2 cores): converting every weight every token costs ~40 ms, the dense model
-held at float16 decodes at 9.9 tok/s vs 13.4 held at float32. Giving each
-transformer block's linears their own arena slots, to evaluate once per block,
-was measured slower (9.2 vs 9.9 tok/s) and dropped.
+MLX's CPU stream).
 """
 
 import numpy as np

@@ -15,10 +15,12 @@
   computes) hides here, from the deeper probe decoded with and without it: near 1 where the
   reader's threads have cores of their own, less where they share two with the compute;
 - compute: GB/s of weights consumed by one decode step's matrix-vector products, for
-  each form a weight can be held in: float32 (BLAS), 16-bit held (converted into a
-  float32 arena, then BLAS: models/half.py) and 4-/8-bit quantized (the native kernels
-  on the CPU, MLX's quantized matmul elsewhere: models/quantized.py); and on the CPU an FFN's
-  packed rows (q4-rows, q8-rows: the row and column kernels models/ffn.py runs on them).
+  each form a weight can be held in: float32 (BLAS), 16-bit held (on the CPU the native
+  kernels read the 16-bit rows as they are, else a float32 arena, then BLAS: models/half.py;
+  float16-arena is that arena's rate where the kernels run, what a held hybrid's cache still
+  takes) and 4-/8-bit quantized (the native kernels on the CPU, MLX's quantized matmul
+  elsewhere: models/quantized.py); and on the CPU an FFN's packed rows (q4-rows, q8-rows:
+  the row and column kernels models/ffn.py runs on them).
 
 Here: the profile and its cache. bench/profile.py measures it (it decodes a model through the
 runtime, which this layer sits below); `mlx_flash.benchmark profile` writes it into
@@ -45,7 +47,8 @@ VERSION = 7  # 2: compute rates by matrix size; 3: per-layer overhead by model w
 # 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
 # 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound); 6: the FFN's packed
 # row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost;
-# 7: what a batch of reads costs beyond its bytes (version 6's per-layer costs held it)
+# 7: what a batch of reads costs beyond its bytes (version 6's per-layer costs held it); 16-bit
+# weights through the native kernels (float16), the arena apart (float16-arena)
 
 
 @dataclass
@@ -82,8 +85,9 @@ class Profile:
         """GB/s of `form` weights consumed by a matrix of `elements` (rows x cols): interpolated on
         log(elements) between the measured sizes (a small matrix's fixed costs weigh more:
         576 x 1536 runs at a third of a 7B FFN matrix's rate here); None: the largest."""
-        if form not in self.compute and form.endswith("-rows"):
-            form = form[: -len("-rows")]  # (measured where the native kernels do not run: MLX computes both)
+        for suffix in ("-rows", "-arena"):  # (measured only where the native kernels run)
+            if form not in self.compute and form.endswith(suffix):
+                form = form[: -len(suffix)]
         if form not in self.compute:
             raise FlashError(f"the machine profile has no compute rate for {form} weights "
                              f"(it has {', '.join(self.compute)}): run mlx_flash.benchmark profile")

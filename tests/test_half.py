@@ -139,3 +139,20 @@ def test_held_hybrid_with_prefetch_converts_the_next_layer_meanwhile(llama16, re
     np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)
     assert greedy(model) == reference[0]
     assert store.weights_bytes <= model.runtime.plan.ffn_dram_bytes
+
+
+@pytest.mark.skipif(kernels_module()[0] is None, reason="native kernels not built")
+def test_held_dense_verify_pass_equals_its_decode_steps_to_the_bit(llama16):
+    # a pass of a few positions (speculative decoding's verify pass) goes through the same
+    # one-token kernels as a decode step, position by position: the FFN's and the tied
+    # output head's values are a decode step's exactly
+    model, _ = mlx_flash.load(llama16, mode="dense", resident_dtype="float16")
+    d = model.args.hidden_size
+    x = mx.array(np.random.default_rng(3).standard_normal((1, 3, d)).astype(np.float32))
+    ffn = model.layers[0].mlp
+    both = np.array(ffn(x))
+    steps = np.concatenate([np.array(ffn(x[:, i : i + 1])) for i in range(3)], axis=1)
+    assert (both == steps).all()
+    head = model.model.embed_tokens
+    assert (np.array(head.as_linear(x)) ==
+            np.concatenate([np.array(head.as_linear(x[:, i : i + 1])) for i in range(3)], axis=1)).all()

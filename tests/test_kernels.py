@@ -260,11 +260,12 @@ def test_gather_products_equal_numpy(simd_and_threads):
 @pytest.mark.parametrize("code", [1, 2])  # float16, bfloat16
 def test_16_bit_rows_give_the_float32_rows_sums_to_the_bit(code, simd_and_threads):
     # a held (16-bit) matrix's products: each value converted as it is read, then the very
-    # sums of its float32 rows (tails of every length; rows past 4 x threads, shared out)
+    # sums of its float32 rows (tails of every length)
     from mlx_flash.kernels import gather_axpy, gather_mv
 
     rng = np.random.default_rng(1)
-    for n, k in ((7, 1), (33, 31), (64, 577), (300, 1536)):
+    # (700 x 1536: past the values a job must touch to be shared out over the threads)
+    for n, k in ((7, 1), (33, 31), (64, 577), (300, 1536), (700, 1536)):
         w = rng.standard_normal((n, k)).astype(np.float32)
         w[0, 0], w[-1, -1] = 6e4, -3e-5  # float16's large values and subnormals
         w16 = w.astype(np.float16) if code == 1 else (w.view(np.uint32) >> 16).astype(np.uint16)

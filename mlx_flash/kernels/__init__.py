@@ -142,7 +142,10 @@ def alike(mats):
 def row_code(w):
     """_matvec.c's code of a matrix's values: float32 0, float16 1, and 2 for uint16 (bfloat16's
     bits, as models/half.py views a bfloat16 weight)."""
-    return {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}[w.dtype]
+    codes = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
+    if w.dtype not in codes:
+        raise ValueError(f"the kernels take float32, float16 or bfloat16 (uint16) rows, not {w.dtype}")
+    return codes[w.dtype]
 
 
 def gather_mv(kernels, x, w, sel):

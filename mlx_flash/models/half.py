@@ -149,8 +149,9 @@ class HalfEmbedding(_Held):
         return self.weight[x].astype(self._dtype)
 
     def as_linear(self, x):
-        if x.size == x.shape[-1]:  # one position (decode): eager, the kernel or the arena
-            return self._matmul(x)
+        positions = x.size // x.shape[-1]
+        if positions == 1 or (self._kernels is not None and positions <= SMALL_PASS):
+            return self._matmul(x)  # a decode step (or a verify pass): eager, the kernel or the arena
         # Several positions (a prompt, an evaluation batch): lazy, with MLX's own (slower)
         # conversion per chunk, so that a caller that drops these logits (mlx_lm's prefill
         # keeps only the KV cache) never computes them nor holds [positions, vocab] floats.

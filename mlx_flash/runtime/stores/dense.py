@@ -6,6 +6,7 @@ import numpy as np
 import mlx.core as mx
 
 from ...errors import FlashError
+from ...kernels import SMALL_PASS
 from ...models.ffn import FFNRows, PackedRows
 from .base import Store, cpu_kernels, read_layer_bytes
 
@@ -71,7 +72,8 @@ class DenseStore(Store):
                                              self.tables[layer], self.kernels))
         if self.arena is None:
             return self.layers[layer]
-        if self.kernels is not None and x.size == x.shape[-1]:  # one position: the rows as held
-            return FFNRows(up=None, down=None, select=(self.layers[layer], self._all, self.kernels))
+        if self.kernels is not None and x.size // x.shape[-1] <= SMALL_PASS:  # the rows as held,
+            # each position through the one-token kernels (a verify pass's values are a decode step's)
+            return FFNRows(up=None, down=None, ids=self._all_mx, select=(self.layers[layer], self._all, self.kernels))
         mx.eval(x)  # every earlier reader of the arena is an ancestor of x
         return FFNRows(**self.arena.fill_rows(self.layers[layer]))

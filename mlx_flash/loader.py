@@ -69,20 +69,25 @@ def load(path_or_repo, progress=False, config=None, **options):
         return _load_moe(folder, manifest, config)
     asked = config
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked)
+    refit = None
     try:
+        runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
+    except BudgetTooSmall as e:
+        refit = _refit(e, asked, config, manifest, memory)
+        if refit is None:
+            raise (e if memory is None else memory.restate(e)) from None
+    if refit is not None:
+        # Loaded again out of the except block: the exception's traceback held build_runtime's
+        # frames, and through them the first model's weights, which the second load's measured
+        # runtime then counted (a float16 SmolLM2 under 516 MB: 245 MB "runtime", not 118)
+        del model, resident
+        release_heap()
+        model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, refit)
+        memory = rebuilt or memory
         try:
             runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
         except BudgetTooSmall as e:
-            config = _refit(e, asked, config, manifest, memory)
-            if config is None:
-                raise
-            del model, resident
-            release_heap()
-            model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, config)
-            memory = rebuilt or memory
-            runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
-    except BudgetTooSmall as e:
-        raise (e if memory is None else memory.restate(e)) from None
+            raise (e if memory is None else memory.restate(e)) from None
     runtime.memory = memory
     if runtime.choice is not None and runtime.budget_bytes is not None and not config.explain:
         # (no limit: dense, which --explain says; with it, its first line says this)

@@ -198,3 +198,38 @@ for _ in range(2):
     assert r.returncode == 0, r.stderr[-2000:]
     first, second = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("runtime")]
     assert second - first < 25 * MB, (first / MB, second / MB)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_rss is the peak RSS off Linux")
+def test_a_load_planned_again_does_not_count_its_first_attempt(smollm2):
+    # dense under a limit whose KV cache in DRAM leaves too little: the model loads, no plan
+    # fits, and it loads again with the KV cache on flash. The second plan measures the runtime
+    # as the first did: the first model is gone (it was held by the exception's traceback:
+    # a float16 SmolLM2 under 516 MB measured 118, then 245 MB)
+    code = f"""
+import mlx_flash, mlx_flash.loader as L
+from mlx_flash.runtime import memory
+MB = 10**6
+shape = memory.Shape(n_layers=30, d_model=576, n_ff=1536, n_heads=9, kv_per_token=30 * 2 * 192, vocab=49152)
+rss = memory.process_rss()
+def weights(lim):
+    try:
+        return memory.plan_memory(str(lim), shape, 4, 2048, baseline=rss + 35 * MB).weights  # (+ the tokenizer)
+    except Exception:  # (nothing left for them)
+        return 0
+limit = next(lim for lim in range(rss + 100 * MB, rss + 800 * MB, 5 * MB) if weights(lim) > 70 * MB)
+seen = []
+plan = L.plan_memory
+def spy(*a, **k):
+    seen.append(memory.process_rss())
+    return plan(*a, **k)
+L.plan_memory = spy
+m, t = mlx_flash.load({str(smollm2)!r}, mode="dense", memory_limit=str(limit), ctx_size=2048, progress=False)
+print("flash", m.runtime.memory.kv_on_flash)
+print("runtimes", *seen)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "flash True" in r.stdout, r.stdout + r.stderr[-2000:]
+    seen = [int(v) for v in r.stdout.split("runtimes")[1].split()]
+    assert len(seen) >= 2 and seen[-1] - seen[0] < 25 * MB, [v / MB for v in seen]

@@ -138,6 +138,7 @@ def batch_latency(file, curve, threads=None, batches=150, seed=2):
     0.014 for its bytes; 3 x 256 KiB 0.92-0.98 against 0.50)."""
     from ..io import FlashReader
     from ..io.reader import READ_THREADS
+    from .paper import throughput_at
 
     rng = np.random.default_rng(seed)
     times = {shape: [] for shape in BATCHES}
@@ -149,9 +150,7 @@ def batch_latency(file, curve, threads=None, batches=150, seed=2):
                 t = time.perf_counter()
                 r.read_discard(f, offs, np.full(n, c))
                 times[n, c].append(time.perf_counter() - t)
-    sizes = sorted(curve)
-    surplus = [1e3 * (np.median(t) - n * c / (np.interp(np.log(c), np.log(sizes), [curve[s] for s in sizes]) * 1e9))
-               for (n, c), t in times.items()]
+    surplus = [1e3 * (np.median(t) - n * c / (throughput_at(curve, c) * 1e9)) for (n, c), t in times.items()]
     return max(0.0, float(np.median(surplus)))
 
 

@@ -685,8 +685,6 @@ class FlashReader:
         if order is not None:
             ids, rows = ids[order], rows[order]
         starts = base + ids * stride
-        if gap is None:
-            gap = self.coalesce_gap
         with self._lock:
             plan = self._plan(f, starts, np.full(len(starts), need, dtype=np.int64), private=True,
                               gap=gap)

@@ -139,13 +139,15 @@ def alike(mats):
         (first.n, first.k, first.bits, first.group_size, first.code, first.kernels) for m in mats)
 
 
+ROW_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
+
+
 def row_code(w):
     """_matvec.c's code of a matrix's values: float32 0, float16 1, and 2 for uint16 (bfloat16's
     bits, as models/half.py views a bfloat16 weight)."""
-    codes = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint16): 2}
-    if w.dtype not in codes:
+    if w.dtype not in ROW_CODES:
         raise ValueError(f"the kernels take float32, float16 or bfloat16 (uint16) rows, not {w.dtype}")
-    return codes[w.dtype]
+    return ROW_CODES[w.dtype]
 
 
 def gather_mv(kernels, x, w, sel):

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..io import reader as _reader
-from ..kernels import SMALL_PASS, gather_mv, host_f32
+from ..kernels import SMALL_PASS, host_f32
 
 HELD_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 _CODES = {mx.float16: 1, mx.bfloat16: 2}  # the native converter's dtype codes
@@ -97,6 +97,22 @@ def chunked_matmul(x, n_out, d, fill, arena, bias=None):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+def native_product(q, arena, x, bias=None):
+    """x @ W.T (+ bias) of a matrix the kernels multiply (a QuantMatrix, a 16-bit _Held: its n,
+    k, matvec(v, out) and dequantize(start, stop, out)): the native matvec for each position of a pass of up
+    to kernels.SMALL_PASS positions, else dequantized chunks + BLAS. Eager: W's memory is not read
+    once this returns."""
+    positions = x.size // x.shape[-1]
+    if positions > SMALL_PASS:
+        return chunked_matmul(x, q.n, q.k, q.dequantize, arena, bias)
+    v = host_f32(x).reshape(positions, q.k)
+    out = np.empty((positions, q.n), dtype=np.float32)
+    for i in range(positions):
+        q.matvec(v[i], out[i])
+    y = mx.array(out).reshape(*x.shape[:-1], q.n).astype(x.dtype)
+    return y if bias is None else y + bias
+
+
 class _Held(nn.Module):
     """A 16-bit weight, its uint16 view for the converter, and the arena it is used through;
     with the native kernels (CPU, float32 compute), a pass of up to kernels.SMALL_PASS positions
@@ -109,21 +125,20 @@ class _Held(nn.Module):
         self._rows16 = _uint16_view(weight)
         self._code = _CODES[weight.dtype]
         self._kernels = kernels
-        self._all = np.arange(self._rows16.shape[0], dtype=np.int64)  # (the kernel's rows: all of them)
+        self.n, self.k = self._rows16.shape
+        self._all = np.arange(self.n, dtype=np.int64)  # (the kernel's rows: all of them)
 
-    def _fill(self, start, stop, out):
+    def dequantize(self, start, stop, out):
+        """Rows start .. stop-1 as float32 into `out` (native_product's name for it)."""
         self._arena.convert(self._rows16[start:stop], self._code, out, 0, out.size)
 
+    def matvec(self, v, out):
+        self._kernels.gather_mv(v, self._rows16, self._all, out, self.k, False, self._code)
+
     def _matmul(self, x, bias=None):
-        n, d = self._rows16.shape
-        positions = x.size // d
-        if self._kernels is None or positions > SMALL_PASS:
-            return chunked_matmul(x, n, d, self._fill, self._arena, bias)
-        v = host_f32(x).reshape(positions, d)
-        rows = self._rows16 if self._code == 2 else self._rows16.view(np.float16)  # (bfloat16: its bits)
-        y = mx.array(np.stack([gather_mv(self._kernels, v[i], rows, self._all) for i in range(positions)]))
-        y = y.reshape(*x.shape[:-1], n).astype(x.dtype)
-        return y if bias is None else y + bias
+        if self._kernels is None:
+            return chunked_matmul(x, self.n, self.k, self.dequantize, self._arena, bias)
+        return native_product(self, self._arena, x, bias)
 
 
 class HalfLinear(_Held):

@@ -12,14 +12,11 @@ several positions (a prompt) are dequantized in row chunks into a float32 arena
 and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 """
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import kernels as _kernels
-from ..kernels import QuantMatrix, host_f32
-from .half import ARENA_VALUES, Arena, chunked_matmul
+from ..kernels import QuantMatrix
+from .half import ARENA_VALUES, Arena, chunked_matmul, native_product
 
 
 def quantized_modules(model):
@@ -64,21 +61,6 @@ class _NativeQuantized(nn.Module):
 
     def _product(self, x, bias=None):
         return native_product(self._q, self._arena, x, bias)
-
-
-def native_product(q, arena, x, bias=None):
-    """x @ W.T (+ bias) of a QuantMatrix: the native matvec for each position of a pass of up
-    to kernels.SMALL_PASS positions, else dequantized chunks + BLAS. Eager: W's memory is not read
-    once this returns."""
-    positions = x.size // x.shape[-1]
-    if positions > _kernels.SMALL_PASS:
-        return chunked_matmul(x, q.n, q.k, q.dequantize, arena, bias)
-    v = host_f32(x).reshape(positions, q.k)
-    out = np.empty((positions, q.n), dtype=np.float32)
-    for i in range(positions):
-        q.matvec(v[i], out[i])
-    y = mx.array(out).reshape(*x.shape[:-1], q.n).astype(x.dtype)
-    return y if bias is None else y + bias
 
 
 class StreamedQuantizedLinear(nn.Module):

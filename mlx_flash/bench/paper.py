@@ -46,6 +46,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 from ..io import READ_THREADS
+from ..plan.profile import curve_gbs
 from .profile import LAYER_READS, disk_curve
 from .random_model import build_checkpoint
 from .trace import TraceModel, TraceSource
@@ -101,13 +102,6 @@ def matvec_bandwidth(rows=16384, cols=4096, repeat=10):
     gbps = w.nbytes * repeat / (time.perf_counter() - t) / 1e9
     del w
     return gbps
-
-
-def throughput_at(curve, size):
-    """Interpolate the disk curve (log chunk size) at a read size."""
-    xs = np.log(sorted(curve))
-    ys = [curve[c] for c in sorted(curve)]
-    return float(np.interp(np.log(max(size, 1)), xs, ys))
 
 
 # --- the runs
@@ -261,7 +255,7 @@ def refloor(row, curve, mem_bw):
     A floor is what the device can do: on a shared machine one measurement can be
     slowed by a neighbour, which would make the floor too high (measured / floor < 1)."""
     read_size = row["read_kib"] * KiB
-    disk_bw = throughput_at(curve, read_size) if read_size else float("inf")
+    disk_bw = curve_gbs(curve, read_size) if read_size else float("inf")
     io_floor = 1e3 * row["flash_to_dram_gb"] / disk_bw if row["flash_to_dram_gb"] else 0.0
     mem_floor = 1e3 * row["computed_gb"] / mem_bw
     row.update(disk_gbs_at_read_size=disk_bw, floor_io_ms=io_floor, floor_mem_ms=mem_floor,

@@ -13,7 +13,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import FlashError
-from ..plan.profile import VERSION, Profile, _device, machine_key, profile_path, load_profile
+from ..plan.profile import VERSION, Profile, _device, curve_gbs, machine_key, profile_path, load_profile
 
 KiB, MiB = 1024, 1024 * 1024
 CHUNKS = (2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB)  # (2 KiB: a 4-bit 7B's neuron row, unbundled)
@@ -138,7 +138,6 @@ def batch_latency(file, curve, threads=None, batches=150, seed=2):
     0.014 for its bytes; 3 x 256 KiB 0.92-0.98 against 0.50)."""
     from ..io import FlashReader
     from ..io.reader import READ_THREADS
-    from .paper import throughput_at
 
     rng = np.random.default_rng(seed)
     times = {shape: [] for shape in BATCHES}
@@ -150,7 +149,7 @@ def batch_latency(file, curve, threads=None, batches=150, seed=2):
                 t = time.perf_counter()
                 r.read_discard(f, offs, np.full(n, c))
                 times[n, c].append(time.perf_counter() - t)
-    surplus = [1e3 * (np.median(t) - n * c / (throughput_at(curve, c) * 1e9)) for (n, c), t in times.items()]
+    surplus = [1e3 * (np.median(t) - n * c / (curve_gbs(curve, c) * 1e9)) for (n, c), t in times.items()]
     return max(0.0, float(np.median(surplus)))
 
 

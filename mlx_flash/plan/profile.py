@@ -71,8 +71,7 @@ class Profile:
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""
-        sizes = sorted(int(k) for k in self.disk)
-        return float(np.interp(np.log(max(read_bytes, 1)), np.log(sizes), [self.disk[s] for s in sizes]))
+        return curve_gbs(self.disk, read_bytes)
 
     def with_disk_rate(self, gbs, read_bytes):
         """A copy whose disk curve is this one scaled so that reads of `read_bytes` run at `gbs`
@@ -123,6 +122,12 @@ class Profile:
         for key in ("layer_ms", "token_ms"):
             d[key] = {m: {int(w): float(v) for w, v in r.items()} for m, r in d[key].items()}
         return cls(**d)
+
+
+def curve_gbs(curve, read_bytes):
+    """A disk curve ({read size: GB/s}) at a read size: interpolated on log(size)."""
+    sizes = sorted(int(k) for k in curve)
+    return float(np.interp(np.log(max(read_bytes, 1)), np.log(sizes), [curve[s] for s in sizes]))
 
 
 def _at_width(table, mode, d_model):

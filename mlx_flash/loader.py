@@ -150,20 +150,26 @@ def _fit_weights(folder, manifest, config, held):
     yet: the caller says them for the placement it keeps). -> (config, held dtype,
     {layer: LayerSpan} of streamed attention, lines to say); raises BudgetTooSmall.
 
-    --mode auto, a float16 model computed in float32: when its resident weights (embeddings,
-    attention) at float32 do not fit the weights' share, they are held at float16 as stored
-    (converted before use, exact). (Where they fit but no FFN plan does beside them, load()
+    --mode auto, a float16 model computed in float32: its resident weights (embeddings,
+    attention) are held at float16 as stored where the native kernels multiply them (the CPU);
+    elsewhere when at float32 they do not fit the weights' share (converted before use, exact). (Where they fit but no FFN plan does beside them, load()
     loads them again at float16.) Under a budget the resident weights of a quantized model
     leave too little of, some layers' attention stays on flash, read every token
     (runtime.attention_to_stream)."""
     lines = []
     if _may_hold_at_16_bits(config, manifest):
-        try:
-            check_resident_fits(folder, manifest, config)
-        except BudgetTooSmall as e:
-            lines.append(f"--mode auto: {e.reason}; held at float16 as stored instead (converted into a "
-                         "float32 arena before use: the same values)")
+        if _half_kernels("float32", mx.default_device() == mx.cpu) is not None:
+            lines.append("--mode auto: the resident weights (and any FFN rows held) at float16 as stored: the "
+                         "native kernels multiply them as they are (the same sums as at float32, in half the "
+                         "DRAM, a decode step faster; a prompt converts them into a float32 arena)")
             config, held = replace(config, resident_dtype="float16"), "float16"
+        else:
+            try:
+                check_resident_fits(folder, manifest, config)
+            except BudgetTooSmall as e:
+                lines.append(f"--mode auto: {e.reason}; held at float16 as stored instead (converted into a "
+                             "float32 arena before use: the same values)")
+                config, held = replace(config, resident_dtype="float16"), "float16"
     streamed = attention_to_stream(folder, manifest, config)
     if streamed:
         layers = sorted(streamed)

@@ -11,6 +11,7 @@ import pytest
 
 import mlx_flash
 from mlx_flash.errors import BudgetTooSmall, FlashError
+from mlx_flash.kernels import kernels_module
 from mlx_flash.bench import profile as bench_profile
 from mlx_flash.plan import profile as profile_mod
 from mlx_flash.plan.choose import choose_mode, variants
@@ -90,12 +91,6 @@ def test_cost_model_arithmetic():
     assert p.compute_gbs("q4-rows", 10**7) == 2.0 and p.compute_gbs("q4", 10**7) == pytest.approx(8.0)
     with pytest.raises(FlashError, match="no compute rate for q8"):
         p.compute_gbs("q8-rows")
-    # held float16 rows converted into an arena (a hybrid's caches): their own rate where the
-    # kernels run (the kernels' is float16's), else float16's
-    p.compute["float16"] = {10**6: 9.0}
-    assert p.compute_gbs("float16-arena", 10**7) == 9.0
-    p.compute["float16-arena"] = {10**6: 3.0}
-    assert p.compute_gbs("float16-arena", 10**7) == 3.0 and p.compute_gbs("float16", 10**7) == 9.0
     # the per-layer overhead by model width, interpolated, the ends held beyond
     p = _profile(layer_ms={"dense": {128: 1.0, 576: 2.0}})
     assert p.layer_cost("dense", 352) == pytest.approx(1.5) and p.layer_cost("dense", 4096) == 2.0
@@ -245,7 +240,6 @@ def _check_quick_profile(p):
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
     assert min(p.disk) == 2048  # (a 4-bit 7B's unbundled neuron rows are read 2.5 KiB at a time)
     assert 0.0 <= p.convert_ns < 100.0  # (0.25-0.4 ns a value here; 0 where the reads alone took longer)
-    from mlx_flash.kernels import kernels_module
     if kernels_module()[0] is not None and p.device == "cpu":  # the FFN's packed row kernels, measured apart
         assert {"q4-rows", "q8-rows"} <= set(p.compute)
     assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes
@@ -291,17 +285,29 @@ def test_auto_holds_a_float16_models_rows_at_float16_when_that_fits_and_stays_ex
     dense.runtime.close()
     model, _ = mlx_flash.load(folder, memory_budget=str(int(full * 0.9)))  # (the resident part is most of it)
     rt = model.runtime
-    assert rt.choice.label == "dense (float16 rows)" and rt.mode == "dense", rt.choice.describe()
-    assert [c.label for c in rt.choice.candidates if c.plan is None] == ["dense"]
+    if kernels_module()[0] is not None:  # (the CPU: held at float16 from the start, the kernels read it)
+        assert rt.resident_dtype == "float16" and rt.choice.label == "dense" and rt.mode == "dense"
+    else:
+        assert rt.choice.label == "dense (float16 rows)" and rt.mode == "dense", rt.choice.describe()
+        assert [c.label for c in rt.choice.candidates if c.plan is None] == ["dense"]
     assert rt.plan.weights_bytes <= int(full * 0.9) and rt.plan.held_neuron_bytes
     assert mx.abs(model(x) - want).max().item() <= 1e-5
     rt.close()
 
 
-def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_leaves_no_plan(tmp_path, caplog):
+@pytest.mark.parametrize("kernels", [True, False])
+def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_leaves_no_plan(tmp_path, caplog,
+                                                                                           monkeypatch, kernels):
     """The resident weights (embeddings, attention) at float32 do not fit, or fit but leave no
-    exact plan room beside them: auto holds them at float16 as stored, says so, and stays exact."""
+    exact plan room beside them: auto holds them at float16 as stored, says so, and stays exact.
+    Where the native kernels run (kernels=True, on a build that has them) it holds them so from
+    the start; without them (a build that lacks them: injected) when float32 leaves no plan."""
+    from mlx_flash import loader
     from mlx_flash.bench.random_model import build_checkpoint
+
+    kernels = kernels and kernels_module()[0] is not None
+    if not kernels:
+        monkeypatch.setattr(loader, "_half_kernels", lambda *a: None)
 
     folder = build_checkpoint("tiny-llama", "float16", home=tmp_path, progress=False)
     dense, _ = mlx_flash.load(folder, mode="dense")
@@ -316,7 +322,8 @@ def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_le
         model, _ = mlx_flash.load(folder, memory_budget=str(budget))
         rt = model.runtime
         assert rt.resident_dtype == "float16" and rt.plan.weights_bytes <= budget, rt.choice.describe()
-        assert "beside the resident weights at float32; holding those at float16" in caplog.text
+        assert ("the native kernels multiply them as they are" if kernels else
+                "beside the resident weights at float32; holding those at float16") in caplog.text
         assert mx.abs(model(x) - want).max().item() <= 1e-5
         rt.close()
     with pytest.raises(BudgetTooSmall, match="--mode naive needs"):  # an explicit mode keeps its resident dtype

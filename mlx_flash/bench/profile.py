@@ -264,9 +264,6 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES):
         # arena; elsewhere MLX multiplies them as they are
         fs = [HalfLinear(w16, None, arena, kernels) if on_cpu else (lambda x, w16=w16: x @ w16.T) for w16 in w16s]
         out[name] = rate(fs, w16s[0].nbytes)
-        if name == "float16" and on_cpu and kernels is not None:
-            # a held hybrid / naive cache's rows: converted into a float32 arena, then BLAS
-            out["float16-arena"] = rate([HalfLinear(w16, None, arena) for w16 in w16s], w16s[0].nbytes)
         del fs, w16s
     for bits in (4, 8):
         ms = []

@@ -97,6 +97,15 @@ def chunked_matmul(x, n_out, d, fill, arena, bias=None):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
+def lazy_product(x, n, step, rows, bias=None):
+    """x @ W.T (+ bias) for W [n, k], rows i .. j-1 of which rows(i, j) gives as (lazy) MLX
+    arrays at x's dtype: `step` rows at a time, lazily, so that a caller that drops the result
+    (mlx_lm's prefill keeps only the KV cache) never computes it nor holds [positions, n] floats.
+    (MLX converts each chunk itself: slower than the arena, which must be used eagerly.)"""
+    y = mx.concatenate([x @ rows(i, min(i + step, n)).T for i in range(0, n, step)], axis=-1)
+    return y if bias is None else y + bias
+
+
 def native_product(q, arena, x, bias=None):
     """x @ W.T (+ bias) of a matrix the kernels multiply (a QuantMatrix, a 16-bit _Held: its n,
     k, matvec(v, out) and dequantize(start, stop, out)): the native matvec for each position of a pass of up
@@ -118,9 +127,10 @@ class _Held(nn.Module):
     with the native kernels (CPU, float32 compute), a pass of up to kernels.SMALL_PASS positions
     multiplies the 16-bit rows directly (gather_mv over all rows), converting them in registers."""
 
-    def __init__(self, weight, arena, kernels=None):
+    def __init__(self, weight, arena, kernels=None, head=False):
         super().__init__()
         self.weight = weight
+        self._head = head  # the lm_head: a prompt's pass is lazy (_matmul)
         self._arena = arena
         self._rows16 = _uint16_view(weight)
         self._code = _CODES[weight.dtype]
@@ -136,6 +146,11 @@ class _Held(nn.Module):
         self._kernels.gather_mv(v, self._rows16, self._all, out, self.k, False, self._code)
 
     def _matmul(self, x, bias=None):
+        positions = x.size // x.shape[-1]
+        if self._head and positions > 1 and (self._kernels is None or positions > SMALL_PASS):
+            # a prompt chunk's logits (or an evaluation's): lazy, never computed when dropped
+            step = max(1, self._arena.values // self.k)
+            return lazy_product(x, self.n, step, lambda i, j: self.weight[i:j].astype(x.dtype), bias)
         if self._kernels is None:
             return chunked_matmul(x, self.n, self.k, self.dequantize, self._arena, bias)
         return native_product(self, self._arena, x, bias)
@@ -144,8 +159,8 @@ class _Held(nn.Module):
 class HalfLinear(_Held):
     """nn.Linear whose weight stays at 16 bits in DRAM (exact: float16 -> float32 is lossless)."""
 
-    def __init__(self, weight, bias, arena, kernels=None):
-        super().__init__(weight, arena, kernels)
+    def __init__(self, weight, bias, arena, kernels=None, head=False):
+        super().__init__(weight, arena, kernels, head)
         if bias is not None:
             self.bias = bias
 
@@ -154,25 +169,18 @@ class HalfLinear(_Held):
 
 
 class HalfEmbedding(_Held):
-    """nn.Embedding at 16 bits: lookups convert their rows; as_linear goes through the arena."""
+    """nn.Embedding at 16 bits: lookups convert their rows; as_linear (a tied lm_head) is a
+    HalfLinear lm_head's product: a decode step's eager, a prompt's lazy."""
 
     def __init__(self, weight, arena, dtype=mx.float32, kernels=None):
-        super().__init__(weight, arena, kernels)
+        super().__init__(weight, arena, kernels, head=True)
         self._dtype = dtype
 
     def __call__(self, x):
         return self.weight[x].astype(self._dtype)
 
     def as_linear(self, x):
-        positions = x.size // x.shape[-1]
-        if positions == 1 or (self._kernels is not None and positions <= SMALL_PASS):
-            return self._matmul(x)  # a decode step (or a verify pass): eager, the kernel or the arena
-        # Several positions (a prompt, an evaluation batch): lazy, with MLX's own (slower)
-        # conversion per chunk, so that a caller that drops these logits (mlx_lm's prefill
-        # keeps only the KV cache) never computes them nor holds [positions, vocab] floats.
-        step = max(1, self._arena.values // self.weight.shape[1])
-        return mx.concatenate([x @ self.weight[i : i + step].astype(self._dtype).T
-                               for i in range(0, self.weight.shape[0], step)], axis=-1)
+        return self._matmul(x)
 
 
 def hold_at_16_bits(model, held, compute, skip=(), kernels=None):
@@ -199,7 +207,8 @@ def hold_at_16_bits(model, held, compute, skip=(), kernels=None):
     walk(model)
     weights = [c.weight for _, _, c in found] or [mx.zeros((1, 1))]
     arena = Arena(max(max(w.shape[1] for w in weights), min(ARENA_VALUES, max(w.size for w in weights))))
-    swaps = [(parent, key, HalfLinear(c.weight, c.get("bias"), arena, kernels) if isinstance(c, nn.Linear)
+    swaps = [(parent, key, HalfLinear(c.weight, c.get("bias"), arena, kernels, head=parent is model and key[0] == "lm_head")
+              if isinstance(c, nn.Linear)
               else HalfEmbedding(c.weight, arena, compute, kernels)) for parent, key, c in found]
     for parent, (name, i), new in swaps:
         if "bias" in new:

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import QuantMatrix
-from .half import ARENA_VALUES, Arena, chunked_matmul, native_product
+from .half import ARENA_VALUES, Arena, chunked_matmul, lazy_product, native_product
 
 
 def quantized_modules(model):
@@ -61,6 +61,23 @@ class _NativeQuantized(nn.Module):
 
     def _product(self, x, bias=None):
         return native_product(self._q, self._arena, x, bias)
+
+    def _head_product(self, x, bias=None):
+        """An lm_head's product (a tied one's too): up to EAGER_POSITIONS positions (one, or a
+        batch's decode step) eager, through the kernels or the arena; a prompt chunk's lazy, so
+        that a caller that drops these logits (mlx_lm's prefill) never computes them nor holds
+        [positions, vocab] floats."""
+        if x.size // x.shape[-1] <= EAGER_POSITIONS:
+            return self._product(x, bias)
+        step = max(1, self._arena.values // self._q.k)
+        return lazy_product(x, self._q.n, step, lambda i, j: self._values(self.weight[i:j], self.scales[i:j],
+                                                                          self.biases[i:j]).astype(x.dtype), bias)
+
+    def _values(self, w, s, b):
+        # float32 scales: s * q + b computed in float32, as the kernels do (MLX computes
+        # in the scales' dtype, and a float16 result would round the values)
+        return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=self.group_size,
+                             bits=self.bits)
 
 
 class StreamedQuantizedLinear(nn.Module):
@@ -125,13 +142,15 @@ def _path_of(model, block):
 class NativeQuantizedLinear(_NativeQuantized):
     """nn.QuantizedLinear computed by the native kernels (same values, float32 sums)."""
 
-    def __init__(self, m, kernels, arena):
+    def __init__(self, m, kernels, arena, head=False):
         super().__init__(m, kernels, arena)
         if "bias" in m:
             self.bias = m.bias
+        self._head = head  # the lm_head: a prompt chunk's product is lazy (_head_product)
 
     def __call__(self, x):
-        return self._product(x, self.bias if "bias" in self else None)
+        bias = self.bias if "bias" in self else None
+        return self._head_product(x, bias) if self._head else self._product(x, bias)
 
 
 class NativeQuantizedEmbedding(_NativeQuantized):
@@ -142,27 +161,11 @@ class NativeQuantizedEmbedding(_NativeQuantized):
         super().__init__(m, kernels, arena)
         self._dtype = dtype
 
-    def _values(self, w, s, b):
-        # float32 scales: s * q + b computed in float32, as the kernels do (MLX computes
-        # in the scales' dtype, and a float16 result would round the values)
-        return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=self.group_size,
-                             bits=self.bits).astype(self._dtype)
-
     def __call__(self, x):
-        return self._values(self.weight[x], self.scales[x], self.biases[x])
+        return self._values(self.weight[x], self.scales[x], self.biases[x]).astype(self._dtype)
 
     def as_linear(self, x):
-        if x.size // x.shape[-1] <= EAGER_POSITIONS:
-            # one position (the native matvec), or a batch's decode step: eager, through the
-            # arena, one chunk of the table at a time (evaluated lazily, every chunk's
-            # dequantized values were alive at once: the whole table at float32)
-            return self._product(x)
-        # a prompt chunk: lazy, so that a caller that drops these logits (mlx_lm's prefill)
-        # never computes them nor holds [positions, vocab] floats
-        step = max(1, self._arena.values // self._q.k)
-        return mx.concatenate([x @ self._values(self.weight[i : i + step], self.scales[i : i + step],
-                                                self.biases[i : i + step]).T
-                               for i in range(0, self._q.n, step)], axis=-1)
+        return self._head_product(x)
 
 
 EAGER_POSITIONS = 32  # as_linear: up to this many positions computed at once (a batch's decode step)
@@ -185,7 +188,7 @@ def use_native_kernels(model, kernels, dtype=mx.float32):
     if not found:
         return None
     arena = Arena(arena_values([(m.weight.shape[0], m.weight.shape[1] * 32 // m.bits) for _, m in found]))
-    swaps = [(path, NativeQuantizedLinear(m, kernels, arena) if isinstance(m, nn.QuantizedLinear)
+    swaps = [(path, NativeQuantizedLinear(m, kernels, arena, head=path == "lm_head") if isinstance(m, nn.QuantizedLinear)
               else NativeQuantizedEmbedding(m, kernels, arena, dtype)) for path, m in found]
     model.update_modules(_tree(swaps))
     mx.eval(model.parameters())

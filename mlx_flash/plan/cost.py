@@ -167,8 +167,8 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
 
     if packed:  # (the FFN's row kernels: their own rate, models/ffn.py)
         add(f"q{layout.quant.bits}-rows", L * n * layout.bundle_bytes)
-    else:  # held at float16: dense's rows through the native kernels, a hybrid cache's through an arena
-        form = "float32" if not plan.held_neuron_bytes else "float16" if plan.mode == "dense" else "float16-arena"
+    else:  # held at float16: a decode step's rows through the native kernels (dense's, a hybrid cache's)
+        form = "float16" if plan.held_neuron_bytes else "float32"
         add(form, L * held * values * (2 if plan.held_neuron_bytes else 4))
         add("float32", L * streamed * values * 4)
     ffn_read = L * streamed * layout.stride

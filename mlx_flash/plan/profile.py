@@ -17,8 +17,7 @@
 - compute: GB/s of weights consumed by one decode step's matrix-vector products, for
   each form a weight can be held in: float32 (BLAS), 16-bit held (on the CPU the native
   kernels read the 16-bit rows as they are, else a float32 arena, then BLAS: models/half.py;
-  float16-arena is that arena's rate where the kernels run, what a held hybrid's cache still
-  takes) and 4-/8-bit quantized (the native kernels on the CPU, MLX's quantized matmul
+  a held dense or hybrid FFN's rows too) and 4-/8-bit quantized (the native kernels on the CPU, MLX's quantized matmul
   elsewhere: models/quantized.py); and on the CPU an FFN's packed rows (q4-rows, q8-rows:
   the row and column kernels models/ffn.py runs on them).
 
@@ -48,7 +47,7 @@ VERSION = 7  # 2: compute rates by matrix size; 3: per-layer overhead by model w
 # 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound); 6: the FFN's packed
 # row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost;
 # 7: what a batch of reads costs beyond its bytes (version 6's per-layer costs held it); 16-bit
-# weights through the native kernels (float16), the arena apart (float16-arena)
+# weights through the native kernels (float16)
 
 
 @dataclass
@@ -84,9 +83,8 @@ class Profile:
         """GB/s of `form` weights consumed by a matrix of `elements` (rows x cols): interpolated on
         log(elements) between the measured sizes (a small matrix's fixed costs weigh more:
         576 x 1536 runs at a third of a 7B FFN matrix's rate here); None: the largest."""
-        for suffix in ("-rows", "-arena"):  # (measured only where the native kernels run)
-            if form not in self.compute and form.endswith(suffix):
-                form = form[: -len(suffix)]
+        if form not in self.compute and form.endswith("-rows"):  # (measured only where the native kernels run)
+            form = form[: -len("-rows")]
         if form not in self.compute:
             raise FlashError(f"the machine profile has no compute rate for {form} weights "
                              f"(it has {', '.join(self.compute)}): run mlx_flash.benchmark profile")

@@ -11,7 +11,7 @@ computed here and taken off the limit first:
                would leave the weights too little: runtime/stores/kv.py), its read
                buffers and each layer's last partial block
   activations  the largest prompt chunk's temporaries (FFN hidden states, the
-               attention scores, the chunk's logits); the prompt is fed in chunks
+               attention scores, a position's logits); the prompt is fed in chunks
                of `prefill_step` tokens, chosen here so that this stays small
   MLX cache    the buffer cache MLX keeps for reuse, capped under a limit
   margin       allocator slack, streaming temporaries, threads' stacks
@@ -206,18 +206,20 @@ class MemoryPlan:
         return f"memory limit {mb(self.limit)} ({self.source}): weights {mb(self.weights)}; besides them {self._besides()}"
 
 
-def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False):
+def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequences=1):
     """Temporaries of one prompt chunk: the FFN's hidden states (3 live at once), a few
     d_model-wide tensors, every head's attention scores over the context (on flash: over a
     chunk read back or the prompt chunk itself, in float32, and the chunk's keys and values as
-    rows to write, a few times), the logits."""
+    rows to write, a few times); and one position's logits for each of `sequences` (a prompt
+    chunk's own are never computed: mlx_lm's prefill drops them, and every lm_head computes a
+    prompt's lazily: models/half.py lazy_product)."""
     if kv_on_flash:
         width = 2 * shape.n_heads * (chunk_positions(kv_row_bytes(shape, itemsize)) + chunk) * 4 // itemsize
         width += 4 * shape.kv_per_token // shape.n_layers
     else:
         width = 2 * shape.n_heads * context
-    per = 3 * shape.n_ff + 8 * shape.d_model + width + shape.vocab
-    return chunk * per * itemsize
+    per = 3 * shape.n_ff + 8 * shape.d_model + width
+    return (chunk * per + 2 * sequences * shape.vocab) * itemsize
 
 
 def kv_row_bytes(shape, itemsize):
@@ -275,10 +277,10 @@ def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None
     steps = sorted({min(s, context) for s in PREFILL_STEPS + (BATCH_STEPS if batch > 1 else ())}, reverse=True)
     step = steps[-1]
     for s in steps:  # the largest chunk whose temporaries take at most a quarter of what is left
-        if activation_bytes(shape, s * batch, context, itemsize, kv_on_flash) <= max(room, 0) // 4:
+        if activation_bytes(shape, s * batch, context, itemsize, kv_on_flash, batch) <= max(room, 0) // 4:
             step = s
             break
-    return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step * batch, context, itemsize, kv_on_flash),
+    return MemoryPlan(limit, baseline, kv, activation_bytes(shape, step * batch, context, itemsize, kv_on_flash, batch),
                       MLX_CACHE_LIMIT, margin, context, step, source, shape, itemsize, kv_itemsize, kv_on_flash,
                       batch)
 

@@ -7,8 +7,11 @@ one --mode auto chose hybrid for, keeps as many as the budget allows) and reads 
 
 import time
 
+import mlx.core as mx
 import numpy as np
 
+from ...kernels import SMALL_PASS
+from ...models.ffn import FFNRows
 from .base import NeuronFileStore, take_pending
 
 
@@ -23,31 +26,34 @@ class StreamedStore(NeuronFileStore):
                 self._read(layer, half, cache, cache.append(half))
             self.reader.stats.reset()
 
-    def _fill(self, layer, stream, j):
-        """Read `stream` of `layer` into buffer j, and (held) convert the layer's cache into
-        arena j: the worker thread, or inline; NumPy and C only. -> ((bytes, reads), layout)."""
+    def _fill(self, layer, stream, j, convert=True):
+        """Read `stream` of `layer` into buffer j, and (held, `convert`) convert the layer's cache
+        into arena j: the worker thread, or inline; NumPy and C only. -> ((bytes, reads), layout)."""
         buf = self.buffers[j]
         buf.delete(buf.cached_ids())
         got = self._read_counted((layer, stream, buf, buf.append(stream)))
-        layout = None
-        if self.arenas:
-            c = self.caches[layer]
-            layout = self.arenas[j].put({k: v[: c.num_used] for k, v in c.views.items()})
-        return got, layout
+        return got, self._convert(layer, j) if convert else None
 
-    def _streamed(self, layer, stream):
+    def _convert(self, layer, j):
+        if not self.arenas:
+            return None
+        c = self.caches[layer]
+        return self.arenas[j].put({k: v[: c.num_used] for k, v in c.views.items()})
+
+    def _streamed(self, layer, stream, convert):
         """(buffer index holding `layer`'s streamed rows, ((bytes, reads), layout)).
 
         Without prefetch, reads them now. With it, waits for the work in flight (the
         time waited is the token's I/O), then starts the next layer's on the other
-        buffer / arena. Safe: the caller evaluated x, so the previous layer's FFN, the
+        buffer / arena (converting its cache as this pass needs: the next pass is most
+        likely alike). Safe: the caller evaluated x, so the previous layer's FFN, the
         last reader of those, has finished."""
         if not self.plan.prefetch:
-            return 0, self._fill(layer, stream, 0)
+            return 0, self._fill(layer, stream, 0, convert)
         # the first layer read, or an unexpected order (a partial forward): read it now
-        j, got = take_pending(self, layer) or (0, self._fill(layer, stream, 0))
+        j, got = take_pending(self, layer) or (0, self._fill(layer, stream, 0, convert))
         nxt = (layer + 1) % len(self.files)
-        self._pending = (nxt, 1 - j, self._submit(self._fill, nxt, stream, 1 - j))
+        self._pending = (nxt, 1 - j, self._submit(self._fill, nxt, stream, 1 - j, convert))
         return j, got
 
     def rows(self, layer, x):
@@ -57,12 +63,26 @@ class StreamedStore(NeuronFileStore):
         first = self.plan.capacity if hybrid else 0  # the neurons streamed: first..n-1
         stream = np.arange(first, n, dtype=np.int64)
         hits = self.caches[layer].num_used if hybrid else 0
+        # float16-held caches and a pass of up to SMALL_PASS positions: the native kernels read
+        # the held rows as they are, and the streamed ones after them (into the same host sums,
+        # in dense's row order), where a prompt converts the cache into an arena for BLAS
+        direct = bool(self.arenas) and self.kernels is not None and x.size // x.shape[-1] <= SMALL_PASS
         t2 = t3 = time.perf_counter()
-        j, (got, layout) = self._streamed(layer, stream)
-        converted = (self.arenas[j], layout) if layout is not None else None
-        parts = ([self._part(layer, self.caches[layer], converted=converted)] if hybrid else []) + [
-            self._part(layer, self.buffers[j], all_ids=not hybrid)
-        ]
+        j, (got, layout) = self._streamed(layer, stream, convert=not direct)
+        if direct:
+            parts = ([self._all_rows(self.caches[layer])] if hybrid else []) + [self._all_rows(self.buffers[j])]
+        else:
+            if layout is None and hybrid:  # (its prefetch was a decode step's, which converts nothing)
+                layout = self._convert(layer, j)
+            converted = (self.arenas[j], layout) if layout is not None else None
+            parts = ([self._part(layer, self.caches[layer], converted=converted)] if hybrid else []) + [
+                self._part(layer, self.buffers[j], all_ids=not hybrid)
+            ]
         t4 = time.perf_counter()
         self.stats.add(t2 - t1, t3 - t2, t4 - t3, got[0], got[1], n, hits)
         return parts
+
+    def _all_rows(self, cache):
+        """Every row a cache holds, for the native kernels to read in place (FFNRows.select)."""
+        sel = np.arange(cache.num_used, dtype=np.int64)
+        return FFNRows(up=None, down=None, ids=mx.array(cache.row_to_id[sel]), select=(cache.views, sel, self.kernels))

@@ -156,3 +156,35 @@ def test_held_dense_verify_pass_equals_its_decode_steps_to_the_bit(llama16):
     head = model.model.embed_tokens
     assert (np.array(head.as_linear(x)) ==
             np.concatenate([np.array(head.as_linear(x[:, i : i + 1])) for i in range(3)], axis=1)).all()
+
+
+def test_only_the_lm_head_computes_a_prompts_pass_lazily(llama16):
+    # a prompt chunk's logits are dropped by mlx_lm's prefill: the head computes them lazily
+    # (never, when dropped; runtime/memory.py then counts no chunk of logits), the other
+    # held weights eagerly through the arena
+    model, _ = mlx_flash.load(llama16, mode="dense", resident_dtype="float16")
+    assert model.lm_head._head and not model.layers[0].self_attn.q_proj._head
+    x = mx.array(np.random.default_rng(5).standard_normal((1, 9, model.args.hidden_size)).astype(np.float32))
+    w = model.lm_head.weight.astype(mx.float32)
+    np.testing.assert_allclose(np.array(model.lm_head(x)), np.array(x @ w.T), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(kernels_module()[0] is None, reason="native kernels not built")
+def test_held_hybrid_decode_step_reads_its_float16_cache_in_place(llama16, reference):
+    # a decode step: the held float16 rows and the streamed ones through the kernels, nothing
+    # converted into the arenas; a prompt: converted (also after decode steps, whose prefetch
+    # converted nothing); the tokens and logits of the float32 model either way
+    model, _ = mlx_flash.load(llama16, mode="hybrid", resident_dtype="float16")  # (half of each layer held)
+    store, d = model.runtime.store, model.args.hidden_size
+    assert model.runtime.plan.prefetch
+    assert 0 < model.runtime.plan.capacity < model.runtime.plan.n_neurons
+    one = mx.array(np.ones((1, 1, d), dtype=np.float32))
+    parts = store.rows(0, one)
+    assert len(parts) == 2 and all(p.select is not None for p in parts)
+    assert parts[0].select[0]["up"].dtype == np.float16 and parts[1].select[0]["up"].dtype == np.float32
+    assert [int(i) for p in parts for i in np.array(p.ids)] == list(range(model.runtime.plan.n_neurons))
+    prompt = store.rows(1, mx.array(np.ones((1, 8, d), dtype=np.float32)))
+    assert all(p.select is None and p.up.dtype == mx.float32 for p in prompt)
+    assert greedy(model) == reference[0]
+    np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)
+    model.runtime.close()

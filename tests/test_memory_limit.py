@@ -34,6 +34,12 @@ def test_plan_takes_every_part_off_the_limit(monkeypatch):
     # a context shorter than every chunk: the chunk is the context (a prompt is no longer)
     short = plan_memory("4GB", SHAPE, 4, context=40, baseline=100 * MB)
     assert short.prefill_step == 40 and short.activations == memory.activation_bytes(SHAPE, 40, 40, 4)
+    # a prompt chunk's logits are never computed (mlx_lm's prefill drops them, every lm_head
+    # computes a prompt's lazily): the vocabulary counts one position a sequence, whatever the chunk
+    wide = Shape(**{**SHAPE.__dict__, "vocab": 2 * SHAPE.vocab})
+    for chunk in (32, 512):
+        assert memory.activation_bytes(wide, chunk, 1024, 4) - memory.activation_bytes(SHAPE, chunk, 1024, 4) \
+            == 2 * SHAPE.vocab * 4
 
 
 def test_plan_errors_name_the_parts(monkeypatch):

@@ -225,6 +225,12 @@ def test_several_limits_expand_every_system_without_its_own(tiny_flash):
     assert [s.spec for s in bench.systems] == [
         "mlx_flash:dense@none", "mlx_flash:naive@50%", "mlx_flash:naive@300MB", "mlx_lm@50%", "mlx_lm@300MB"]
     assert bench.systems[2].limit == "300MB" and bench.reference == "mlx_flash:dense@none"
+    # every option of a system stays with it at each limit (':f16' once got lost there)
+    held = peers.Peers(tiny_flash, "mlx_flash:hybrid:f16,mlx_flash:flash:dip:0.5:f16", limit="50%,300MB").systems
+    assert [(s.spec, s.resident_dtype, s.sparsity, s.density) for s in held] == [
+        ("mlx_flash:hybrid:f16@50%", "float16", None, None), ("mlx_flash:hybrid:f16@300MB", "float16", None, None),
+        ("mlx_flash:flash:dip:0.5:f16@50%", "float16", "dip", 0.5),
+        ("mlx_flash:flash:dip:0.5:f16@300MB", "float16", "dip", 0.5)]
     with pytest.raises(FlashError, match="--limit"):
         peers.Peers(tiny_flash, "mlx_lm", limit="50%,lots")
     with pytest.raises(FlashError, match="--reference"):

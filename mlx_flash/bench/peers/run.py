@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ...errors import FlashError
@@ -36,7 +36,7 @@ from .report import (
     _status,
     _summary_line,
 )
-from .systems import LIMIT_OF, MB, RUNTIMES, System, parse_flash_budget, parse_limit, parse_systems
+from .systems import LIMIT_OF, MB, RUNTIMES, parse_flash_budget, parse_limit, parse_systems
 
 CHILD = Path(__file__).with_name("child.py")
 DISK_NOW_SIZES = (65536, 262144, 1048576)  # the read sizes disk_now measures (the profile's curve interpolates)
@@ -192,8 +192,7 @@ class Peers:
             parse_limit(t)
         self.limit = parse_limit(self.limit_texts[0])
         if len(self.limit_texts) > 1:  # every system without a limit of its own, at every limit
-            systems = [s if s.limit else System(f"{s.spec}@{t}", s.runtime, s.mode, s.sparsity, s.density,
-                                                s.gguf, "none" if t.lower() == "none" else t)
+            systems = [s if s.limit else replace(s, spec=f"{s.spec}@{t}", limit="none" if t.lower() == "none" else t)
                        for s in systems for t in (self.limit_texts if not s.limit else [None])]
             systems = list({s.spec: s for s in systems}.values())
         self.systems = systems

@@ -322,7 +322,7 @@ def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_le
         model, _ = mlx_flash.load(folder, memory_budget=str(budget))
         rt = model.runtime
         assert rt.resident_dtype == "float16" and rt.plan.weights_bytes <= budget, rt.choice.describe()
-        assert ("the native kernels multiply them as they are" if kernels else
+        assert ("the native kernels multiply them as" if kernels else
                 "beside the resident weights at float32; holding those at float16") in caplog.text
         assert mx.abs(model(x) - want).max().item() <= 1e-5
         rt.close()

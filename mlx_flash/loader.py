@@ -151,7 +151,7 @@ def _auto_holds_at_16_bits(config, manifest):
     float16 SmolLM2, no limit: decode 26.7-28.7 tok/s against 15.8-17.5 held at float32, prompt
     272-287 against 284-296 tok/s, MLX's peak 0.15 against 0.56 GB."""
     return (config.mode == "auto" and not config.sparse_options and may_hold_float16(config, manifest)
-            and _half_kernels("float32", mx.default_device() == mx.cpu) is not None)
+            and mx.default_device() == mx.cpu and kernels_module()[0] is not None)
 
 
 def _fit_weights(folder, manifest, config, held):

@@ -39,7 +39,7 @@ def test_plan_takes_every_part_off_the_limit(monkeypatch):
     wide = Shape(**{**SHAPE.__dict__, "vocab": 2 * SHAPE.vocab})
     for chunk in (32, 512):
         assert memory.activation_bytes(wide, chunk, 1024, 4) - memory.activation_bytes(SHAPE, chunk, 1024, 4) \
-            == 2 * SHAPE.vocab * 4
+            == memory.SMALL_PASS * SHAPE.vocab * 4
 
 
 def test_plan_errors_name_the_parts(monkeypatch):

@@ -146,9 +146,9 @@ class _Held(nn.Module):
         self._kernels.gather_mv(v, self._rows16, self._all, out, self.k, False, self._code)
 
     def _matmul(self, x, bias=None):
-        positions = x.size // x.shape[-1]
-        if self._head and positions > 1 and (self._kernels is None or positions > SMALL_PASS):
-            # a prompt chunk's logits (or an evaluation's): lazy, never computed when dropped
+        if self._head and x.ndim > 1 and x.shape[-2] > SMALL_PASS:
+            # a prompt chunk's logits (or an evaluation's): lazy, never computed when dropped (a
+            # decode step, a batch's too, and a verify pass: eager, as every other held weight)
             step = max(1, self._arena.values // self.k)
             return lazy_product(x, self.n, step, lambda i, j: self.weight[i:j].astype(x.dtype), bias)
         if self._kernels is None:
@@ -170,7 +170,7 @@ class HalfLinear(_Held):
 
 class HalfEmbedding(_Held):
     """nn.Embedding at 16 bits: lookups convert their rows; as_linear (a tied lm_head) is a
-    HalfLinear lm_head's product: a decode step's eager, a prompt's lazy."""
+    HalfLinear lm_head's product: a decode step's eager, a prompt chunk's lazy."""
 
     def __init__(self, weight, arena, dtype=mx.float32, kernels=None):
         super().__init__(weight, arena, kernels, head=True)

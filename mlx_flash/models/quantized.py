@@ -15,7 +15,7 @@ and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import QuantMatrix
+from ..kernels import SMALL_PASS, QuantMatrix
 from .half import ARENA_VALUES, Arena, chunked_matmul, lazy_product, native_product
 
 
@@ -63,11 +63,11 @@ class _NativeQuantized(nn.Module):
         return native_product(self._q, self._arena, x, bias)
 
     def _head_product(self, x, bias=None):
-        """An lm_head's product (a tied one's too): up to EAGER_POSITIONS positions (one, or a
-        batch's decode step) eager, through the kernels or the arena; a prompt chunk's lazy, so
-        that a caller that drops these logits (mlx_lm's prefill) never computes them nor holds
-        [positions, vocab] floats."""
-        if x.size // x.shape[-1] <= EAGER_POSITIONS:
+        """An lm_head's product (a tied one's too): a decode step (a batch's too) or a verify pass
+        (up to SMALL_PASS positions a sequence) eager, through the kernels or the arena; a prompt
+        chunk's lazy, so that a caller that drops these logits (mlx_lm's prefill) never computes
+        them nor holds [positions, vocab] floats."""
+        if x.ndim == 1 or x.shape[-2] <= SMALL_PASS:
             return self._product(x, bias)
         step = max(1, self._arena.values // self._q.k)
         return lazy_product(x, self._q.n, step, lambda i, j: self._values(self.weight[i:j], self.scales[i:j],
@@ -167,8 +167,6 @@ class NativeQuantizedEmbedding(_NativeQuantized):
     def as_linear(self, x):
         return self._head_product(x)
 
-
-EAGER_POSITIONS = 32  # as_linear: up to this many positions computed at once (a batch's decode step)
 
 
 def _held_scales(a):

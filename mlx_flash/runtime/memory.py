@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FlashError
+from ..kernels import SMALL_PASS
 from ..sizes import parse_share
 from .stores.kv import chunk_positions, flash_kv_dram
 
@@ -210,16 +211,17 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
     """Temporaries of one prompt chunk: the FFN's hidden states (3 live at once), a few
     d_model-wide tensors, every head's attention scores over the context (on flash: over a
     chunk read back or the prompt chunk itself, in float32, and the chunk's keys and values as
-    rows to write, a few times); and one position's logits for each of `sequences` (a prompt
-    chunk's own are never computed: mlx_lm's prefill drops them, and every lm_head computes a
-    prompt's lazily: models/half.py lazy_product)."""
+    rows to write, a few times); and the logits of up to SMALL_PASS positions for each of
+    `sequences` (a decode step's, a verify pass's, a prompt's last few; a prompt chunk's own are
+    never computed: mlx_lm's prefill drops them, and every lm_head computes a chunk of more
+    positions lazily: models/half.py lazy_product)."""
     if kv_on_flash:
         width = 2 * shape.n_heads * (chunk_positions(kv_row_bytes(shape, itemsize)) + chunk) * 4 // itemsize
         width += 4 * shape.kv_per_token // shape.n_layers
     else:
         width = 2 * shape.n_heads * context
     per = 3 * shape.n_ff + 8 * shape.d_model + width
-    return (chunk * per + 2 * sequences * shape.vocab) * itemsize
+    return (chunk * per + max(2, SMALL_PASS) * sequences * shape.vocab) * itemsize
 
 
 def kv_row_bytes(shape, itemsize):

@@ -183,6 +183,11 @@ class HalfEmbedding(_Held):
         return self._matmul(x)
 
 
+def _is_head(model, parent, key):
+    """The model's own lm_head (an untied output head: a prompt's pass computed lazily)."""
+    return parent is model and key[0] == "lm_head"
+
+
 def hold_at_16_bits(model, held, compute, skip=(), kernels=None):
     """Swap every nn.Linear / nn.Embedding of `model` (outside modules of the types
     `skip`) for its 16-bit held version; every other parameter goes to `compute`.
@@ -207,9 +212,9 @@ def hold_at_16_bits(model, held, compute, skip=(), kernels=None):
     walk(model)
     weights = [c.weight for _, _, c in found] or [mx.zeros((1, 1))]
     arena = Arena(max(max(w.shape[1] for w in weights), min(ARENA_VALUES, max(w.size for w in weights))))
-    swaps = [(parent, key, HalfLinear(c.weight, c.get("bias"), arena, kernels, head=parent is model and key[0] == "lm_head")
-              if isinstance(c, nn.Linear)
-              else HalfEmbedding(c.weight, arena, compute, kernels)) for parent, key, c in found]
+    swaps = [(parent, key, HalfLinear(c.weight, c.get("bias"), arena, kernels, head=_is_head(model, parent, key))
+              if isinstance(c, nn.Linear) else HalfEmbedding(c.weight, arena, compute, kernels))
+             for parent, key, c in found]
     for parent, (name, i), new in swaps:
         if "bias" in new:
             new.bias = new.bias.astype(compute)

@@ -186,8 +186,9 @@ def use_native_kernels(model, kernels, dtype=mx.float32):
     if not found:
         return None
     arena = Arena(arena_values([(m.weight.shape[0], m.weight.shape[1] * 32 // m.bits) for _, m in found]))
-    swaps = [(path, NativeQuantizedLinear(m, kernels, arena, head=path == "lm_head") if isinstance(m, nn.QuantizedLinear)
-              else NativeQuantizedEmbedding(m, kernels, arena, dtype)) for path, m in found]
+    swaps = [(path, NativeQuantizedLinear(m, kernels, arena, head=path == "lm_head")  # (the untied output head)
+              if isinstance(m, nn.QuantizedLinear) else NativeQuantizedEmbedding(m, kernels, arena, dtype))
+             for path, m in found]
     model.update_modules(_tree(swaps))
     mx.eval(model.parameters())
     return arena

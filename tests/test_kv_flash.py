@@ -4,9 +4,6 @@ cache in DRAM would leave the weights too little."""
 
 import gc
 import os
-import re
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -137,30 +134,13 @@ def test_auto_moves_the_cache_to_flash_when_the_limit_requires_it(smollm2, caplo
     small.runtime.close()
 
 
-def _cgroup_runner():
-    from mlx_flash.bench import peers
-
-    version, why = peers.cgroup_support()
-    if version is None:
-        pytest.skip(f"memory cgroups not usable here: {why}")
-    return peers.MemoryCgroupRunner(name=f"mlx_flash_kvflash_{os.getpid()}")
-
-
 def test_a_long_context_under_a_cgroup_of_the_limit(smollm2, tmp_path):
     """A context whose KV cache in DRAM (377 MB) is more than the whole limit: planned on
     flash, run inside a memory cgroup of the limit without an OOM kill."""
-    limit_mb = 300
-    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--memory-limit",
-           f"{limit_mb}MB", "--ctx-size", "8192", "--prompt", "Tell me about the sea. " * 40, "--max-tokens", "16",
-           "--stats"]
-    log = tmp_path / "out.txt"
-    with _cgroup_runner() as runner, open(log, "w") as out:
-        r = runner.run(cmd, limit_bytes=limit_mb * MB, timeout=600, stdout=out, stderr=subprocess.STDOUT)
-    text = log.read_text()
-    assert not r.oom_killed and r.returncode == 0, (r, text[-2000:])
+    from test_memory_limit import generate_in_cgroup
+
+    text = generate_in_cgroup(smollm2, 300, tmp_path, "--ctx-size", "8192", "--prompt", "Tell me about the sea. " * 40)
     assert "the KV cache on flash (--kv-cache auto)" in text and "KV cache on flash" in text, text[-3000:]
-    peak = re.search(r"peak RSS (\d+) MB", text)
-    assert peak and int(peak.group(1)) <= limit_mb, text[-2000:]
 
 
 def test_opt_positions_continue_on_flash(tmp_path):

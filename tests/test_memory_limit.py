@@ -153,27 +153,34 @@ def _cgroup_runner():
     return peers.MemoryCgroupRunner(name=f"mlx_flash_limit_{__import__('os').getpid()}")
 
 
-@pytest.mark.parametrize("mode, limit_mb", [("dense", 380), ("hybrid", 300), ("naive", 300), ("flash", 300)])
-def test_generate_under_a_cgroup_of_the_limit(smollm2, tmp_path, mode, limit_mb):
-    """The process, started inside a memory cgroup of exactly --memory-limit (its imports
-    counted from the first byte), finishes without being OOM-killed, and its peak RSS (which
-    also counts the shared libraries other processes loaded first) stays under the limit."""
-    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--mode", mode,
-           "--memory-limit", f"{limit_mb}MB", "--prompt", "Tell me about the sea.", "--max-tokens", "16",
-           "--stats"]
-    if mode == "flash":
-        cmd += ["--sparsity", "dip-ca", "--density", "0.5"]
-    if mode == "hybrid":  # the context given on the command line (an int option with no default)
-        cmd += ["--ctx-size", "96"]
+def generate_in_cgroup(model, limit_mb, tmp_path, *args):
+    """`mlx_flash generate --model MODEL --memory-limit LIMIT ARGS --max-tokens 16 --stats`, started inside a
+    memory cgroup of exactly the limit (its imports counted from the first byte) -> its output, once
+    checked: not OOM-killed, exit 0, the peak RSS it reports (which also counts the shared libraries
+    other processes loaded first) and the cgroup's own peak under the limit."""
+    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(model), "--memory-limit", f"{limit_mb}MB",
+           *args, "--max-tokens", "16", "--stats"]
     log = tmp_path / "out.txt"
     with _cgroup_runner() as runner, open(log, "w") as out:
         r = runner.run(cmd, limit_bytes=limit_mb * MB, timeout=600, stdout=out, stderr=subprocess.STDOUT)
     text = log.read_text()
     assert not r.oom_killed and r.returncode == 0, (r, text[-2000:])
-    assert mode != "hybrid" or "(96 tokens)" in text, text[-2000:]
     assert r.peak_bytes <= limit_mb * MB
     peak = re.search(r"peak RSS (\d+) MB", text)
     assert peak and int(peak.group(1)) <= limit_mb, text[-2000:]
+    return text
+
+
+@pytest.mark.parametrize("mode, limit_mb", [("dense", 380), ("hybrid", 300), ("naive", 300), ("flash", 300)])
+def test_generate_under_a_cgroup_of_the_limit(smollm2, tmp_path, mode, limit_mb):
+    """The process under a cgroup of the limit, in each mode (generate_in_cgroup)."""
+    args = ["--mode", mode, "--prompt", "Tell me about the sea."]
+    if mode == "flash":
+        args += ["--sparsity", "dip-ca", "--density", "0.5"]
+    if mode == "hybrid":  # the context given on the command line (an int option with no default)
+        args += ["--ctx-size", "96"]
+    text = generate_in_cgroup(smollm2, limit_mb, tmp_path, *args)
+    assert mode != "hybrid" or "(96 tokens)" in text, text[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -192,20 +199,12 @@ def test_a_float16_model_under_a_cgroup_of_the_limit(smollm2_f16, tmp_path, limi
     + 80 % and 60 % of its float32 weights): held at float16 as stored, dense where it fits, else hybrid;
     no OOM kill, the peak RSS under the limit. (A prompt chunk's logits are not counted in the
     plan: no lm_head computes them.)"""
-    cmd = [sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2_f16), "--memory-limit",
-           f"{limit_mb}MB", "--ctx-size", "256", "--prompt", "Tell me about the sea. " * 30, "--max-tokens", "16",
-           "--stats"]
-    log = tmp_path / "out.txt"
-    with _cgroup_runner() as runner, open(log, "w") as out:
-        r = runner.run(cmd, limit_bytes=limit_mb * MB, timeout=600, stdout=out, stderr=subprocess.STDOUT)
-    text = log.read_text()
-    assert not r.oom_killed and r.returncode == 0, (r, text[-2000:])
+    text = generate_in_cgroup(smollm2_f16, limit_mb, tmp_path, "--ctx-size", "256", "--prompt",
+                              "Tell me about the sea. " * 30)
     from mlx_flash.kernels import kernels_module
 
     if kernels_module()[0] is not None:  # (without them held at float32: another plan)
         assert "the weights held at float16 as stored" in text and f"Mode {mode}," in text, text[-2000:]
-    peak = re.search(r"peak RSS (\d+) MB", text)
-    assert peak and int(peak.group(1)) <= limit_mb, text[-2000:]
 
 
 @pytest.mark.parametrize("limit_mb", [150, 132])  # (132: the peers' runtime + 50 % of the 4-bit model)

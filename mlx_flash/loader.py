@@ -44,7 +44,7 @@ def resolve_model_path(path_or_repo, convert_dtype="float16", progress=True):
     return convert(path_or_repo, out, dtype=convert_dtype, progress=progress)
 
 
-def load(path_or_repo, progress=False, config=None, **options):
+def load(path_or_repo, progress=False, config=None, context_of=None, **options):
     """Load a model for generation; returns (model, tokenizer) like mlx_lm.load.
 
     path_or_repo: a converted mlx_flash folder, or a Hub repo id / HF folder /
@@ -57,6 +57,9 @@ def load(path_or_repo, progress=False, config=None, **options):
       attention at the flash's 16-bit dtype, converted before use; a quantized
       model's are held at their bits, or dequantized with "float32"), prefetch.
       Or a whole FlashConfig as `config`.
+    context_of: under a memory limit with no ctx_size, a function of the loaded tokenizer -> the
+      tokens the plan holds a KV cache for (generate: its prompt's, counted, and max_tokens),
+      called before the plan.
     The model carries its runtime as `model.runtime` (stats(), plan, store).
     """
     config = config or make_config(options)
@@ -68,7 +71,7 @@ def load(path_or_repo, progress=False, config=None, **options):
     if manifest.experts:  # a mixture of experts: its own runtime (runtime/moe.py)
         return _load_moe(folder, manifest, config)
     asked = config
-    model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked)
+    model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked, context_of)
     refit = None
     try:
         runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
@@ -82,7 +85,7 @@ def load(path_or_repo, progress=False, config=None, **options):
         # runtime then counted (a float16 SmolLM2 under 516 MB: 245 MB "runtime", not 118)
         del model, resident
         release_heap()
-        model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, refit)
+        model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, refit, context_of)
         memory = rebuilt or memory
         try:
             runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
@@ -261,12 +264,14 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
     return model, tokenizer, args
 
 
-def _build_model(folder, manifest, config: FlashConfig):
+def _build_model(folder, manifest, config: FlashConfig, context_of=None):
     """The model with its resident weights (embeddings, attention, norms) in DRAM, and the tokenizer."""
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
     model, tokenizer, _ = _model_and_tokenizer(folder, manifest, config,
                                                lambda: loaded_resident_bytes(folder, manifest, config))
+    if context_of is not None and config.memory_limit is not None and config.ctx_size is None:
+        config = replace(config, ctx_size=context_of(tokenizer))
     memory = None
     if config.memory_limit is None:
         config, held, streamed, lines = _fit_weights(folder, manifest, config, held)

@@ -1,6 +1,7 @@
 """--memory-limit: the whole process under one number (runtime/memory.py): the plan's parts,
 its errors, the context check of generate, and real runs under a memory cgroup of that size."""
 
+import gc
 import re
 import subprocess
 import sys
@@ -116,6 +117,27 @@ def test_contradicting_options_are_refused(smollm2):
         mlx_flash.load(smollm2, memory_limit="1GB", memory_budget="50%")
     with pytest.raises(FlashError, match="without either it changes nothing"):
         mlx_flash.load(smollm2, ctx_size=512)
+
+
+def test_the_context_can_be_counted_by_the_tokenizer(smollm2, tmp_path):
+    # load(context_of=): the plan's context from the loaded tokenizer, where no ctx_size is given
+    limit = str(memory.process_rss() + 250 * MB)
+    model, _ = mlx_flash.load(smollm2, mode="hybrid", memory_limit=limit, context_of=lambda tok: 77)
+    assert model.runtime.memory.context == 77
+    model.runtime.close()
+    del model  # (a second load measures what this process holds: not the first model)
+    gc.collect()
+    model, _ = mlx_flash.load(smollm2, mode="hybrid", memory_limit=limit, ctx_size=64, context_of=lambda tok: 77)
+    assert model.runtime.memory.context == 64  # (a context given wins)
+    model.runtime.close()
+    # generate: its prompt's tokens (not its bytes, ~4x more here) + 128 + --max-tokens
+    prompt = "Tell me about the sea. " * 30
+    r = subprocess.run([sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--memory-limit",
+                        "400MB", "--mode", "hybrid", "--prompt", prompt, "--max-tokens", "8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    n = len(mlx_flash.load(smollm2, mode="dense")[1].encode(prompt))
+    assert f"({n + 128 + 8} tokens)" in r.stderr and n + 136 < len(prompt.encode()), r.stderr[-2000:]
 
 
 def test_load_plans_the_budget_and_generate_checks_the_context(smollm2):

@@ -26,12 +26,13 @@ def add_draft_args(p):
     p.add_argument("--num-draft-tokens", type=int, default=3, help="tokens the draft proposes a pass (default 3)")
 
 
-def load_with_draft(args, ctx_size=None):
+def load_with_draft(args, ctx_size=None, context_of=None):
     """(model, tokenizer, draft or None): the --draft-model first (under --memory-limit its
     weights and its KV cache, allocated here, are then in the resident set the plan of the
-    model measures), then the model; the draft checked against it."""
+    model measures), then the model; the draft checked against it. context_of (no draft: the
+    tokenizer loads with the model): the context from the tokenizer, in place of ctx_size."""
     if getattr(args, "draft_model", None) is None:
-        return (*load_for_cli(args, ctx_size=ctx_size), None)
+        return (*load_for_cli(args, ctx_size=ctx_size, context_of=context_of), None)
     from ..draft import load_draft
     from ..errors import FlashError
     from ..runtime.memory import DEFAULT_CONTEXT
@@ -76,10 +77,17 @@ def sampling_kwargs(args):
     return kw
 
 
-def load_for_cli(args, ctx_size=None, batch_size=1):
+def _context_of(prompt, system_prompt, max_tokens):
+    """tokenizer -> the context a --memory-limit plan holds for this prompt: its tokens and the
+    system prompt's, + 128 (a chat template's), + max_tokens."""
+    return lambda tok: len(tok.encode(prompt)) + len(tok.encode(system_prompt or "")) + 128 + max_tokens
+
+
+def load_for_cli(args, ctx_size=None, batch_size=1, context_of=None):
     """ctx_size: the context a --memory-limit plan holds a KV cache for, when the user gave
-    no --ctx-size (generate: what its prompt and --max-tokens can take); batch_size: the
-    sequences it holds one for (generate --batch-file: its prompts)."""
+    no --ctx-size (generate: what its prompt and --max-tokens can take), or context_of: that
+    context from the model's tokenizer (loader.load); batch_size: the sequences it holds one
+    for (generate --batch-file: its prompts)."""
     from .. import load
     from ..blas import blas_info
     from ..runtime import from_cli
@@ -92,11 +100,13 @@ def load_for_cli(args, ctx_size=None, batch_size=1):
         ensure_profile_apart()  # in a child process: a probe's memory must not count in this one's runtime
     t0 = time.perf_counter()
     overrides = {}
-    if ctx_size is not None and args.memory_limit is not None and args.ctx_size is None:
+    if ctx_size is not None and context_of is None and args.memory_limit is not None and args.ctx_size is None:
         overrides["ctx_size"] = ctx_size
     if batch_size > 1 and args.memory_limit is not None:
         overrides["batch_size"] = batch_size
-    model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides))
+    asked = args.memory_limit is not None and args.ctx_size is None
+    model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides),
+                            context_of=context_of if asked else None)
     dt = time.perf_counter() - t0
     rt = model.runtime
     m = rt.manifest
@@ -268,10 +278,12 @@ def main(argv=None):
             model, tokenizer = load_for_cli(args, ctx_size=ctx, batch_size=len(prompts))
             return run_batch(args, model, tokenizer, prompts)
         prompt_text = sys.stdin.read() if args.prompt == "-" else (args.prompt or DEFAULT_PROMPT)
-        # under --memory-limit, a KV cache for this prompt (a token is at least a byte of its
-        # text, a chat template adds a few) and --max-tokens
+        # under --memory-limit, a KV cache for this prompt and --max-tokens: its tokens counted
+        # by the model's tokenizer (+ 128 for a chat template's), or, where a draft's KV cache is
+        # allocated before the model loads, bounded by its bytes (a token is at least one)
         ctx = len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
-        model, tokenizer, draft = load_with_draft(args, ctx_size=ctx)
+        model, tokenizer, draft = load_with_draft(args, ctx_size=ctx,
+                                                  context_of=_context_of(prompt_text, args.system_prompt, args.max_tokens))
         speculative = draft_kwargs(args, draft, model)
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)

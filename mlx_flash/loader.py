@@ -69,7 +69,7 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
     folder = resolve_model_path(path_or_repo, progress=progress)
     manifest = read_manifest(folder)
     if manifest.experts:  # a mixture of experts: its own runtime (runtime/moe.py)
-        return _load_moe(folder, manifest, config)
+        return _load_moe(folder, manifest, config, context_of)
     asked = config
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked, context_of)
     refit = None
@@ -264,14 +264,20 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
     return model, tokenizer, args
 
 
+def _with_context(config, tokenizer, context_of):
+    """Under a memory limit with no ctx_size: the context load()'s context_of counts with the tokenizer."""
+    if context_of is not None and config.memory_limit is not None and config.ctx_size is None:
+        return replace(config, ctx_size=context_of(tokenizer))
+    return config
+
+
 def _build_model(folder, manifest, config: FlashConfig, context_of=None):
     """The model with its resident weights (embeddings, attention, norms) in DRAM, and the tokenizer."""
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
     model, tokenizer, _ = _model_and_tokenizer(folder, manifest, config,
                                                lambda: loaded_resident_bytes(folder, manifest, config))
-    if context_of is not None and config.memory_limit is not None and config.ctx_size is None:
-        config = replace(config, ctx_size=context_of(tokenizer))
+    config = _with_context(config, tokenizer, context_of)
     memory = None
     if config.memory_limit is None:
         config, held, streamed, lines = _fit_weights(folder, manifest, config, held)
@@ -348,7 +354,7 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None):
     return model, tokenizer, resident, config, memory
 
 
-def _load_moe(folder, manifest, config):
+def _load_moe(folder, manifest, config, context_of=None):
     """A mixture-of-experts model: its resident weights (router, attention, embeddings, shared
     experts) in DRAM, its experts in an expert buffer (runtime/moe.py) of what --memory-budget,
     or --memory-limit less the runtime, the KV cache and the prompt's temporaries, leaves."""
@@ -358,6 +364,7 @@ def _load_moe(folder, manifest, config):
     check_moe_config(config)
     dtype = compute_dtype(config, manifest)
     model, tokenizer, args = _model_and_tokenizer(folder, manifest, config, lambda: manifest.resident["size"])
+    config = _with_context(config, tokenizer, context_of)
     memory = None
     if config.memory_limit is not None:  # (measured before the weights load: they are in the budget)
         shape = model_shape(model, args.hidden_size, args.num_experts_per_tok * args.d_expert)

@@ -104,9 +104,7 @@ def load_for_cli(args, ctx_size=None, batch_size=1, context_of=None):
         overrides["ctx_size"] = ctx_size
     if batch_size > 1 and args.memory_limit is not None:
         overrides["batch_size"] = batch_size
-    asked = args.memory_limit is not None and args.ctx_size is None
-    model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides),
-                            context_of=context_of if asked else None)
+    model, tokenizer = load(model_name, progress=True, config=from_cli(args, **overrides), context_of=context_of)
     dt = time.perf_counter() - t0
     rt = model.runtime
     m = rt.manifest

@@ -130,14 +130,19 @@ def test_the_context_can_be_counted_by_the_tokenizer(smollm2, tmp_path):
     model, _ = mlx_flash.load(smollm2, mode="hybrid", memory_limit=limit, ctx_size=64, context_of=lambda tok: 77)
     assert model.runtime.memory.context == 64  # (a context given wins)
     model.runtime.close()
-    # generate: its prompt's tokens (not its bytes, ~4x more here) + 128 + --max-tokens
+    # generate: the tokens it will feed (the prompt in the chat template; not its bytes, ~3x
+    # more here), counted as its context check counts them, + --max-tokens
     prompt = "Tell me about the sea. " * 30
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--memory-limit",
                         "400MB", "--mode", "hybrid", "--prompt", prompt, "--max-tokens", "8"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    n = len(mlx_flash.load(smollm2, mode="dense")[1].encode(prompt))
-    assert f"({n + 128 + 8} tokens)" in r.stderr and n + 136 < len(prompt.encode()), r.stderr[-2000:]
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_flash.cli.generate import build_prompt
+
+    n = len(build_prompt(load_tokenizer(smollm2), prompt))
+    assert f"({n + 8} tokens)" in r.stderr and 2 * n < len(prompt.encode()), r.stderr[-2000:]
 
 
 def test_load_plans_the_budget_and_generate_checks_the_context(smollm2):

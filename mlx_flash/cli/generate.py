@@ -77,10 +77,15 @@ def sampling_kwargs(args):
     return kw
 
 
-def _context_of(prompt, system_prompt, max_tokens):
-    """tokenizer -> the context a --memory-limit plan holds for this prompt: its tokens and the
-    system prompt's, + 128 (a chat template's), + max_tokens."""
-    return lambda tok: len(tok.encode(prompt)) + len(tok.encode(system_prompt or "")) + 128 + max_tokens
+def _context_of(args, prompt_text):
+    """tokenizer -> the context a --memory-limit plan holds for generate: the tokens it will feed
+    (the prompt as build_prompt makes it: chat template, system prompt), counted as generate's
+    context check counts them, + --max-tokens."""
+    def context(tok):
+        p = build_prompt(tok, prompt_text, args.system_prompt, args.ignore_chat_template)
+        return (len(tok.encode(p)) if isinstance(p, str) else len(p)) + args.max_tokens
+
+    return context
 
 
 def load_for_cli(args, ctx_size=None, batch_size=1, context_of=None):
@@ -276,12 +281,11 @@ def main(argv=None):
             model, tokenizer = load_for_cli(args, ctx_size=ctx, batch_size=len(prompts))
             return run_batch(args, model, tokenizer, prompts)
         prompt_text = sys.stdin.read() if args.prompt == "-" else (args.prompt or DEFAULT_PROMPT)
-        # under --memory-limit, a KV cache for this prompt and --max-tokens: its tokens counted
-        # by the model's tokenizer (+ 128 for a chat template's), or, where a draft's KV cache is
-        # allocated before the model loads, bounded by its bytes (a token is at least one)
+        # under --memory-limit, a KV cache for this prompt and --max-tokens: the tokens it will
+        # feed, counted by the model's tokenizer, or, where a draft's KV cache is allocated before
+        # the model loads, bounded by its bytes (a token is at least one) + 128 for a template
         ctx = len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
-        model, tokenizer, draft = load_with_draft(args, ctx_size=ctx,
-                                                  context_of=_context_of(prompt_text, args.system_prompt, args.max_tokens))
+        model, tokenizer, draft = load_with_draft(args, ctx_size=ctx, context_of=_context_of(args, prompt_text))
         speculative = draft_kwargs(args, draft, model)
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)

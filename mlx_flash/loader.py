@@ -142,19 +142,11 @@ def _check_kv_groups(model, group_size):
 
 
 def _may_hold_at_16_bits(config, manifest):
-    """--mode auto, under a limit or budget, no sparse mode asked for, may hold a float16 model's
-    resident weights at float16 (runtime.may_hold_float16)."""
-    return (config.mode == "auto" and config.memory_budget is not None and not config.sparse_options
-            and may_hold_float16(config, manifest))
-
-
-def _auto_holds_at_16_bits(config, manifest):
-    """--mode auto (a limit or not), no sparse mode asked for, a float16 model computed in float32
-    where the native kernels multiply 16-bit rows (the CPU): held at float16 as stored. Measured on
-    float16 SmolLM2, no limit: decode 26.7-28.7 tok/s against 15.8-17.5 held at float32, prompt
-    272-287 against 284-296 tok/s, MLX's peak 0.15 against 0.56 GB."""
-    return (config.mode == "auto" and not config.sparse_options and may_hold_float16(config, manifest)
-            and mx.default_device() == mx.cpu and kernels_module()[0] is not None)
+    """--mode auto, no sparse mode asked for, may hold a float16 model's resident weights at
+    float16 (runtime.may_hold_float16): from the start where the native kernels multiply 16-bit
+    rows (_fit_weights), else only when a budget leaves no plan at float32 (_refit, reached only
+    under one)."""
+    return config.mode == "auto" and not config.sparse_options and may_hold_float16(config, manifest)
 
 
 def _fit_weights(folder, manifest, config, held):
@@ -163,19 +155,22 @@ def _fit_weights(folder, manifest, config, held):
     {layer: LayerSpan} of streamed attention, lines to say); raises BudgetTooSmall.
 
     --mode auto, a float16 model computed in float32: its weights are held at float16 as stored
-    where the native kernels multiply them (the CPU; _auto_holds_at_16_bits); elsewhere its
+    where the native kernels multiply them (the CPU); elsewhere its
     resident weights (embeddings, attention) when at float32 they do not fit the weights' share
     (converted before use, exact). (Where they fit but no FFN plan does beside them, load()
     loads them again at float16.) Under a budget the resident weights of a quantized model
     leave too little of, some layers' attention stays on flash, read every token
     (runtime.attention_to_stream)."""
     lines = []
-    if _auto_holds_at_16_bits(config, manifest):
+    may_hold_16 = _may_hold_at_16_bits(config, manifest)
+    if may_hold_16 and mx.default_device() == mx.cpu and kernels_module()[0] is not None:
+        # (float16 SmolLM2, no limit: decode 26.7-28.7 tok/s against 15.8-17.5 held at float32,
+        # prompt 272-287 against 284-296 tok/s, MLX's peak 0.15 against 0.56 GB)
         lines.append("--mode auto: the weights held at float16 as stored: the native kernels multiply them as "
                      "they are (the same sums as at float32, in half the DRAM, a decode step faster; a prompt "
                      "converts them into a float32 arena; --resident-dtype float32 holds them at float32)")
         config, held = replace(config, resident_dtype="float16"), "float16"
-    elif _may_hold_at_16_bits(config, manifest):
+    elif may_hold_16 and config.memory_budget is not None:
         try:
             check_resident_fits(folder, manifest, config)
         except BudgetTooSmall as e:

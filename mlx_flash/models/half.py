@@ -97,11 +97,16 @@ def chunked_matmul(x, n_out, d, fill, arena, bias=None):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
-def lazy_product(x, n, step, rows, bias=None):
-    """x @ W.T (+ bias) for W [n, k], rows i .. j-1 of which rows(i, j) gives as (lazy) MLX
-    arrays at x's dtype: `step` rows at a time, lazily, so that a caller that drops the result
-    (mlx_lm's prefill keeps only the KV cache) never computes it nor holds [positions, n] floats.
-    (MLX converts each chunk itself: slower than the arena, which must be used eagerly.)"""
+def head_product(x, eager, n, k, arena, rows, bias=None):
+    """An lm_head's x @ W.T (+ bias), W [n, k]: a decode step (a batch's too) or a verify pass (up
+    to SMALL_PASS positions a sequence) eager(x, bias); a prompt chunk's lazily, rows i .. j-1 as
+    rows(i, j) gives them (MLX arrays at x's dtype) an arena's worth at a time, so that a caller
+    that drops these logits (mlx_lm's prefill keeps only the KV cache) never computes them nor
+    holds [positions, n] floats. (MLX converts each chunk itself: slower than the arena, which
+    must be used eagerly.)"""
+    if x.ndim == 1 or x.shape[-2] <= SMALL_PASS:
+        return eager(x, bias)
+    step = max(1, arena.values // k)
     y = mx.concatenate([x @ rows(i, min(i + step, n)).T for i in range(0, n, step)], axis=-1)
     return y if bias is None else y + bias
 
@@ -146,11 +151,13 @@ class _Held(nn.Module):
         self._kernels.gather_mv(v, self._rows16, self._all, out, self.k, False, self._code)
 
     def _matmul(self, x, bias=None):
-        if self._head and x.ndim > 1 and x.shape[-2] > SMALL_PASS:
-            # a prompt chunk's logits (or an evaluation's): lazy, never computed when dropped (a
-            # decode step, a batch's too, and a verify pass: eager, as every other held weight)
-            step = max(1, self._arena.values // self.k)
-            return lazy_product(x, self.n, step, lambda i, j: self.weight[i:j].astype(x.dtype), bias)
+        if self._head:
+            return head_product(x, self._product, self.n, self.k, self._arena,
+                                lambda i, j: self.weight[i:j].astype(x.dtype), bias)
+        return self._product(x, bias)
+
+    def _product(self, x, bias=None):
+        """Eager: the kernels' matvec for a pass of up to SMALL_PASS positions, else the arena."""
         if self._kernels is None:
             return chunked_matmul(x, self.n, self.k, self.dequantize, self._arena, bias)
         return native_product(self, self._arena, x, bias)

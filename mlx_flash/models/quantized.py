@@ -15,8 +15,8 @@ and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import SMALL_PASS, QuantMatrix
-from .half import ARENA_VALUES, Arena, chunked_matmul, lazy_product, native_product
+from ..kernels import QuantMatrix
+from .half import ARENA_VALUES, Arena, chunked_matmul, head_product, native_product
 
 
 def quantized_modules(model):
@@ -63,15 +63,11 @@ class _NativeQuantized(nn.Module):
         return native_product(self._q, self._arena, x, bias)
 
     def _head_product(self, x, bias=None):
-        """An lm_head's product (a tied one's too): a decode step (a batch's too) or a verify pass
-        (up to SMALL_PASS positions a sequence) eager, through the kernels or the arena; a prompt
-        chunk's lazy, so that a caller that drops these logits (mlx_lm's prefill) never computes
-        them nor holds [positions, vocab] floats."""
-        if x.ndim == 1 or x.shape[-2] <= SMALL_PASS:
-            return self._product(x, bias)
-        step = max(1, self._arena.values // self._q.k)
-        return lazy_product(x, self._q.n, step, lambda i, j: self._values(self.weight[i:j], self.scales[i:j],
-                                                                          self.biases[i:j]).astype(x.dtype), bias)
+        """An lm_head's product (a tied one's too): models/half.py head_product, eager through
+        the kernels or the arena, a prompt chunk's lazy."""
+        return head_product(x, self._product, self._q.n, self._q.k, self._arena,
+                            lambda i, j: self._values(self.weight[i:j], self.scales[i:j],
+                                                      self.biases[i:j]).astype(x.dtype), bias)
 
     def _values(self, w, s, b):
         # float32 scales: s * q + b computed in float32, as the kernels do (MLX computes

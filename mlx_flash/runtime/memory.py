@@ -214,7 +214,7 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
     rows to write, a few times); and the logits of up to SMALL_PASS positions for each of
     `sequences` (a decode step's, a verify pass's, a prompt's last few; a prompt chunk's own are
     never computed: mlx_lm's prefill drops them, and every lm_head computes a chunk of more
-    positions lazily: models/half.py lazy_product)."""
+    positions lazily: models/half.py head_product)."""
     if kv_on_flash:
         width = 2 * shape.n_heads * (chunk_positions(kv_row_bytes(shape, itemsize)) + chunk) * 4 // itemsize
         width += 4 * shape.kv_per_token // shape.n_layers

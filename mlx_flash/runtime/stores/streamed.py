@@ -20,10 +20,15 @@ class StreamedStore(NeuronFileStore):
                  packed=False, staged=False):
         super().__init__(folder, manifest, plan, reader, dtype, bundled, tables, crcs, packed, staged)
         self._pending = None  # (layer, buffer index, future) of the work in flight
-        if plan.mode == "hybrid":  # the first half of every layer, loaded once
-            half = np.arange(plan.capacity, dtype=np.int64)
+        n, first = self.layout.n_neurons, plan.capacity if plan.mode == "hybrid" else 0
+        self._stream = np.arange(first, n, dtype=np.int64)  # the neurons read every token: first..n-1
+        # (rows, ids) a decode step of float16-held caches hands the kernels: every held row
+        # (neurons 0..first-1), then every streamed one, in dense's order (rows())
+        held = np.arange(first, dtype=np.int64)
+        self._in_place = [(np.arange(ids.size, dtype=np.int64), mx.array(ids)) for ids in (held, self._stream)]
+        if plan.mode == "hybrid":  # the first half of every layer (or as much as --mode auto holds), loaded once
             for layer, cache in enumerate(self.caches):
-                self._read(layer, half, cache, cache.append(half))
+                self._read(layer, held, cache, cache.append(held))
             self.reader.stats.reset()
 
     def _fill(self, layer, stream, j, convert=True):
@@ -60,17 +65,16 @@ class StreamedStore(NeuronFileStore):
         self._begin(layer, x)
         t1 = time.perf_counter()
         hybrid, n = self.plan.mode == "hybrid", self.layout.n_neurons
-        first = self.plan.capacity if hybrid else 0  # the neurons streamed: first..n-1
-        stream = np.arange(first, n, dtype=np.int64)
         hits = self.caches[layer].num_used if hybrid else 0
-        # float16-held caches and a pass of up to SMALL_PASS positions: the native kernels read
-        # the held rows as they are, and the streamed ones after them (into the same host sums,
-        # in dense's row order), where a prompt converts the cache into an arena for BLAS
+        # float16-held caches (a hybrid's) and a pass of up to SMALL_PASS positions: the native
+        # kernels read the held rows as they are, and the streamed ones after them (into the same
+        # host sums), where a prompt converts the cache into an arena for BLAS
         direct = bool(self.arenas) and self.kernels is not None and x.size // x.shape[-1] <= SMALL_PASS
         t2 = t3 = time.perf_counter()
-        j, (got, layout) = self._streamed(layer, stream, convert=not direct)
+        j, (got, layout) = self._streamed(layer, self._stream, convert=not direct)
         if direct:
-            parts = ([self._all_rows(self.caches[layer])] if hybrid else []) + [self._all_rows(self.buffers[j])]
+            parts = [FFNRows(up=None, down=None, ids=ids, select=(c.views, rows, self.kernels))
+                     for c, (rows, ids) in zip((self.caches[layer], self.buffers[j]), self._in_place)]
         else:
             if layout is None and hybrid:  # (its prefetch was a decode step's, which converts nothing)
                 layout = self._convert(layer, j)
@@ -81,8 +85,3 @@ class StreamedStore(NeuronFileStore):
         t4 = time.perf_counter()
         self.stats.add(t2 - t1, t3 - t2, t4 - t3, got[0], got[1], n, hits)
         return parts
-
-    def _all_rows(self, cache):
-        """Every row a cache holds, for the native kernels to read in place (FFNRows.select)."""
-        sel = np.arange(cache.num_used, dtype=np.int64)
-        return FFNRows(up=None, down=None, ids=mx.array(cache.row_to_id[sel]), select=(cache.views, sel, self.kernels))

@@ -23,7 +23,7 @@ from .models.quantized import dequantize_modules, quantized_modules, use_native_
 from .plan.explain import explain
 from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
-                             kv_caches, kv_value_bytes, model_shape, plan_memory)
+                             kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, attention_to_stream, build_runtime,
                       check_resident_fits, compute_dtype, keep_quantized, loaded_resident_bytes, make_config,
                       may_hold_float16)
@@ -85,7 +85,8 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
         # runtime then counted (a float16 SmolLM2 under 516 MB: 245 MB "runtime", not 118)
         del model, resident
         release_heap()
-        model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, refit, context_of)
+        model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, refit, context_of,
+                                                                   None if memory is None else memory.baseline)
         memory = rebuilt or memory
         try:
             runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
@@ -101,6 +102,7 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
         _check_kv_groups(model, config.kv_group_size)
     _set_caches(model, runtime, config, memory, asked.ctx_size)
     model.eval()
+    release_heap()  # (the load's temporaries, freed: else they stay in the RSS a limit counts)
     return model, tokenizer
 
 
@@ -187,44 +189,55 @@ def _fit_weights(folder, manifest, config, held):
     return config, held, streamed, lines
 
 
-def _fit_limit(folder, manifest, config, held, shape, itemsize):
+def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
     """--memory-limit -> (MemoryPlan, config with its weights budget, held, streamed, lines).
     The KV cache in DRAM, or (--kv-cache flash, or auto where in DRAM it leaves the weights too
-    little) on flash, read back every token."""
+    little) on flash, read back every token; each with the prompt chunks the plan's rule chose,
+    and only where neither fits so, shorter chunks (a prompt then reads the streamed weights more
+    often). baseline: the runtime a first load measured (a second load, after the first's plan did
+    not fit, measures what the first left behind)."""
     kv_itemsize = kv_value_bytes(itemsize, config.kv_bits, config.kv_group_size)
     if config.kv_cache == "auto" and config.kv_bits is None and config.batch_size == 1:
         places = (False, True)
     else:
         places = (config.kv_cache == "flash",)
-    why = None
-    for i, on_flash in enumerate(places):
-        last = i == len(places) - 1
+    rules, nothing = [], None  # each placement's plan at the rule's chunk
+    for on_flash in places:
         try:
-            memory = plan_memory(config.memory_limit, shape, itemsize, config.ctx_size,
-                                 kv_itemsize=None if on_flash else kv_itemsize, kv_on_flash=on_flash,
-                                 batch=config.batch_size)
-        except FlashError:
-            if last:
-                raise
-            context = config.ctx_size or DEFAULT_CONTEXT
-            why = f"its {context * shape.kv_per_token * itemsize / 1e6:.0f} MB leave the weights nothing"
-            continue
+            rules.append(plan_memory(config.memory_limit, shape, itemsize, config.ctx_size, baseline,
+                                     kv_itemsize=None if on_flash else kv_itemsize, kv_on_flash=on_flash,
+                                     batch=config.batch_size))
+        except FlashError as e:
+            nothing = e  # (the KV cache in DRAM leaves the weights nothing; on flash, if tried, may not)
+    if not rules:
+        raise nothing
+    least = lambda plan: (plan.shorter_chunks() or [plan])[-1].weights  # noqa: E731
+    if len(rules) == 2 and least(rules[1]) <= least(rules[0]):
+        rules.pop()  # (a short context: the KV cache on flash's buffers and chunks take more than in DRAM)
+    failed = {}  # placement -> (its rule's plan, BudgetTooSmall)
+    for memory in rules + [p for rule in rules for p in rule.shorter_chunks()]:
         fitted = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None,
                          batch_size=1)  # (the plan holds the limit, the context and the batch from here)
         try:
             fitted, held_as, streamed, lines = _fit_weights(folder, manifest, fitted, held)
         except BudgetTooSmall as e:
-            if last:
-                raise memory.restate(e) from None
-            why = f"it leaves the weights {memory.weights / 1e6:.0f} MB, and {e.reason}"
+            failed.setdefault(memory.kv_on_flash, (memory, e))
+            last = (memory, e)
             continue
-        if on_flash and why is not None:
+        if memory.kv_on_flash in failed:
+            first, e = failed[memory.kv_on_flash]
+            lines.insert(0, f"prompt chunks of {memory.prefill_step} tokens, not {first.prefill_step}: their "
+                            f"temporaries at {first.prefill_step} ({first.activations / 1e6:.0f} MB) leave the "
+                            f"weights {first.weights / 1e6:.0f} MB, and {e.reason}")
+        if memory.kv_on_flash and len(places) == 2:
+            dram, e = failed.get(False, (None, nothing))
+            why = (f"its {memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB leave the weights nothing"
+                   if dram is None else f"it leaves the weights {dram.weights / 1e6:.0f} MB, and {e.reason}")
             lines.insert(0, f"the KV cache on flash (--kv-cache auto): held in DRAM for {memory.context} tokens, "
-                            f"{why}; each token reads its keys and "
-                            f"values back, up to {memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB "
-                            "at the full context")
+                            f"{why}; each token reads its keys and values back, up to "
+                            f"{memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB at the full context")
         return memory, fitted, held_as, streamed, lines
-    raise AssertionError("unreachable")
+    raise last[0].restate(last[1])
 
 
 def _ranges(layers):
@@ -266,7 +279,7 @@ def _with_context(config, tokenizer, context_of):
     return config
 
 
-def _build_model(folder, manifest, config: FlashConfig, context_of=None):
+def _build_model(folder, manifest, config: FlashConfig, context_of=None, baseline=None):
     """The model with its resident weights (embeddings, attention, norms) in DRAM, and the tokenizer."""
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
@@ -279,7 +292,7 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None):
     else:  # what the process holds besides weights, off the limit
         shape = model_shape(model, manifest.layout.d_model, manifest.layout.n_neurons)
         memory, config, held, streamed, lines = _fit_limit(folder, manifest, config, held, shape,
-                                                           DTYPES[dtype].size)
+                                                           DTYPES[dtype].size, baseline)
         lines.insert(0, memory.describe())
     for line in lines:
         logging.getLogger("mlx_flash").warning("%s", line)
@@ -401,6 +414,7 @@ def _load_moe(folder, manifest, config, context_of=None):
     model.runtime.memory = memory
     _set_caches(model, model.runtime, config, memory, None)
     model.eval()
+    release_heap()
     return model, tokenizer
 
 
@@ -458,12 +472,8 @@ def release_heap():
     limit counts; so would a model loaded before this one in the same process and closed
     (a server's, a script's), measured as this one's runtime: 119, then 165, then 179 MB
     at three loads of SmolLM2 under 350 MB, each closed before the next."""
-    import ctypes
     import gc
 
     gc.collect()
     mx.clear_cache()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()

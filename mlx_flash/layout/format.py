@@ -172,6 +172,15 @@ class BundleLayout:
         raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.stride)
         return {k: np.ascontiguousarray(raw[:, o : o + n]).view(np.float32) for k, (o, n) in zip(self.kinds, self.parts())}
 
+    def stored(self, raw):
+        """A float layout's bundles -> {kind: array [n, d_model]} at the dtype they are stored in
+        (float16: what a held float16 cache keeps; no float32 copy on the way)."""
+        if self.quant is not None:
+            raise ValueError("stored(): a float layout's rows (a quantized one's: raw_parts)")
+        raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.stride)
+        return {k: np.ascontiguousarray(raw[:, off : off + self.kind_bytes(k)]).view(self.storage_dtype())
+                for k in self.kinds for off in (self.kind_offset(k),)}
+
     def split(self, raw, tables=None, first=0):
         """Bytes of consecutive bundles (the first one bundle `first`) -> {kind: float32 array
         [n, d_model]}; tables: {kind: (scales, biases)} of the layer, for column kinds."""

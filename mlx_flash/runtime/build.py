@@ -14,7 +14,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..errors import FlashError
+from ..errors import BudgetTooSmall, FlashError
 from ..io import FlashReader
 from ..layout.format import check_file, read_checksums, read_tables
 from ..layout.quant import value_shapes
@@ -185,6 +185,23 @@ def check_resident_fits(folder, manifest, config, streamed=()):
     resident += _attention_buffers(spans, streamed, config.prefetch)
     if budget < resident:
         raise budget_too_small(budget, resident)
+    if config.mode in ("naive", "hybrid", "auto") and not config.sparse_options:
+        least = _least_ffn(manifest, config)  # (else found only once the weights have loaded)
+        if budget < resident + least:
+            reason = (f"the resident weights take {resident / 1e6:.0f} MB and the least FFN plan (naive's two "
+                      f"layer buffers, the scale tables and checksums) {least / 1e6:.0f} MB")
+            raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget,
+                                 resident + least, reason)
+
+
+def _least_ffn(manifest, config):
+    """The least DRAM an exact plan's FFN takes: naive's streaming buffers, the FFN's scale
+    tables (about their files' size) and its bundles' checksums."""
+    lay = manifest.layout
+    extra = sum(e["size"] for e in manifest.scales) + len(manifest.ffn_files) * lay.n_neurons * len(lay.kinds) * 4
+    dtype = DTYPES[compute_dtype(config, manifest)]
+    naive, _, _ = exact_plan("naive", manifest, config, dtype, ResidentWeights(0, 0, 0), None, False)
+    return extra + naive.ffn_dram_bytes
 
 
 def _header_resident(folder, manifest, config, streamed=()):
@@ -223,6 +240,11 @@ def _header_resident(folder, manifest, config, streamed=()):
             resident += size * 2
         else:
             resident += size * (held_size if len(shape) == 2 else itemsize)
+    if held is not None:  # the float32 arena a prompt converts them into (models/half.py hold_at_16_bits)
+        from ..models.half import ARENA_VALUES
+
+        largest = max((int(np.prod(v)) for n, v in shapes.items() if n not in gone and len(v) == 2), default=0)
+        resident += 4 * min(ARENA_VALUES, largest)
     budget = parse_budget(config.memory_budget, full + _ffn_bytes(manifest, itemsize))
     return resident, budget, spans, st
 
@@ -278,12 +300,8 @@ def attention_to_stream(folder, manifest, config):
     resident, budget, spans, st = _header_resident(folder, manifest, config)
     if not spans:
         return {}
-    dtype = DTYPES[compute_dtype(config, manifest)]
-    lay = manifest.layout
-    extra = sum(e["size"] for e in manifest.scales)  # the scale tables, about their files' size
-    extra += len(manifest.ffn_files) * lay.n_neurons * len(lay.kinds) * 4  # the bundle checksums
-    naive, _, _ = exact_plan("naive", manifest, config, dtype, ResidentWeights(0, 0, 0), None, False)
-    deficit = resident + extra + naive.ffn_dram_bytes - budget
+    least_ffn = _least_ffn(manifest, config)
+    deficit = resident + least_ffn - budget
     if deficit <= 0:
         return {}
     from .stores.attention import layers_to_stream
@@ -292,12 +310,10 @@ def attention_to_stream(folder, manifest, config):
     if layers is None:  # not even streaming every layer's attention makes naive fit
         least = resident - sum(s.nbytes for s in spans.values()) + _attention_buffers(spans, list(spans),
                                                                                       config.prefetch)
-        need = least + extra + naive.ffn_dram_bytes
-        from ..errors import BudgetTooSmall
-
+        need = least + least_ffn
         reason = (f"even with every layer's attention read from flash, the resident weights (embeddings, norms, "
                   f"two attention buffers) take {least / 1e6:.0f} MB and the least FFN plan (naive's two layer "
-                  f"buffers, the scale tables and checksums) {(extra + naive.ffn_dram_bytes) / 1e6:.0f} MB")
+                  f"buffers, the scale tables and checksums) {least_ffn / 1e6:.0f} MB")
         raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget, need, reason)
     return {i: spans[i] for i in layers}
 

@@ -31,9 +31,9 @@ from ..kernels import SMALL_PASS
 from ..sizes import parse_share
 from .stores.kv import chunk_positions, flash_kv_dram
 
-MLX_CACHE_LIMIT = 32 << 20  # MLX's buffer cache under a limit or a budget (bytes)
-MARGIN_FIXED = 24 << 20  # allocator slack, reader / kernel temporaries, thread stacks
-MARGIN_SHARE = 0.04  # ... and this share of the limit
+MLX_CACHE_LIMIT = 8 << 20  # MLX's buffer cache under a limit or a budget (bytes; see below)
+MARGIN_FIXED = 16 << 20  # allocator slack, reader / kernel temporaries, thread stacks
+MARGIN_SHARE = 0.03  # ... and this share of the limit
 DEFAULT_CONTEXT = 2048
 PREFILL_STEPS = (512, 256, 128, 64, 32)  # the prompt chunk: the largest whose temporaries fit
 BATCH_STEPS = (16, 8, 4, 2, 1)  # ... and for a batch, of each of its sequences
@@ -77,6 +77,22 @@ def process_rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return peak_rss()
+
+
+def trim_heap():
+    """Give the C heap's free pages back to the system (glibc keeps them: a load's per-layer
+    temporaries, freed, stayed in the RSS, 52 MB of float16 SmolLM2's dense load; a memory limit
+    counts them). A no-op where there is no glibc (macOS)."""
+    try:
+        _libc().malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None)
 
 
 def peak_rss():
@@ -185,6 +201,14 @@ class MemoryPlan:
                           f"weights (besides them {self.other / 1e6:.0f} MB: {self._besides()}), and {e.reason}: "
                           f"raise --memory-limit to at least {-(-need // 10**6)} MB{hint}")
 
+    def shorter_chunks(self):
+        """This plan with each shorter prompt chunk, longest first: each leaves the weights more
+        (and a prompt reads the streamed weights more often). The loader tries them before it
+        gives up a placement the weights do not fit."""
+        return [_plan_at(self.limit, self.source, self.shape, self.itemsize, self.context, self.baseline,
+                         self.kv_itemsize, self.kv_on_flash, self.batch, max_step=s)
+                for s in _steps(self.context, self.batch) if s < self.prefill_step]
+
     def _besides(self):
         mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
         kv = (f"KV cache on flash {mb(self.kv)} of buffers ({self.context} tokens: "
@@ -268,15 +292,20 @@ def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=
     return plan
 
 
-def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None, kv_on_flash=False, batch=1):
+def _steps(context, batch):
+    # (no chunk is longer than the context; a batch's chunk is of every sequence: shorter ones allowed)
+    return sorted({min(s, context) for s in PREFILL_STEPS + (BATCH_STEPS if batch > 1 else ())}, reverse=True)
+
+
+def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None, kv_on_flash=False, batch=1,
+             max_step=None):
     if kv_on_flash:
         kv = flash_kv_dram(shape.n_layers, kv_row_bytes(shape, itemsize))
     else:  # kv_caches (a batch's: batch_generate's one BatchKVCache): allocated once, never grown
         kv = batch * int(context * shape.kv_per_token * (itemsize if kv_itemsize is None else kv_itemsize))
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
-    # (no chunk is longer than the context; a batch's chunk is of every sequence: shorter ones allowed)
-    steps = sorted({min(s, context) for s in PREFILL_STEPS + (BATCH_STEPS if batch > 1 else ())}, reverse=True)
+    steps = [s for s in _steps(context, batch) if max_step is None or s <= max_step] or _steps(context, batch)[-1:]
     step = steps[-1]
     for s in steps:  # the largest chunk whose temporaries take at most a quarter of what is left
         if activation_bytes(shape, s * batch, context, itemsize, kv_on_flash, batch) <= max(room, 0) // 4:

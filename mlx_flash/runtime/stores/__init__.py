@@ -2,5 +2,5 @@
 
 Only runtime/build.py makes them; base.py holds what they share. May import:
 errors, io (through the reader handed in), cache, layout, models.ffn / models.half,
-sparsity (top_k_mask), runtime.stats.
+sparsity (top_k_mask), runtime.stats, runtime.memory (trim_heap).
 """

@@ -8,6 +8,7 @@ import mlx.core as mx
 from ...errors import FlashError
 from ...kernels import SMALL_PASS
 from ...models.ffn import FFNRows, PackedRows
+from ..memory import trim_heap
 from .base import Store, cpu_kernels, read_layer_bytes
 
 
@@ -42,14 +43,20 @@ class DenseStore(Store):
             raw = read_layer_bytes(folder, entry, verify)
             if packed:  # each kind's bundle part as it is: [n, kind_bytes / 4] float32 containers
                 self.layers.append(layout.raw_parts(raw))
+            elif held and layout.quant is None and layout.dtype == "float16":  # as stored: what the arena
+                self.layers.append(layout.stored(raw))  # converts from (no float32 copy on the way)
             else:
                 rows = layout.split(raw, tables[layer] if tables else None)
-                if held:  # numpy float16 rows: what the arena converts from
+                if held:  # numpy float16 rows
                     self.layers.append({k: v.astype(np.float16) for k, v in rows.items()})
                 else:
                     arrays = {k: mx.array(v).astype(dtype) for k, v in rows.items()}
                     mx.eval(list(arrays.values()))
                     self.layers.append(FFNRows(**arrays))
+            del raw
+            rows = None
+            trim_heap()  # (a layer's bytes and their float32 split, freed: else the C heap keeps them, 52 MB
+            # of float16 SmolLM2's 30 layers at the load's peak)
             if progress is not None:
                 progress.update(1)
         if packed or held:

@@ -25,7 +25,7 @@ from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
                              kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, attention_to_stream, build_runtime,
-                      check_resident_fits, compute_dtype, keep_quantized, loaded_resident_bytes, make_config,
+                      check_resident_fits, compute_dtype, dense_need, keep_quantized, loaded_resident_bytes, make_config,
                       may_hold_float16)
 
 
@@ -80,9 +80,8 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
         if refit is None:
             raise (e if memory is None else memory.restate(e)) from None
     if refit is not None:
-        # Loaded again out of the except block: the exception's traceback held build_runtime's
-        # frames, and through them the first model's weights, which the second load's measured
-        # runtime then counted (a float16 SmolLM2 under 516 MB: 245 MB "runtime", not 118)
+        # Loaded again out of the except block: its traceback held build_runtime's frames, and through
+        # them the first model's weights (a float16 SmolLM2 under 516 MB: 245 MB "runtime", not 118)
         del model, resident
         release_heap()
         model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, refit, context_of,
@@ -215,6 +214,7 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
     if len(rules) == 2 and least(rules[1]) <= least(rules[0]):
         rules.pop()  # (a short context: the KV cache on flash's buffers and chunks take more than in DRAM)
     failed = {}  # placement -> (its rule's plan, BudgetTooSmall)
+    dense = None  # --mode auto: what dense needs, once a plan fits (its own held dtype decided)
     for memory in rules + [p for rule in rules for p in rule.shorter_chunks()]:
         fitted = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None,
                          batch_size=1)  # (the plan holds the limit, the context and the batch from here)
@@ -224,6 +224,18 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
             failed.setdefault(memory.kv_on_flash, (memory, e))
             last = (memory, e)
             continue
+        if config.mode == "auto" and not config.sparse_options and dense is None:
+            dense = dense_need(folder, manifest, fitted)
+            shorter = [p for p in memory.shorter_chunks() if p.weights >= dense]
+            if memory.weights < dense and shorter:  # the whole model in DRAM wins over longer chunks
+                line = (f"prompt chunks of {shorter[0].prefill_step} tokens, not {memory.prefill_step}: their "
+                        f"temporaries at {memory.prefill_step} ({memory.activations / 1e6:.0f} MB) leave the "
+                        f"weights {memory.weights / 1e6:.0f} MB, and dense needs {dense / 1e6:.0f} MB")
+                memory = shorter[0]
+                fitted, held_as, streamed, lines = _fit_weights(
+                    folder, manifest, replace(config, memory_limit=None, memory_budget=str(memory.weights),
+                                              ctx_size=None, batch_size=1), held)
+                lines.insert(0, line)
         if memory.kv_on_flash in failed:
             first, e = failed[memory.kv_on_flash]
             lines.insert(0, f"prompt chunks of {memory.prefill_step} tokens, not {first.prefill_step}: their "

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +144,8 @@ def test_speed_rows_and_plot(tiny, tmp_path):
     sp = state["speed"]["rows"]
     assert list(sp) == ["dense", "hybrid", "calibrated@0.5", "dip@0.5", "calibrated@0.75", "dip@0.75"]
     # two layers: hybrid's two streaming buffers of a whole layer leave it no resident share
-    assert "over the budget" in sp.pop("hybrid")["error"]
+    # (refused before the weights load, or once they have)
+    assert re.search("over the budget|the least FFN plan", sp.pop("hybrid")["error"])
     for key, r in sp.items():
         assert "error" not in r, (key, r)
         assert len(r["rounds_ms"]) == 2 and r["ms_per_token"] > 0

@@ -17,11 +17,11 @@ are used (no file outside runtime/ imports a store).
 """
 
 from .build import (DTYPES, ResidentWeights, Runtime, attention_to_stream, build_runtime, check_resident_fits,
-                    compute_dtype, loaded_resident_bytes, may_hold_float16, rebuild_runtime)
+                    compute_dtype, dense_need, loaded_resident_bytes, may_hold_float16, rebuild_runtime)
 from .config import FlashConfig, add_cli_args, from_cli, keep_quantized, make_config
 from .stores.base import TooManyNeurons
 
 __all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args",
            "attention_to_stream", "build_runtime", "loaded_resident_bytes",
-           "check_resident_fits", "compute_dtype", "from_cli", "keep_quantized", "make_config",
+           "check_resident_fits", "compute_dtype", "dense_need", "from_cli", "keep_quantized", "make_config",
            "may_hold_float16", "rebuild_runtime"]

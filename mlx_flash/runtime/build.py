@@ -188,10 +188,21 @@ def check_resident_fits(folder, manifest, config, streamed=()):
     if config.mode in ("naive", "hybrid", "auto") and not config.sparse_options:
         least = _least_ffn(manifest, config)  # (else found only once the weights have loaded)
         if budget < resident + least:
-            reason = (f"the resident weights take {resident / 1e6:.0f} MB and the least FFN plan (naive's two "
-                      f"layer buffers, the scale tables and checksums) {least / 1e6:.0f} MB")
+            reason = (f"the resident weights take {resident / 1e6:.1f} MB and the least FFN plan (naive's two "
+                      f"layer buffers, the scale tables and checksums) {least / 1e6:.1f} MB")
             raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget,
                                  resident + least, reason)
+
+
+def dense_need(folder, manifest, config):
+    """What --mode dense would hold in DRAM (the resident weights, every FFN row as the plan
+    holds it, a quantized layout's scale tables), from the headers before the weights load."""
+    resident, _, _, _ = _header_resident(folder, manifest, config)
+    dtype = compute_dtype(config, manifest)
+    held_ffn = config.held_dtype(manifest.dtype, dtype) == "float16"
+    dense, _, _ = exact_plan("dense", manifest, config, DTYPES[dtype], ResidentWeights(resident, 0, 0), None,
+                             held_ffn)
+    return dense.weights_bytes + sum(e["size"] for e in manifest.scales)
 
 
 def _least_ffn(manifest, config):

@@ -121,8 +121,12 @@ def test_exact_work_counts_a_batch_of_reads_per_layer_and_store():
 
     assert exact_work(plan("dense", 100), lay, False, {}, 1 << 18).read_batches == 0  # reads nothing
     assert exact_work(plan("hybrid", 50), lay, False, {}, 1 << 18).read_batches == 4  # a layer's stream
-    w = exact_work(plan("naive", 0), lay, False, {}, 1 << 18, attention_read=(10 * MB, 3), kv_read=(MB, 4096))
+    w = exact_work(plan("naive", 0), lay, False, {}, 1 << 18, attention_read=(10 * MB, 3), kv_read=(MB, 4096, 4))
     assert w.read_batches == 4 + 3 + 4 and w.read_bytes == 4 * 100 * 1024 + 10 * MB
+    # a long context: the KV cache's chunks, several a layer, each a batch
+    assert exact_work(plan("dense", 100), lay, False, {}, 1 << 18, kv_read=(64 * MB, 4 << 20, 16)).read_batches == 16
+    # --unbundled: a batch a weight kind of a layer's rows
+    assert exact_work(plan("hybrid", 50), lay, False, {}, 1 << 18, bundled=False).read_batches == 4 * 3
     # the attention of 3 streamed layers in a dense FFN: its batches alone
     assert exact_work(plan("dense", 100), lay, False, {}, 1 << 18, attention_read=(MB, 3)).read_batches == 3
 

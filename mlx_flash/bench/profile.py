@@ -96,14 +96,16 @@ def probe_file():
 LAYER_READS = 512  # reads the disk probe issues at once for the cost model: about what a layer's store asks
 
 
-def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch=None):
+def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch=None, contiguous=False):
     """{read size: GB/s} of uncached random reads of `chunks`-sized pieces of `files`, for
     `seconds` a size, `batch` reads at a time (None: 64 MiB of them, the queue kept full: what
     the device can do, for floors; LAYER_READS: what a layer's store issues at once, for the cost
     model: 4.5 KiB reads got 0.25-0.30 GB/s 400 at a time here against 0.28-0.31 in 64 MiB).
     rounds > 1: the sizes in turn, `rounds` times, each for seconds / rounds, the median kept: a
     stall of this VM's disk (30 MB/s for a minute, seen once) then spoils one round of every
-    size, not every round of one."""
+    size, not every round of one. contiguous: each batch one run of consecutive pieces from a
+    random place (what an exact mode's layer reads: its streamed rows lie together), not pieces
+    scattered over the files (a sparse mode's)."""
     from ..io import FlashReader
     from ..io.reader import READ_THREADS
 
@@ -120,7 +122,11 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch
                 done, t0 = 0, time.perf_counter()
                 while time.perf_counter() - t0 < seconds / rounds:
                     f = fs[rng.integers(len(fs))]
-                    offs = rng.integers(0, f.size // c, n_per) * c
+                    if contiguous:
+                        n_per = min(n_per, f.size // c)
+                        offs = (rng.integers(0, f.size // c - n_per + 1) + np.arange(n_per)) * c
+                    else:
+                        offs = rng.integers(0, f.size // c, n_per) * c
                     r.read_discard(f, offs, np.full(n_per, c))
                     done += n_per * c
                 rates.setdefault(c, []).append(done / (time.perf_counter() - t0) / 1e9)

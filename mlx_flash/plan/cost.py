@@ -147,15 +147,16 @@ def converts(layout, packed):
     return not packed and (layout.quant is not None or layout.dtype != "float32")
 
 
-def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), kv_read=(0, 0)):
+def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), kv_read=(0, 0, 0), bundled=True):
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
     (form q<bits>-rows: the FFN's row kernels), else float32, and a float16-held cache's rows
     at float16; streamed float rows of a 16-bit or quantized layout are converted on the way.
     attention_read: (bytes, layers) of attention read from flash every token (streamed layers).
-    kv_read: (bytes, bytes per read) of the KV cache on flash read back per token (at the
-    decode's mean context: an input, like the prompt). Each layer that reads issues one batch
-    per store (FFN rows, attention, KV cache)."""
+    kv_read: (bytes, bytes per read, batches) of the KV cache on flash read back per token (at
+    the decode's mean context: an input, like the prompt; its batches are its chunks, several a
+    layer at a long context). Each layer that reads issues one batch per store otherwise (FFN
+    rows, attention), or unbundled (--unbundled), one a weight kind for its FFN rows."""
     L, n = plan.n_layers, plan.n_neurons
     held = plan.layer_capacity(0) if plan.mode != "naive" else 0
     streamed = n - held
@@ -174,7 +175,8 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     ffn_read = L * streamed * layout.stride
     size = min(max_read, max(streamed * layout.stride, 1)) if ffn_read else max_read
     converted = L * streamed * values if converts(layout, packed) else 0
-    batches = (L if ffn_read else 0) + attention_read[1] + (L if kv_read[0] else 0)
+    kv_bytes, kv_size, kv_batches = kv_read
+    batches = (L * (1 if bundled else len(layout.kinds)) if ffn_read else 0) + attention_read[1] + kv_batches
     return Work(ffn_read + attention_read[0], size, computed,
-                plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, *kv_read,
+                plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, kv_bytes, kv_size,
                 converted_values=converted, read_batches=batches)

@@ -83,7 +83,8 @@ class Runtime:
             return None
         packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
         return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ,
-                          _attention_read(self.attention), kv_read=_kv_read(self.kv, DEFAULT_MAX_READ))
+                          _attention_read(self.attention), kv_read=_kv_read(self.kv, DEFAULT_MAX_READ),
+                          bundled=self.config.bundled)
 
     def predict(self, profile):
         """The cost model's prediction for this runtime's plan (None in flash mode)."""
@@ -347,12 +348,13 @@ def _ffn_bytes(manifest, itemsize):
 
 
 def _kv_read(kv, max_read):
-    """(bytes, bytes per read) the KV cache on flash reads back per decode token ((0, 0): none;
-    its chunks are read in pieces of the reader's max read)."""
+    """(bytes, bytes per read, chunks) the KV cache on flash reads back per decode token, on
+    average so far ((0, 0, 0): none; a chunk is one batch, read in pieces of the reader's max
+    read: a 7B's layer at 2048 positions is 16 chunks)."""
     if kv is None:
-        return 0, 0
+        return 0, 0, 0
     nbytes, size = kv.decode_read()
-    return nbytes, min(size, max_read)
+    return nbytes, min(size, max_read), round(nbytes / size) if size else 0
 
 
 def build_runtime(model, folder, manifest, config, resident, source=None, progress=False):
@@ -456,8 +458,8 @@ def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables,
         if profile is None:
             return None
         try:
-            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ, attention_read),
-                           profile)
+            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ, attention_read,
+                                      bundled=config.bundled), profile)
         except FlashError:  # (a profile without this weight form's rate)
             return None
 

@@ -115,12 +115,23 @@ def _refit(e, asked, config, manifest, memory):
             "instead (converted into a float32 arena before use: the same values)", e.reason)
         return replace(config, resident_dtype="float16")
     if (memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None
-            and asked.batch_size == 1):
+            and asked.batch_size == 1 and _flash_frees(memory)):
         logging.getLogger("mlx_flash").warning(
             "the KV cache on flash (--kv-cache auto): held in DRAM for %d tokens, it leaves the weights "
             "%.0f MB, and %s", memory.context, memory.weights / 1e6, e.reason)
         return replace(asked, kv_cache="flash")
     return None
+
+
+def _flash_frees(memory):
+    """Would the KV cache on flash (at its shortest prompt chunk) leave the weights more than this
+    plan in DRAM does? (A short context: its buffers and chunks take more than it does.)"""
+    try:
+        flash = plan_memory(str(memory.limit), memory.shape, memory.itemsize, memory.context, memory.baseline,
+                            kv_on_flash=True, warn=False)
+    except FlashError:
+        return False
+    return (flash.shorter_chunks() or [flash])[-1].weights > memory.weights
 
 
 def _set_caches(model, runtime, config, memory, ctx_size):
@@ -205,7 +216,8 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
         try:
             rules.append(plan_memory(config.memory_limit, shape, itemsize, config.ctx_size, baseline,
                                      kv_itemsize=None if on_flash else kv_itemsize, kv_on_flash=on_flash,
-                                     batch=config.batch_size))
+                                     batch=config.batch_size, warn=on_flash == places[0]))
+            baseline = rules[-1].baseline  # (one runtime measured for every plan)
         except FlashError as e:
             nothing = e  # (the KV cache in DRAM leaves the weights nothing; on flash, if tried, may not)
     if not rules:
@@ -222,7 +234,6 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
             fitted, held_as, streamed, lines = _fit_weights(folder, manifest, fitted, held)
         except BudgetTooSmall as e:
             failed.setdefault(memory.kv_on_flash, (memory, e))
-            last = (memory, e)
             continue
         if config.mode == "auto" and not config.sparse_options and dense is None:
             dense = dense_need(folder, manifest, fitted)
@@ -231,11 +242,14 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
                 line = (f"prompt chunks of {shorter[0].prefill_step} tokens, not {memory.prefill_step}: their "
                         f"temporaries at {memory.prefill_step} ({memory.activations / 1e6:.0f} MB) leave the "
                         f"weights {memory.weights / 1e6:.0f} MB, and dense needs {dense / 1e6:.0f} MB")
-                memory = shorter[0]
-                fitted, held_as, streamed, lines = _fit_weights(
-                    folder, manifest, replace(config, memory_limit=None, memory_budget=str(memory.weights),
-                                              ctx_size=None, batch_size=1), held)
-                lines.insert(0, line)
+                refit = _fit_weights(folder, manifest, replace(config, memory_limit=None, ctx_size=None,
+                                                               memory_budget=str(shorter[0].weights),
+                                                               batch_size=1), held)
+                # (at the larger budget the resident weights may be held otherwise: dense then
+                # needs what that says, and the longer chunks stay where it still does not fit)
+                if dense_need(folder, manifest, refit[0]) <= shorter[0].weights:
+                    memory, (fitted, held_as, streamed, lines) = shorter[0], refit
+                    lines.insert(0, line)
         if memory.kv_on_flash in failed:
             first, e = failed[memory.kv_on_flash]
             lines.insert(0, f"prompt chunks of {memory.prefill_step} tokens, not {first.prefill_step}: their "
@@ -249,7 +263,10 @@ def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
                             f"{why}; each token reads its keys and values back, up to "
                             f"{memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB at the full context")
         return memory, fitted, held_as, streamed, lines
-    raise last[0].restate(last[1])
+    # (the default plan's shortfall, the KV cache in DRAM at the rule's chunk where it was tried: the
+    # limit named then holds that plan)
+    first, e = failed.get(False) or failed[True]
+    raise first.restate(e)
 
 
 def _ranges(layers):

@@ -127,6 +127,16 @@ def test_auto_shortens_the_prompt_chunks_where_that_lets_the_whole_model_fit(smo
     gc.collect()
 
 
+def test_a_reload_moves_the_kv_cache_to_flash_only_where_that_frees_memory(monkeypatch):
+    from mlx_flash.loader import _flash_frees
+
+    monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
+    # 40 tokens: 2 MB in DRAM, against the flash cache's read buffers and longer chunks' temporaries
+    assert not _flash_frees(plan_memory("300MB", SHAPE, 4, context=40, baseline=100 * MB))
+    # 2048 tokens: 94 MB in DRAM
+    assert _flash_frees(plan_memory("400MB", SHAPE, 4, context=2048, baseline=100 * MB))
+
+
 def test_a_budget_short_by_less_than_the_kv_caches_share_names_kv_bits(monkeypatch):
     monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
     p = plan_memory("300MB", SHAPE, 4, context=2048, baseline=100 * MB)

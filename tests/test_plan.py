@@ -14,7 +14,7 @@ from mlx_flash.errors import BudgetTooSmall, FlashError
 from mlx_flash.kernels import kernels_module
 from mlx_flash.bench import profile as bench_profile
 from mlx_flash.plan import profile as profile_mod
-from mlx_flash.plan.choose import choose_mode, variants
+from mlx_flash.plan.choose import Candidate, choose_mode, variants
 from mlx_flash.plan.cost import Work, predict
 from mlx_flash.plan.profile import Profile, load_profile, save_profile
 from mlx_flash.runtime.config import FlashConfig
@@ -158,6 +158,22 @@ def test_choose_mode_takes_the_first_exact_mode_that_fits():
     # a sparsity option asks for flash, the one mode that is not exact
     assert choose_mode(FlashConfig(sparsity="dip", density=0.5), 250, plan_of(250)).mode == "flash"
     assert "no machine profile" in c.reason  # (the order decides, and says why)
+
+
+def test_choose_mode_never_takes_a_hybrid_holding_no_neuron_where_naive_fits():
+    """A hybrid whose budget holds no neuron reads what naive reads, with a cache's parts: naive
+    instead, even where the cost model puts it a hair ahead."""
+    empty = type("P", (), {"layer_capacity": lambda self, i: 0, "n_neurons": 10})()
+
+    def plan_of(c):
+        return (empty, False, False)
+
+    def predict(c):
+        return type("Prediction", (), {"total_ms": {"hybrid": 189, "naive": 190}.get(c.label, 500)})()
+
+    c = choose_mode(FlashConfig(), 100, plan_of, [Candidate("hybrid"), Candidate("naive")], predict)
+    assert c.mode == "naive" and "hybrid" not in c.reason
+    assert "hold no neuron" in next(x.error for x in c.candidates if x.mode == "hybrid")
 
 
 def test_choose_mode_with_a_profile_takes_the_fastest_predicted_plan_that_fits():

@@ -123,12 +123,12 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch
                 while time.perf_counter() - t0 < seconds / rounds:
                     f = fs[rng.integers(len(fs))]
                     if contiguous:
-                        n_per = min(n_per, f.size // c)
-                        offs = (rng.integers(0, f.size // c - n_per + 1) + np.arange(n_per)) * c
+                        k = min(n_per, f.size // c)
+                        offs = (rng.integers(0, f.size // c - k + 1) + np.arange(k)) * c
                     else:
                         offs = rng.integers(0, f.size // c, n_per) * c
-                    r.read_discard(f, offs, np.full(n_per, c))
-                    done += n_per * c
+                    r.read_discard(f, offs, np.full(offs.size, c))
+                    done += offs.size * c
                 rates.setdefault(c, []).append(done / (time.perf_counter() - t0) / 1e9)
     return {c: float(np.median(v)) for c, v in rates.items()}
 

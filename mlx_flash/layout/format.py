@@ -173,10 +173,10 @@ class BundleLayout:
         return {k: np.ascontiguousarray(raw[:, o : o + n]).view(np.float32) for k, (o, n) in zip(self.kinds, self.parts())}
 
     def stored(self, raw):
-        """A float layout's bundles -> {kind: array [n, d_model]} at the dtype they are stored in
-        (float16: what a held float16 cache keeps; no float32 copy on the way)."""
-        if self.quant is not None:
-            raise ValueError("stored(): a float layout's rows (a quantized one's: raw_parts)")
+        """A float16 layout's bundles -> {kind: float16 array [n, d_model]} as stored: what a held
+        float16 cache keeps, with no float32 copy on the way."""
+        if self.quant is not None or self.dtype != "float16":
+            raise ValueError(f"stored(): a float16 layout's rows, not {self.dtype}'s (a quantized one's: raw_parts)")
         raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.stride)
         return {k: np.ascontiguousarray(raw[:, off : off + self.kind_bytes(k)]).view(self.storage_dtype())
                 for k in self.kinds for off in (self.kind_offset(k),)}

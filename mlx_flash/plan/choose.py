@@ -80,6 +80,11 @@ def choose_mode(config, budget, plan_of, candidates=None, predict=None):
     fits = [c for c in candidates if c.plan is not None]
     if not fits:
         raise last
+    if any(c.mode == "naive" for c in fits):  # (a hybrid holding no neuron: naive's reads, more parts)
+        for c in fits:
+            if c.mode == "hybrid" and c.plan.layer_capacity(0) == 0:
+                c.plan, c.error = None, "it would hold no neuron (naive's reads, with a cache's parts)"
+        fits = [c for c in fits if c.plan is not None]
     for c in fits:
         c.prediction = predict(c) if predict is not None else None
     if all(c.prediction is not None for c in fits):

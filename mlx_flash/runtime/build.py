@@ -201,16 +201,22 @@ def dense_need(folder, manifest, config):
     resident, _, _, _ = _header_resident(folder, manifest, config)
     dtype = compute_dtype(config, manifest)
     held_ffn = config.held_dtype(manifest.dtype, dtype) == "float16"
-    dense, _, _ = exact_plan("dense", manifest, config, DTYPES[dtype], ResidentWeights(resident, 0, 0), None,
-                             held_ffn)
-    return dense.weights_bytes + sum(e["size"] for e in manifest.scales)
+    # (auto compares dense with float16 rows too where the resident weights stay at float32: _choose)
+    rows = {held_ffn, held_ffn or may_hold_float16(config, manifest)}
+    dense = min(exact_plan("dense", manifest, config, DTYPES[dtype], ResidentWeights(resident, 0, 0), None,
+                           r)[0].weights_bytes for r in rows)
+    return dense + sum(e["size"] for e in manifest.scales)
 
 
 def _least_ffn(manifest, config):
     """The least DRAM an exact plan's FFN takes: naive's streaming buffers, the FFN's scale
     tables (about their files' size) and its bundles' checksums."""
+    from ..io import native_available
+
     lay = manifest.layout
-    extra = sum(e["size"] for e in manifest.scales) + len(manifest.ffn_files) * lay.n_neurons * len(lay.kinds) * 4
+    extra = sum(e["size"] for e in manifest.scales)
+    if config.verify and native_available():  # (_checksums: held only where reads are checked)
+        extra += len(manifest.ffn_files) * lay.n_neurons * len(lay.kinds) * 4
     dtype = DTYPES[compute_dtype(config, manifest)]
     naive, _, _ = exact_plan("naive", manifest, config, dtype, ResidentWeights(0, 0, 0), None, False)
     return extra + naive.ffn_dram_bytes

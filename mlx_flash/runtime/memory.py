@@ -31,7 +31,8 @@ from ..kernels import SMALL_PASS
 from ..sizes import parse_share
 from .stores.kv import chunk_positions, flash_kv_dram
 
-MLX_CACHE_LIMIT = 8 << 20  # MLX's buffer cache under a limit or a budget (bytes; see below)
+MLX_CACHE_LIMIT = 8 << 20  # MLX's buffer cache under a limit or a budget (bytes: 32 MB gave no faster
+# prompt or decode on SmolLM2, results/memory-slack-stop43/cache_ab.py)
 MARGIN_FIXED = 16 << 20  # allocator slack, reader / kernel temporaries, thread stacks
 MARGIN_SHARE = 0.03  # ... and this share of the limit
 DEFAULT_CONTEXT = 2048
@@ -273,12 +274,14 @@ def kv_value_bytes(itemsize, kv_bits=None, group_size=64):
     return itemsize if kv_bits is None else kv_bits / 8 + 2 * itemsize / group_size
 
 
-def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=None, kv_on_flash=False, batch=1):
+def plan_memory(text, shape, itemsize, context=None, baseline=None, kv_itemsize=None, kv_on_flash=False, batch=1,
+                warn=True):
     """--memory-limit `text` -> MemoryPlan (its `weights` is the planner's budget). kv_itemsize:
     bytes per KV value (kv_value_bytes; default the compute dtype's); kv_on_flash: the KV cache
     written to flash and read back (its buffers are what DRAM holds); batch: sequences decoded
-    together, each with its KV cache and its share of a prompt chunk's temporaries."""
-    limit, source = effective_limit(text)
+    together, each with its KV cache and its share of a prompt chunk's temporaries. warn: say
+    once where a cgroup's limit is lower than the given one (a second plan of the same limit: not)."""
+    limit, source = effective_limit(text, warn)
     context = DEFAULT_CONTEXT if context is None else context
     if context < 1:
         raise FlashError(f"--ctx-size must be at least 1 token, got {context}")

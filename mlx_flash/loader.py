@@ -21,12 +21,12 @@ from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
 from .plan.explain import explain
+from .plan.fit import fit_limit, fit_weights, refit_config
 from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
                              kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
-from .runtime import (DTYPES, FlashConfig, ResidentWeights, attention_to_stream, build_runtime,
-                      check_resident_fits, compute_dtype, dense_need, keep_quantized, loaded_resident_bytes, make_config,
-                      may_hold_float16)
+from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, compute_dtype, keep_quantized,
+                      loaded_resident_bytes, make_config)
 
 
 
@@ -76,7 +76,7 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
     try:
         runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
     except BudgetTooSmall as e:
-        refit = _refit(e, asked, config, manifest, memory)
+        refit = refit_config(e, asked, config, manifest, memory)
         if refit is None:
             raise (e if memory is None else memory.restate(e)) from None
     if refit is not None:
@@ -105,35 +105,6 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
     return model, tokenizer
 
 
-def _refit(e, asked, config, manifest, memory):
-    """No plan fits (BudgetTooSmall e) after the model loaded: the config to load it again with,
-    said in one line, or None. --mode auto may hold a float16 model's resident weights at
-    float16; --kv-cache auto may move the KV cache to flash."""
-    if _may_hold_at_16_bits(config, manifest):
-        logging.getLogger("mlx_flash").warning(
-            "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
-            "instead (converted into a float32 arena before use: the same values)", e.reason)
-        return replace(config, resident_dtype="float16")
-    if (memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None
-            and asked.batch_size == 1 and _flash_frees(memory)):
-        logging.getLogger("mlx_flash").warning(
-            "the KV cache on flash (--kv-cache auto): held in DRAM for %d tokens, it leaves the weights "
-            "%.0f MB, and %s", memory.context, memory.weights / 1e6, e.reason)
-        return replace(asked, kv_cache="flash")
-    return None
-
-
-def _flash_frees(memory):
-    """Would the KV cache on flash (at its shortest prompt chunk) leave the weights more than this
-    plan in DRAM does? (A short context: its buffers and chunks take more than it does.)"""
-    try:
-        flash = plan_memory(str(memory.limit), memory.shape, memory.itemsize, memory.context, memory.baseline,
-                            kv_on_flash=True, warn=False)
-    except FlashError:
-        return False
-    return (flash.shorter_chunks() or [flash])[-1].weights > memory.weights
-
-
 def _set_caches(model, runtime, config, memory, ctx_size):
     """model.make_cache (mlx_lm's make_prompt_cache uses it): the KV cache on flash, or mlx_lm's
     caches allocated once for the plan's context (quantized with --kv-bits)."""
@@ -151,127 +122,6 @@ def _check_kv_groups(model, group_size):
     if head_dim is not None and head_dim % group_size:
         raise FlashError(f"--kv-group-size {group_size} does not divide the model's head dimension ({head_dim}): "
                          "choose 32, 64 or 128 that does")
-
-
-def _may_hold_at_16_bits(config, manifest):
-    """--mode auto, no sparse mode asked for, may hold a float16 model's resident weights at
-    float16 (runtime.may_hold_float16): from the start where the native kernels multiply 16-bit
-    rows (_fit_weights), else only when a budget leaves no plan at float32 (_refit, reached only
-    under one)."""
-    return config.mode == "auto" and not config.sparse_options and may_hold_float16(config, manifest)
-
-
-def _fit_weights(folder, manifest, config, held):
-    """What the budget leaves the resident weights, decided before they load (no line said
-    yet: the caller says them for the placement it keeps). -> (config, held dtype,
-    {layer: LayerSpan} of streamed attention, lines to say); raises BudgetTooSmall.
-
-    --mode auto, a float16 model computed in float32: its weights are held at float16 as stored
-    where the native kernels multiply them (the CPU); elsewhere its
-    resident weights (embeddings, attention) when at float32 they do not fit the weights' share
-    (converted before use, exact). (Where they fit but no FFN plan does beside them, load()
-    loads them again at float16.) Under a budget the resident weights of a quantized model
-    leave too little of, some layers' attention stays on flash, read every token
-    (runtime.attention_to_stream)."""
-    lines = []
-    may_hold_16 = _may_hold_at_16_bits(config, manifest)
-    if may_hold_16 and mx.default_device() == mx.cpu and kernels_module()[0] is not None:
-        # (float16 SmolLM2, no limit: decode 26.7-28.7 tok/s against 15.8-17.5 held at float32,
-        # prompt 272-287 against 284-296 tok/s, MLX's peak 0.15 against 0.56 GB)
-        lines.append("--mode auto: the weights held at float16 as stored: the native kernels multiply them as "
-                     "they are (the same sums as at float32, in half the DRAM, a decode step faster; a prompt "
-                     "converts them into a float32 arena; --resident-dtype float32 holds them at float32)")
-        config, held = replace(config, resident_dtype="float16"), "float16"
-    elif may_hold_16 and config.memory_budget is not None:
-        try:
-            check_resident_fits(folder, manifest, config)
-        except BudgetTooSmall as e:
-            lines.append(f"--mode auto: {e.reason}; held at float16 as stored instead (converted into a "
-                         "float32 arena before use: the same values)")
-            config, held = replace(config, resident_dtype="float16"), "float16"
-    streamed = attention_to_stream(folder, manifest, config)
-    if streamed:
-        layers = sorted(streamed)
-        mb = sum(s.nbytes for s in streamed.values()) / 1e6
-        lines.append(f"the resident weights leave too little of the budget for the FFN: the attention of "
-                     f"{len(streamed)} layers ({_ranges(layers)}; {mb:.0f} MB) stays on flash, read every token")
-    check_resident_fits(folder, manifest, config, streamed)
-    return config, held, streamed, lines
-
-
-def _fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
-    """--memory-limit -> (MemoryPlan, config with its weights budget, held, streamed, lines).
-    The KV cache in DRAM, or (--kv-cache flash, or auto where in DRAM it leaves the weights too
-    little) on flash, read back every token; each with the prompt chunks the plan's rule chose,
-    and only where neither fits so, shorter chunks (a prompt then reads the streamed weights more
-    often). baseline: the runtime a first load measured (a second load, after the first's plan did
-    not fit, measures what the first left behind)."""
-    kv_itemsize = kv_value_bytes(itemsize, config.kv_bits, config.kv_group_size)
-    if config.kv_cache == "auto" and config.kv_bits is None and config.batch_size == 1:
-        places = (False, True)
-    else:
-        places = (config.kv_cache == "flash",)
-    rules, nothing = [], None  # each placement's plan at the rule's chunk
-    for on_flash in places:
-        try:
-            rules.append(plan_memory(config.memory_limit, shape, itemsize, config.ctx_size, baseline,
-                                     kv_itemsize=None if on_flash else kv_itemsize, kv_on_flash=on_flash,
-                                     batch=config.batch_size, warn=on_flash == places[0]))
-            baseline = rules[-1].baseline  # (one runtime measured for every plan)
-        except FlashError as e:
-            nothing = e  # (the KV cache in DRAM leaves the weights nothing; on flash, if tried, may not)
-    if not rules:
-        raise nothing
-    least = lambda plan: (plan.shorter_chunks() or [plan])[-1].weights  # noqa: E731
-    if len(rules) == 2 and least(rules[1]) <= least(rules[0]):
-        rules.pop()  # (a short context: the KV cache on flash's buffers and chunks take more than in DRAM)
-    failed = {}  # placement -> (its rule's plan, BudgetTooSmall)
-    dense = None  # --mode auto: what dense needs, once a plan fits (its own held dtype decided)
-    for memory in rules + [p for rule in rules for p in rule.shorter_chunks()]:
-        fitted = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None,
-                         batch_size=1)  # (the plan holds the limit, the context and the batch from here)
-        try:
-            fitted, held_as, streamed, lines = _fit_weights(folder, manifest, fitted, held)
-        except BudgetTooSmall as e:
-            failed.setdefault(memory.kv_on_flash, (memory, e))
-            continue
-        if config.mode == "auto" and not config.sparse_options and dense is None:
-            dense = dense_need(folder, manifest, fitted)
-            shorter = [p for p in memory.shorter_chunks() if p.weights >= dense]
-            if memory.weights < dense and shorter:  # the whole model in DRAM wins over longer chunks
-                line = (f"prompt chunks of {shorter[0].prefill_step} tokens, not {memory.prefill_step}: their "
-                        f"temporaries at {memory.prefill_step} ({memory.activations / 1e6:.0f} MB) leave the "
-                        f"weights {memory.weights / 1e6:.0f} MB, and dense needs {dense / 1e6:.0f} MB")
-                refit = _fit_weights(folder, manifest, replace(config, memory_limit=None, ctx_size=None,
-                                                               memory_budget=str(shorter[0].weights),
-                                                               batch_size=1), held)
-                # (at the larger budget the resident weights may be held otherwise: dense then
-                # needs what that says, and the longer chunks stay where it still does not fit)
-                if dense_need(folder, manifest, refit[0]) <= shorter[0].weights:
-                    memory, (fitted, held_as, streamed, lines) = shorter[0], refit
-                    lines.insert(0, line)
-        if memory.kv_on_flash in failed:
-            first, e = failed[memory.kv_on_flash]
-            lines.insert(0, f"prompt chunks of {memory.prefill_step} tokens, not {first.prefill_step}: their "
-                            f"temporaries at {first.prefill_step} ({first.activations / 1e6:.0f} MB) leave the "
-                            f"weights {first.weights / 1e6:.0f} MB, and {e.reason}")
-        if memory.kv_on_flash and len(places) == 2:
-            dram, e = failed.get(False, (None, nothing))
-            why = (f"its {memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB leave the weights nothing"
-                   if dram is None else f"it leaves the weights {dram.weights / 1e6:.0f} MB, and {e.reason}")
-            lines.insert(0, f"the KV cache on flash (--kv-cache auto): held in DRAM for {memory.context} tokens, "
-                            f"{why}; each token reads its keys and values back, up to "
-                            f"{memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB at the full context")
-        return memory, fitted, held_as, streamed, lines
-    # (the default plan's shortfall, the KV cache in DRAM at the rule's chunk where it was tried: the
-    # limit named then holds that plan)
-    first, e = failed.get(False) or failed[True]
-    raise first.restate(e)
-
-
-def _ranges(layers):
-    shown = ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))}, ..., {layers[-1]}"
-    return "layers " + shown
 
 
 def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
@@ -317,10 +167,10 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None, baselin
     config = _with_context(config, tokenizer, context_of)
     memory = None
     if config.memory_limit is None:
-        config, held, streamed, lines = _fit_weights(folder, manifest, config, held)
+        config, held, streamed, lines = fit_weights(folder, manifest, config, held)
     else:  # what the process holds besides weights, off the limit
         shape = model_shape(model, manifest.layout.d_model, manifest.layout.n_neurons)
-        memory, config, held, streamed, lines = _fit_limit(folder, manifest, config, held, shape,
+        memory, config, held, streamed, lines = fit_limit(folder, manifest, config, held, shape,
                                                            DTYPES[dtype].size, baseline)
         lines.insert(0, memory.describe())
     for line in lines:

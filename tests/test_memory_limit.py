@@ -128,7 +128,7 @@ def test_auto_shortens_the_prompt_chunks_where_that_lets_the_whole_model_fit(smo
 
 
 def test_a_reload_moves_the_kv_cache_to_flash_only_where_that_frees_memory(monkeypatch):
-    from mlx_flash.loader import _flash_frees
+    from mlx_flash.plan.fit import flash_frees as _flash_frees
 
     monkeypatch.setattr(memory, "cgroup_limit", lambda: None)
     # 40 tokens: 2 MB in DRAM, against the flash cache's read buffers and longer chunks' temporaries
@@ -337,7 +337,7 @@ def test_a_load_planned_again_does_not_count_its_first_attempt(smollm2):
     # as the first did: the first model is gone (it was held by the exception's traceback:
     # a float16 SmolLM2 under 516 MB measured 118, then 245 MB)
     code = f"""
-import mlx_flash, mlx_flash.loader as L
+import mlx_flash, mlx_flash.plan.fit as L
 from mlx_flash.runtime import memory
 MB = 10**6
 shape = memory.Shape(n_layers=30, d_model=576, n_ff=1536, n_heads=9, kv_per_token=30 * 2 * 192, vocab=49152)

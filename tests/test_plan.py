@@ -324,10 +324,12 @@ def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_le
     the start; without them (a build that lacks them: injected) when float32 leaves no plan."""
     from mlx_flash import loader
     from mlx_flash.bench.random_model import build_checkpoint
+    from mlx_flash.plan import fit
 
     kernels = kernels and kernels_module()[0] is not None
-    if not kernels:
-        monkeypatch.setattr(loader, "kernels_module", lambda: (None, "not built (injected)"))
+    if not kernels:  # (the plan's choice of dtype, and the loader's modules)
+        for m in (loader, fit):
+            monkeypatch.setattr(m, "kernels_module", lambda: (None, "not built (injected)"))
 
     folder = build_checkpoint("tiny-llama", "float16", home=tmp_path, progress=False)
     dense, _ = mlx_flash.load(folder, mode="dense")

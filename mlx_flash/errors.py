@@ -7,6 +7,7 @@ class BudgetTooSmall(FlashError):
     Under --memory-limit the loader restates it in the limit's terms (the budget is the
     limit's share for weights, a number the user never gave)."""
 
-    def __init__(self, message, budget, needed, reason):
-        super().__init__(message)
+    def __init__(self, message, budget, needed, reason, hint=""):
+        super().__init__(message + hint)
         self.budget, self.needed, self.reason = budget, needed, reason
+        self.hint = hint  # (", or ...": another way to fit, said after what the limit would need)

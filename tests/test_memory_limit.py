@@ -71,6 +71,9 @@ def test_a_budget_too_small_is_restated_as_the_smallest_limit_that_holds_it(monk
     # and it is no more than that noise above the smallest that does
     assert at(need - memory.BASELINE_NOISE - 2 * MB) < short.needed
     assert "--kv-bits" not in text  # (8-bit KV would not make 37 MB of room here)
+    # another way to fit, where the error has one: said after the limit that would hold it
+    hinted = BudgetTooSmall("memory budget ...", p.weights, p.weights + 37 * MB, "X", ", or Y")
+    assert str(hinted) == "memory budget ..., or Y" and str(p.restate(hinted)).endswith(" MB, or Y")
 
 
 def test_shorter_prompt_chunks_leave_the_weights_more(monkeypatch):

@@ -351,7 +351,8 @@ def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_le
         assert mx.abs(model(x) - want).max().item() <= 1e-5
         rt.close()
     # an explicit mode keeps its resident dtype (refused before or after the weights load)
-    with pytest.raises(BudgetTooSmall, match="--mode naive needs|the least FFN plan"):
+    # (and says how it would fit)
+    with pytest.raises(BudgetTooSmall, match="(--mode naive needs|the least FFN plan).*--resident-dtype float16"):
         mlx_flash.load(folder, mode="naive", memory_budget=str(int(resident32 * 1.32)))
 
 

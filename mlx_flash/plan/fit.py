@@ -60,7 +60,14 @@ def fit_weights(folder, manifest, config, held):
         mb = sum(s.nbytes for s in streamed.values()) / 1e6
         lines.append(f"the resident weights leave too little of the budget for the FFN: the attention of "
                      f"{len(streamed)} layers ({_ranges(layers)}; {mb:.0f} MB) stays on flash, read every token")
-    check_resident_fits(folder, manifest, config, streamed)
+    try:
+        check_resident_fits(folder, manifest, config, streamed)
+    except BudgetTooSmall as e:
+        if config.mode == "auto" or not may_hold_float16(config, manifest):
+            raise
+        hint = (", or hold the resident weights at float16 as stored with --resident-dtype float16 (half "
+                "their DRAM, the same values)")  # (an explicit mode keeps the compute dtype unless told)
+        raise BudgetTooSmall(str(e), e.budget, e.needed, e.reason, hint) from None
     return config, held, streamed, lines
 
 

@@ -200,7 +200,7 @@ class MemoryPlan:
                         f"{self.kv / 1e6:.0f}; not exact, close: results/kv/)")
         return FlashError(f"--memory-limit {self.limit / 1e6:.0f} MB leaves {self.weights / 1e6:.0f} MB for "
                           f"weights (besides them {self.other / 1e6:.0f} MB: {self._besides()}), and {e.reason}: "
-                          f"raise --memory-limit to at least {-(-need // 10**6)} MB{hint}")
+                          f"raise --memory-limit to at least {-(-need // 10**6)} MB{hint}{e.hint}")
 
     def shorter_chunks(self):
         """This plan with each shorter prompt chunk, longest first: each leaves the weights more

@@ -104,10 +104,11 @@ def test_the_loader_shortens_the_prompt_chunks_before_it_gives_up(smollm2, monke
     gc.collect()
 
 
-def test_auto_shortens_the_prompt_chunks_where_that_lets_the_whole_model_fit(smollm2, monkeypatch, caplog):
-    """--mode auto: where the rule's prompt chunks leave the weights less than dense needs and a
-    shorter chunk does not, the shorter chunk (dense decodes without reading; its prompt reads
-    nothing either)."""
+@pytest.mark.parametrize("mode", ["auto", "dense"])
+def test_the_prompt_chunks_shorten_where_that_lets_the_whole_model_fit(smollm2, monkeypatch, caplog, mode):
+    """--mode auto (or dense asked for): where the rule's prompt chunks leave the weights less than
+    dense needs and a shorter chunk does not, the shorter chunk (dense decodes without reading;
+    its prompt reads nothing either)."""
     from mlx_flash.layout.format import read_manifest
     from mlx_flash.runtime import dense_need, make_config
 
@@ -120,11 +121,11 @@ def test_auto_shortens_the_prompt_chunks_where_that_lets_the_whole_model_fit(smo
     dense = dense_need(smollm2, read_manifest(smollm2), make_config({}))
     at = lambda mb: plan_memory(f"{mb}MB", shape, 4, context=2048, baseline=120 * MB)  # noqa: E731
     limit = next(mb for mb in range(300, 1000) if at(mb).weights < dense <= at(mb).shorter_chunks()[-1].weights)
-    model, tok = mlx_flash.load(smollm2, memory_limit=f"{limit}MB", ctx_size=2048, kv_cache="dram")
+    model, tok = mlx_flash.load(smollm2, mode=mode, memory_limit=f"{limit}MB", ctx_size=2048, kv_cache="dram")
     m = model.runtime.memory
     assert m.prefill_step < at(limit).prefill_step and m.weights >= dense, caplog.text
     assert f"not {at(limit).prefill_step}: " in caplog.text and f"dense needs {dense / 1e6:.0f} MB" in caplog.text
-    assert model.runtime.plan.mode == "dense", model.runtime.choice.describe()
+    assert model.runtime.plan.mode == "dense", caplog.text
     assert mlx_flash.generate(model, tok, "Hi there", max_tokens=2)
     del model
     gc.collect()

@@ -107,8 +107,9 @@ def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
         except BudgetTooSmall as e:
             failed.setdefault(memory.kv_on_flash, (memory, e))
             continue
-        if config.mode == "auto" and not config.sparse_options and dense is None:
-            dense = dense_need(folder, manifest, fitted)
+        # (--mode auto, or dense asked for: the whole model in DRAM wins over longer chunks)
+        if config.mode in ("auto", "dense") and not config.sparse_options and dense is None:
+            dense = dense_need(folder, manifest, fitted, rows16=config.mode == "auto")
             shorter = [p for p in memory.shorter_chunks() if p.weights >= dense]
             if memory.weights < dense and shorter:  # the whole model in DRAM wins over longer chunks
                 line = (f"prompt chunks of {shorter[0].prefill_step} tokens, not {memory.prefill_step}: their "
@@ -119,7 +120,7 @@ def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
                                                                batch_size=1), held)
                 # (at the larger budget the resident weights may be held otherwise: dense then
                 # needs what that says, and the longer chunks stay where it still does not fit)
-                if dense_need(folder, manifest, refit[0]) <= shorter[0].weights:
+                if dense_need(folder, manifest, refit[0], rows16=config.mode == "auto") <= shorter[0].weights:
                     memory, (fitted, held_as, streamed, lines) = shorter[0], refit
                     lines.insert(0, line)
         if memory.kv_on_flash in failed:

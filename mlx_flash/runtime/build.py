@@ -195,14 +195,16 @@ def check_resident_fits(folder, manifest, config, streamed=()):
                                  resident + least, reason)
 
 
-def dense_need(folder, manifest, config):
+def dense_need(folder, manifest, config, rows16=True):
     """What --mode dense would hold in DRAM (the resident weights, every FFN row as the plan
-    holds it, a quantized layout's scale tables), from the headers before the weights load."""
+    holds it, a quantized layout's scale tables), from the headers before the weights load.
+    rows16: its FFN rows may be held at float16 where the resident weights are not (--mode auto's
+    variant of dense; an explicit --mode dense keeps them at the compute dtype)."""
     resident, _, _, _ = _header_resident(folder, manifest, config)
     dtype = compute_dtype(config, manifest)
     held_ffn = config.held_dtype(manifest.dtype, dtype) == "float16"
     # (auto compares dense with float16 rows too where the resident weights stay at float32: _choose)
-    rows = {held_ffn, held_ffn or may_hold_float16(config, manifest)}
+    rows = {held_ffn, held_ffn or (rows16 and may_hold_float16(config, manifest))}
     dense = min(exact_plan("dense", manifest, config, DTYPES[dtype], ResidentWeights(resident, 0, 0), None,
                            r)[0].weights_bytes for r in rows)
     return dense + sum(e["size"] for e in manifest.scales)

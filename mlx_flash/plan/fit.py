@@ -94,40 +94,32 @@ def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
             nothing = e  # (the KV cache in DRAM leaves the weights nothing; on flash, if tried, may not)
     if not rules:
         raise nothing
-    least = lambda plan: (plan.shorter_chunks() or [plan])[-1].weights  # noqa: E731
-    if len(rules) == 2 and least(rules[1]) <= least(rules[0]):
+    if len(rules) == 2 and rules[1].most_weights <= rules[0].most_weights:
         rules.pop()  # (a short context: the KV cache on flash's buffers and chunks take more than in DRAM)
     failed = {}  # placement -> (its rule's plan, BudgetTooSmall)
     dense = None  # --mode auto: what dense needs, once a plan fits (its own held dtype decided)
+    rows16 = config.mode == "auto"  # (dense's float16-rows variant: auto's alone)
     for memory in rules + [p for rule in rules for p in rule.shorter_chunks()]:
-        fitted = replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None,
-                         batch_size=1)  # (the plan holds the limit, the context and the batch from here)
         try:
-            fitted, held_as, streamed, lines = fit_weights(folder, manifest, fitted, held)
+            fitted, held_as, streamed, lines = fit_weights(folder, manifest, _budgeted(config, memory), held)
         except BudgetTooSmall as e:
             failed.setdefault(memory.kv_on_flash, (memory, e))
             continue
         # (--mode auto, or dense asked for: the whole model in DRAM wins over longer chunks)
         if config.mode in ("auto", "dense") and not config.sparse_options and dense is None:
-            dense = dense_need(folder, manifest, fitted, rows16=config.mode == "auto")
+            dense = dense_need(folder, manifest, fitted, rows16)
             shorter = [p for p in memory.shorter_chunks() if p.weights >= dense]
             if memory.weights < dense and shorter:  # the whole model in DRAM wins over longer chunks
-                line = (f"prompt chunks of {shorter[0].prefill_step} tokens, not {memory.prefill_step}: their "
-                        f"temporaries at {memory.prefill_step} ({memory.activations / 1e6:.0f} MB) leave the "
-                        f"weights {memory.weights / 1e6:.0f} MB, and dense needs {dense / 1e6:.0f} MB")
-                refit = fit_weights(folder, manifest, replace(config, memory_limit=None, ctx_size=None,
-                                                               memory_budget=str(shorter[0].weights),
-                                                               batch_size=1), held)
+                refit = fit_weights(folder, manifest, _budgeted(config, shorter[0]), held)
                 # (at the larger budget the resident weights may be held otherwise: dense then
                 # needs what that says, and the longer chunks stay where it still does not fit)
-                if dense_need(folder, manifest, refit[0], rows16=config.mode == "auto") <= shorter[0].weights:
+                if dense_need(folder, manifest, refit[0], rows16) <= shorter[0].weights:
+                    line = _chunk_line(shorter[0], memory, f"dense needs {dense / 1e6:.0f} MB")
                     memory, (fitted, held_as, streamed, lines) = shorter[0], refit
                     lines.insert(0, line)
         if memory.kv_on_flash in failed:
             first, e = failed[memory.kv_on_flash]
-            lines.insert(0, f"prompt chunks of {memory.prefill_step} tokens, not {first.prefill_step}: their "
-                            f"temporaries at {first.prefill_step} ({first.activations / 1e6:.0f} MB) leave the "
-                            f"weights {first.weights / 1e6:.0f} MB, and {e.reason}")
+            lines.insert(0, _chunk_line(memory, first, e.reason))
         if memory.kv_on_flash and len(places) == 2:
             dram, e = failed.get(False, (None, nothing))
             why = (f"its {memory.context * shape.kv_per_token * itemsize / 1e6:.0f} MB leave the weights nothing"
@@ -140,6 +132,19 @@ def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
     # limit named then holds that plan)
     first, e = failed.get(False) or failed[True]
     raise first.restate(e)
+
+
+def _budgeted(config, memory):
+    """The config whose weights budget is the memory plan's (the plan holds the limit, the context
+    and the batch from here)."""
+    return replace(config, memory_limit=None, memory_budget=str(memory.weights), ctx_size=None, batch_size=1)
+
+
+def _chunk_line(memory, longer, why):
+    """The line that says `memory`'s prompt chunks are shorter than `longer`'s, and why."""
+    return (f"prompt chunks of {memory.prefill_step} tokens, not {longer.prefill_step}: their temporaries at "
+            f"{longer.prefill_step} ({longer.activations / 1e6:.0f} MB) leave the weights "
+            f"{longer.weights / 1e6:.0f} MB, and {why}")
 
 
 def _ranges(layers):
@@ -173,4 +178,4 @@ def flash_frees(memory):
                             kv_on_flash=True, warn=False)
     except FlashError:
         return False
-    return (flash.shorter_chunks() or [flash])[-1].weights > memory.weights
+    return flash.most_weights > memory.weights

@@ -84,16 +84,12 @@ def trim_heap():
     """Give the C heap's free pages back to the system (glibc keeps them: a load's per-layer
     temporaries, freed, stayed in the RSS, 52 MB of float16 SmolLM2's dense load; a memory limit
     counts them). A no-op where there is no glibc (macOS)."""
-    try:
-        _libc().malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _libc():
     import ctypes
 
-    return ctypes.CDLL(None)
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peak_rss():
@@ -210,6 +206,11 @@ class MemoryPlan:
                          self.kv_itemsize, self.kv_on_flash, self.batch, max_step=s)
                 for s in _steps(self.context, self.batch) if s < self.prefill_step]
 
+    @property
+    def most_weights(self):
+        """The weights' share at this plan's shortest prompt chunk (the most it can leave them)."""
+        return (self.shorter_chunks() or [self]).pop().weights
+
     def _besides(self):
         mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
         kv = (f"KV cache on flash {mb(self.kv)} of buffers ({self.context} tokens: "
@@ -308,7 +309,7 @@ def _plan_at(limit, source, shape, itemsize, context, baseline, kv_itemsize=None
         kv = batch * int(context * shape.kv_per_token * (itemsize if kv_itemsize is None else kv_itemsize))
     margin = MARGIN_FIXED + int(MARGIN_SHARE * limit)
     room = limit - baseline - kv - MLX_CACHE_LIMIT - margin
-    steps = [s for s in _steps(context, batch) if max_step is None or s <= max_step] or _steps(context, batch)[-1:]
+    steps = [s for s in _steps(context, batch) if max_step is None or s <= max_step]
     step = steps[-1]
     for s in steps:  # the largest chunk whose temporaries take at most a quarter of what is left
         if activation_bytes(shape, s * batch, context, itemsize, kv_on_flash, batch) <= max(room, 0) // 4:

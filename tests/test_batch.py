@@ -26,6 +26,46 @@ def test_a_batch_decodes_what_each_prompt_decodes_alone(smollm2, mode, budget):
     model.runtime.close()
 
 
+EIGHT = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [42, 17], [300, 301, 302, 303, 5], [11, 12], [907, 5, 64],
+         [250, 251, 252, 253], [77], [500, 13, 14, 15, 16, 17]]  # more than kernels.SMALL_PASS
+
+
+@pytest.mark.parametrize("mode, budget", [("dense", None), ("hybrid", "300MB")])
+def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_alone(smollm2, mode, budget,
+                                                                                     monkeypatch):
+    """A decode step of more than SMALL_PASS sequences multiplies each packed row into every
+    sequence at once (qmm_rows / qmm_cols for the FFN, qmm for the quantized attention and head)
+    where the CPU has AVX-512, and through BLAS where not: each prompt gets its tokens alone."""
+    from mlx_flash import kernels as K
+
+    module, why = K.kernels_module()
+    if module is None:
+        pytest.skip(f"native kernels: {why}")
+    top = module.simd(99)
+    calls = {"qmm_rows": 0, "qmm_cols": 0, "qmm": 0}
+    for name in ("qmm_rows", "qmm_cols"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, real=real, name=name, **k: calls.__setitem__(name, calls[name] + 1)
+                            or real(*a, **k))
+    real_matmul = K.QuantMatrix.matmul
+    monkeypatch.setattr(K.QuantMatrix, "matmul", lambda self, *a, **k: calls.__setitem__("qmm", calls["qmm"] + 1)
+                        or real_matmul(self, *a, **k))
+    model, tok = mlx_flash.load(smollm2, mode=mode, memory_budget=budget, progress=False)
+    try:
+        alone = [greedy(model, p, 5) for p in EIGHT]
+        for level in sorted({top, min(top, 1)}, reverse=True):  # AVX-512 where the CPU has it, then AVX2
+            module.simd(level)
+            for name in calls:
+                calls[name] = 0
+            r = mlx_flash.batch_generate(model, tok, EIGHT, max_tokens=5, stop=False)
+            assert r.tokens == alone, level
+            used = K.batched(module)
+            assert all((n > 0) == used for n in calls.values()), (level, calls)
+    finally:
+        module.simd(top)
+        model.runtime.close()
+
+
 def test_batch_on_opt_positions_under_left_padding(tmp_path):
     """OPT's learned positions start after each sequence's padding, not at the batch's start."""
     folder = build_checkpoint("tiny-opt", "float32", home=tmp_path, progress=False)

@@ -526,3 +526,54 @@ def test_dequantized_rows_and_columns_are_the_same_values_with_simd(bits, scale_
                     qaxpy_cols(kernels, h[64:], cols_buf, ordered[64:], ordered[64:] // 32, tables, spec, out=part)))
     for got in out[1:]:
         assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, out[0]))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+@pytest.mark.parametrize("positions", [5, 16, 23])
+def test_a_pass_of_several_positions_equals_its_dequantized_rows_times_x(bits, positions, simd_and_threads):
+    """qmm / qmm_rows / qmm_cols (a batch's decode step: each row dequantized once for every
+    position) give the dequantized rows' products to float32's rounding, at every level and
+    thread count, with uneven row counts (tiles of 8 rows and shares of 32 columns left over),
+    positions past a tile of 16, and qmm_cols continuing a previous sum."""
+    from mlx_flash.kernels import dequantize_cols, dequantize_rows, qmm_cols, qmm_rows
+    from mlx_flash.layout.quant import QuantSpec
+
+    rng = np.random.default_rng(bits * 100 + positions)
+    spec = QuantSpec(bits, 32, "float16")
+    n, d = 77, 256  # 77 rows: 9 tiles of 8 and 5 over
+    row_bytes = d * bits // 8
+    soff, boff = row_bytes, row_bytes + 2 * d // 32
+    rows_buf = rng.integers(0, 256, (n, boff + 2 * d // 32), dtype=np.uint8)
+    rows_buf[:, soff:] = (rng.standard_normal((n, 2 * d // 32)) * 0.1).astype(np.float16).view(np.uint8).reshape(n, -1)
+    tables = tuple((rng.standard_normal((n // 32 + 1, 224)) * 0.1).astype(np.float16) for _ in range(2))
+    cols_buf = rng.integers(0, 256, (n, 224 * bits // 8), dtype=np.uint8)  # 224 outputs: 7 blocks of 32
+    sel = rng.permutation(n)[:70]
+    trow = sel // 32
+    x = rng.standard_normal((positions, d)).astype(np.float32)
+    h = rng.standard_normal((positions, sel.size)).astype(np.float32)
+    w = (mx.random.normal((45, d), key=mx.random.key(bits)) * 0.05)
+    wq, s, b = mx.quantize(w, group_size=32, bits=bits)
+    q = QuantMatrix(kernels, wq, s, b, bits, 32)
+    want_mlx = np.array(mx.dequantize(wq, s, b, group_size=32, bits=bits)).astype(np.float64)
+
+    def close(got, want):
+        return np.abs(got - want).max() <= 2e-6 * np.abs(want).max() * np.sqrt(want.shape[-1])
+
+    want_rows = x.astype(np.float64) @ dequantize_rows(kernels, rows_buf, sel, spec, soff, boff, d).T.astype(np.float64)
+    cols = dequantize_cols(kernels, cols_buf, sel, trow, tables, spec).astype(np.float64)
+    start = rng.standard_normal((positions, 224)).astype(np.float32)
+    want_cols = start + h.astype(np.float64) @ cols
+    want_q = x[:, :d].astype(np.float64) @ want_mlx.T
+    for simd, threads in simd_and_threads:
+        kernels.simd(simd)
+        kernels.set_threads(threads)
+        assert close(qmm_rows(kernels, x, rows_buf, sel, spec, soff, boff), want_rows), (simd, threads)
+        assert close(qmm_cols(kernels, h, cols_buf, sel, trow, tables, spec, out=start.copy()), want_cols), (simd, threads)
+        assert close(q.matmul(x), want_q), (simd, threads)
+    with pytest.raises(ValueError, match="qmm_rows: arguments"):
+        kernels.qmm_rows(np.ascontiguousarray(x[:, :100]), rows_buf, rows_buf.strides[0], soff, boff, sel.astype(np.int64),
+                         np.empty((positions, sel.size), np.float32), d, bits, 32, 1)
+    with pytest.raises(ValueError, match="out of range"):
+        qmm_cols(kernels, np.ascontiguousarray(h[:, :2]), cols_buf, np.array([0, n]), np.array([0, 0]), tables, spec)
+    empty = qmm_cols(kernels, h[:, :0], cols_buf, sel[:0], trow[:0], tables, spec)
+    assert empty.shape == (positions, 224) and not empty.any()

@@ -60,6 +60,26 @@ SMALL_PASS = 4  # passes of up to this many positions (a speculative verify pass
 # that many matrix-vector products, and each position's values are then a one-position pass's
 
 
+BATCH_PASS = 32  # a batch's decode step of up to this many sequences multiplies each row, dequantized once,
+# into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU has AVX-512 (pass_kernels);
+# more sequences, and every prompt chunk, dequantize chunks for BLAS (MLX's order of sums, as before)
+
+
+def batched(module):
+    """Whether the pass kernels (qmm*) run their AVX-512 tiles here. Without them (AVX2, other
+    CPUs) they would run the portable loops, slower than dequantized chunks + BLAS: the
+    callers take BLAS."""
+    return module is not None and module.simd(-1) >= 2
+
+
+def pass_kernels(module, x):
+    """Whether the pass kernels take x (an MLX activation [..., positions, d]): a batch's decode
+    step (one new position a sequence) of more than SMALL_PASS and at most BATCH_PASS sequences,
+    on a CPU where they run their AVX-512 tiles (batched)."""
+    positions = x.size // x.shape[-1]
+    return SMALL_PASS < positions <= BATCH_PASS and x.ndim >= 2 and x.shape[-2] == 1 and batched(module)
+
+
 def host_f32(x):
     """An MLX array's values as a C-contiguous float32 NumPy vector (a view of its memory when
     it is one already: a decode step's input, evaluated here)."""
@@ -110,6 +130,13 @@ class QuantMatrix:
         """x: float32 NumPy [K] (contiguous) -> y [N] = x @ W.T."""
         y = np.empty(self.n, np.float32) if out is None else out
         self.kernels.qmv(x, self.w, self.s, self.b, y, self.n, self.k, self.bits, self.group_size, self.code)
+        return y
+
+    def matmul(self, x, out=None):
+        """x: float32 NumPy [pos, K] (contiguous), a pass of several positions -> y [pos, N] =
+        x @ W.T, each row dequantized once for all of them (qmm)."""
+        y = np.empty((x.shape[0], self.n), np.float32) if out is None else out
+        self.kernels.qmm(x, self.w, self.s, self.b, y, self.n, self.k, self.bits, self.group_size, self.code)
         return y
 
     def dequantize(self, start, stop, out):
@@ -177,6 +204,26 @@ def qmv_rows(kernels, x, buf, sel, spec, scales_off, biases_off):
     y = np.empty(len(sel), np.float32)
     kernels.qmv_rows(x, buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, x.size, spec.bits,
                      spec.group_size, SCALE_CODE_OF[spec.scale_dtype])
+    return y
+
+
+def qmm_rows(kernels, x, buf, sel, spec, scales_off, biases_off):
+    """qmv_rows for a pass of several positions: x float32 [pos, K] -> float32 [pos, len(sel)],
+    each row dequantized once for all of them."""
+    y = np.empty((x.shape[0], len(sel)), np.float32)
+    kernels.qmm_rows(x, buf, buf.strides[0], scales_off, biases_off, _int64(sel), y, x.shape[1], spec.bits,
+                     spec.group_size, SCALE_CODE_OF[spec.scale_dtype])
+    return y
+
+
+def qmm_cols(kernels, h, buf, sel, trow, tables, spec, out=None):
+    """qaxpy_cols for a pass of several positions: h float32 [pos, len(sel)] -> float32 [pos, d]
+    = sum_i h[:, i] * column sel[i] (any row order), each column dequantized once for all
+    positions. out: a float32 [pos, d] the sums are added to."""
+    scales, biases = tables
+    y = np.empty((h.shape[0], scales.shape[1]), np.float32) if out is None else out
+    kernels.qmm_cols(h, buf, buf.strides[0], _int64(sel), _int64(trow), scales, biases, y, scales.shape[1],
+                     spec.bits, SCALE_CODE_OF[spec.scale_dtype], out is not None)
     return y
 
 

@@ -54,6 +54,7 @@
 
 #include "quant.h"
 #include "qmv_bf16.h"
+#include "gemm16.h"
 
 #define MAX_THREADS 64
 #define PAR_MIN_WORK (1 << 20) /* weights (values) a job must touch to be shared out */
@@ -98,9 +99,14 @@ typedef struct {
     xprep_t in; /* QMV: x, prepared */
     const mat_t *mats; /* QMV_MANY: n / per matrices of `per` rows each */
     int64_t per;
+    /* QMM_ROWS, QMM_COLS: a pass of `pos` positions (a batch's decode step): x transposed in
+     * tiles of 16 positions (xt: tile t's [k][16] at t * k * 16 floats, k the sums' length:
+     * QMM_ROWS's k, QMM_COLS's m), the result y[b * ldy + r] (added to y where accumulate) */
+    const float *xt;
+    int64_t pos, ldy;
 } job_t;
 
-enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5, QMV_MANY = 6 };
+enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5, QMV_MANY = 6, QMM_ROWS = 7, QMM_COLS = 8 };
 
 /* ---- one row */
 
@@ -515,31 +521,6 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
     }
 }
 
-/* DEQUANT_COLS, rows [r0, r1) of sel: y[i, c] = ts[trow[i]][c] * q + tb[trow[i]][c], k values a row */
-static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
-    const int64_t ssz = j->scode == F32 ? 4 : 2, bits = j->bits;
-    uint8_t q[128];
-    for (int64_t i = r0; i < r1; i++) {
-        const uint8_t *p = j->w + j->sel[i] * j->row_bytes;
-        const uint8_t *sr = j->ts + j->trow[i] * j->t_stride, *br = j->tb + j->trow[i] * j->t_stride;
-        float *out = j->y + i * j->k;
-#ifdef AVX2_PATH
-        if (j->simd && (bits == 4 || bits == 8) && j->k % 32 == 0) {
-            dequant_col_avx2(p, bits, j->k, sr, br, j->scode, out);
-            continue;
-        }
-#endif
-        for (int64_t b = 0; b < j->k; b += 128) {
-            const int64_t len = j->k - b < 128 ? j->k - b : 128;
-            const uint8_t *qb = block_values(p, bits, b, len, q);
-            for (int64_t v = 0; v < len; v++) {
-                const float t = load_scale(sr + (b + v) * ssz, j->scode) * (float)qb[v];
-                out[b + v] = t + load_scale(br + (b + v) * ssz, j->scode);
-            }
-        }
-    }
-}
-
 /* one row (packed values w, scales sp, biases bp) . x; sc, bi: scratch for its K / g scales and biases */
 static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const uint8_t *bp, const xprep_t *in,
                      float *sc, float *bi) {
@@ -558,6 +539,110 @@ static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const 
     scales_f32(sp, j->scode, ng, sc);
     scales_f32(bp, j->scode, ng, bi);
     return row_portable(j, w, sc, in->x) + dot_portable(bi, in->xsum, ng);
+}
+
+/* one row rr of a quantized matrix (DEQUANTIZE's layout: values, scales and biases of row rr at
+ * w / s / b + rr * row_bytes / s_stride / b_stride) -> out [k] float32; sc, bi: K / g scratch */
+static void dequantize_one(const job_t *j, int64_t rr, float *sc, float *bi, float *out) {
+    const int64_t ng = j->k / j->g;
+    const uint8_t *w = j->w + rr * j->row_bytes;
+    scales_f32(j->s + rr * j->s_stride, j->scode, ng, sc);
+    scales_f32(j->b + rr * j->b_stride, j->scode, ng, bi);
+#ifdef BF16_PATH
+    if (j->simd >= 2 && j->bits == 4) {
+        dequantize_row4_avx512(w, sc, bi, j->k, j->g, out);
+        return;
+    }
+#endif
+#ifdef AVX2_PATH
+    if (j->simd && (j->bits == 4 || j->bits == 8)) {
+        dequantize_row_avx2(j, w, sc, bi, out);
+        return;
+    }
+#endif
+    dequantize_row(j, w, sc, bi, out);
+}
+
+/* values [c0, c1) of packed column i of a QMM_COLS / DEQUANT_COLS job (c0, c1 - c0 multiples of 32) -> out */
+static void dequantize_col_part(const job_t *j, int64_t i, int64_t c0, int64_t c1, float *out) {
+    const int64_t ssz = j->scode == F32 ? 4 : 2, bits = j->bits, n = c1 - c0;
+    const uint8_t *p = j->w + j->sel[i] * j->row_bytes + c0 * bits / 8;
+    const uint8_t *sr = j->ts + j->trow[i] * j->t_stride + c0 * ssz, *br = j->tb + j->trow[i] * j->t_stride + c0 * ssz;
+#ifdef BF16_PATH
+    if (j->simd >= 2 && bits == 4 && n % 32 == 0) {
+        dequant_col4_avx512(p, n, sr, br, j->scode, out);
+        return;
+    }
+#endif
+#ifdef AVX2_PATH
+    if (j->simd && (bits == 4 || bits == 8) && n % 32 == 0) {
+        dequant_col_avx2(p, bits, n, sr, br, j->scode, out);
+        return;
+    }
+#endif
+    uint8_t q[128];
+    for (int64_t b = 0; b < n; b += 128) {
+        const int64_t len = n - b < 128 ? n - b : 128;
+        const uint8_t *qb = block_values(p, bits, b, len, q);
+        for (int64_t v = 0; v < len; v++) {
+            const float t = load_scale(sr + (b + v) * ssz, j->scode) * (float)qb[v];
+            out[b + v] = t + load_scale(br + (b + v) * ssz, j->scode);
+        }
+    }
+}
+
+/* DEQUANT_COLS, rows [r0, r1) of sel: y[i, c] = ts[trow[i]][c] * q + tb[trow[i]][c], k values a row */
+static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; i++) dequantize_col_part(j, i, 0, j->k, j->y + i * j->k);
+}
+
+/* QMM_ROWS, rows [r0, r1): MM16_ROWS rows at a time dequantized into `tile` (MM16_ROWS * k
+ * floats), then multiplied into every position: y[b, r] = row r . x[b] (AVX-512: mm16_tile;
+ * else, and for a last tile of fewer rows, the portable loop). sc, bi: K / g scratch. */
+static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi, float *tile) {
+    const int64_t k = j->k, kp = k + MM16_PAD; /* (the tile's rows a line further apart than k) */
+    for (int64_t t0 = r0; t0 < r1; t0 += MM16_ROWS) {
+        const int64_t nr = r1 - t0 < MM16_ROWS ? r1 - t0 : MM16_ROWS;
+        for (int64_t i = 0; i < nr; i++) dequantize_one(j, j->sel ? j->sel[t0 + i] : t0 + i, sc, bi, tile + i * kp);
+        for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
+            const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
+            const float *xt = j->xt + p0 * k;
+            float *y = j->y + p0 * j->ldy + t0;
+#ifdef BF16_PATH
+            if (j->simd >= 2 && nr == MM16_ROWS) {
+                float out[MM16_ROWS * 16];
+                mm16_tile(tile, kp, 1, xt, k, out);
+                for (int64_t b = 0; b < m; b++)
+                    for (int i = 0; i < MM16_ROWS; i++) y[b * j->ldy + i] = out[i * 16 + b];
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < nr; i++) mm16_row_portable(tile + i * kp, 1, xt, k, m, y + i, j->ldy, 0, MM16_RUN);
+        }
+    }
+}
+
+/* QMM_COLS, outputs [c0, c1) (multiples of 32 but the last): the m columns' values c0 .. c1-1,
+ * MM16_KBLOCK columns at a time, dequantized into `tile`, then y[b, c] (+)= sum_i x[b, i] * value */
+static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
+    const int64_t w = c1 - c0, wp = w + MM16_PAD;
+    for (int64_t i0 = 0; i0 < j->m; i0 += MM16_KBLOCK) {
+        const int64_t nr = j->m - i0 < MM16_KBLOCK ? j->m - i0 : MM16_KBLOCK;
+        const int add = j->accumulate || i0 > 0;
+        for (int64_t i = 0; i < nr; i++) dequantize_col_part(j, i0 + i, c0, c1, tile + i * wp);
+        for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
+            const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
+            const float *xt = j->xt + p0 * j->m + i0 * 16;
+            float *y = j->y + p0 * j->ldy + c0;
+#ifdef BF16_PATH
+            if (j->simd >= 2) {
+                mm16_cols(tile, wp, xt, nr, m, y, j->ldy, add, 0, w);
+                continue;
+            }
+#endif
+            for (int64_t c = 0; c < w; c++) mm16_row_portable(tile + c, wp, xt, nr, m, y + c, j->ldy, add, 0);
+        }
+    }
 }
 
 /* rows [r0, r1) of the job; sc, bi: scratch for one row's K / g scales and biases */
@@ -593,15 +678,7 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
         const int64_t rr = j->sel ? j->sel[r] : r;
         const uint8_t *w = j->w + rr * j->row_bytes, *sp = j->s + rr * j->s_stride, *bp = j->b + rr * j->b_stride;
         if (j->kind == DEQUANTIZE) {
-            scales_f32(sp, j->scode, ng, sc);
-            scales_f32(bp, j->scode, ng, bi);
-#ifdef AVX2_PATH
-            if (j->simd && (j->bits == 4 || j->bits == 8)) {
-                dequantize_row_avx2(j, w, sc, bi, j->y + r * j->k);
-                continue;
-            }
-#endif
-            dequantize_row(j, w, sc, bi, j->y + r * j->k);
+            dequantize_one(j, rr, sc, bi, j->y + r * j->k);
             continue;
         }
         j->y[r] = qmv_row(j, w, sp, bp, &j->in, sc, bi);
@@ -639,6 +716,15 @@ static struct {
 static void share(const job_t *j, int i, int n) {
     const int64_t r0 = j->n * i / n, r1 = j->n * (i + 1) / n;
     float *sc = pool.scratch + i * pool.scratch_per;
+    if (j->kind == QMM_ROWS) { /* scratch: scales, biases, then the tile (qmm_scratch) */
+        const int64_t ng = j->k / j->g;
+        qmm_rows(j, r0, r1, sc, sc + ng, sc + 2 * ng);
+        return;
+    }
+    if (j->kind == QMM_COLS) { /* shares of whole 32-value blocks, as QAXPY_COLS's */
+        qmm_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
+        return;
+    }
     run_rows(j, r0, r1, sc, sc + pool.scratch_per / 2);
 }
 
@@ -744,7 +830,8 @@ static int pool_start(int64_t scratch_per) {
 static void run_job(const job_t *j) {
     /* sharing out costs a few microseconds with the workers spinning (more when they sleep):
      * worth it from ~1M weights (a 576 x 576 matvec runs faster on the caller's thread alone) */
-    const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS ? j->m : j->n) * j->k;
+    const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS || j->kind == QMM_COLS ? j->m : j->n) *
+                         j->k * (j->kind == QMM_ROWS || j->kind == QMM_COLS ? j->pos : 1);
     const int par = pool.n > 1 && j->n >= 4 * pool.n && work >= PAR_MIN_WORK;
     if (par) pool_publish(j);
     share(j, 0, par ? pool.n : 1); /* the caller's share: the first, or every row */
@@ -776,6 +863,27 @@ static int dispatch(const job_t *j, int64_t scratch) {
         return -1;
     }
     return 0;
+}
+
+/* a pass's x [pos, k] as QMM_* read it: tiles of 16 positions, each [k][16] (positions past
+ * pos zero) -> a new allocation (free it), or NULL */
+static float *transpose_x(const float *x, int64_t pos, int64_t k) {
+    const int64_t tiles = (pos + 15) / 16;
+    float *xt = malloc(sizeof(float) * (size_t)(tiles * k * 16));
+    if (!xt) return NULL;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t b = 0; b < 16; b++) {
+                const int64_t p = t * 16 + b;
+                xt[(t * k + kk) * 16 + b] = p < pos ? x[p * k + kk] : 0.0f;
+            }
+    return xt;
+}
+
+/* the floats each thread's share of a QMM_* job needs: QMM_ROWS a row's scales and biases and
+ * MM16_ROWS dequantized rows; QMM_COLS MM16_KBLOCK columns' values (at most every output) */
+static int64_t qmm_scratch(const job_t *j) {
+    return j->kind == QMM_ROWS ? 2 * (j->k / j->g) + MM16_ROWS * (j->k + MM16_PAD) : MM16_KBLOCK * (j->k + MM16_PAD);
 }
 
 /* x's group sums */
@@ -825,8 +933,10 @@ static int valid_width(long long bits, long long group) {
 }
 
 /* qmv(x, w, scales, biases, y, n, k, bits, group, scale_code): y[:n] = x @ W.T, x float32 [k];
- * dequantize(None, w, scales, biases, y, ...): y[n, k] = W's values in float32 */
-static PyObject *run(PyObject *args, int dequantize) {
+ * dequantize(None, w, scales, biases, y, ...): y[n, k] = W's values in float32;
+ * qmm(x, w, ...): y[pos, n] = x @ W.T for a pass x float32 [pos, k] */
+static PyObject *run(PyObject *args, int kind) {
+    const char *name = kind == QMV ? "qmv" : kind == DEQUANTIZE ? "dequantize" : "qmm";
     Py_buffer x = {0}, w, s, b, y;
     PyObject *xo;
     long long n, k, bits, group, sc;
@@ -834,26 +944,32 @@ static PyObject *run(PyObject *args, int dequantize) {
         return NULL;
     PyObject *result = NULL;
     float *xsum = NULL;
-    if (!dequantize && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
+    if (kind != DEQUANTIZE && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
     const int64_t ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0, row_bytes = k * bits / 8;
-    const int ok = (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
-                   (group == 32 || group == 64 || group == 128) && sc >= F32 && sc <= BF16 && n >= 0 &&
+    const int64_t pos = kind == QMM_ROWS && k > 0 ? x.len / (4 * k) : 1;
+    const int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && n >= 0 &&
                    k > 0 && k % group == 0 && w.len == n * row_bytes && s.len == n * ng * ssz &&
-                   b.len == n * ng * ssz && y.len == n * 4 * (dequantize ? k : 1) &&
+                   b.len == n * ng * ssz && y.len == n * 4 * (kind == DEQUANTIZE ? k : pos) &&
                    ((uintptr_t)y.buf % 4) == 0 &&
-                   (dequantize || (x.len == k * 4 && ((uintptr_t)x.buf % 4) == 0));
+                   (kind == DEQUANTIZE || (x.len == pos * k * 4 && ((uintptr_t)x.buf % 4) == 0));
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind",
-                     dequantize ? "dequantize" : "qmv");
+        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind", name);
         goto out;
     }
     job_t j = {w.buf, s.buf, b.buf, NULL, y.buf, n, k, group, bits, sc, row_bytes, use_simd,
-               dequantize ? DEQUANTIZE : QMV, NULL, NULL, 0, ng * ssz, ng * ssz, NULL, NULL, NULL, 0, 0};
-    if (!dequantize && !(xsum = prepare_x_for(&j, (const float *)x.buf, &j.in))) {
+               kind, NULL, NULL, 0, ng * ssz, ng * ssz, NULL, NULL, NULL, 0, 0};
+    if (kind == QMV && !(xsum = prepare_x_for(&j, (const float *)x.buf, &j.in))) {
         PyErr_NoMemory();
         goto out;
     }
-    if (dispatch(&j, 2 * ng) < 0) goto out;
+    if (kind == QMM_ROWS) {
+        if (!(xsum = transpose_x((const float *)x.buf, pos, k))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        j.xt = xsum, j.pos = pos, j.ldy = n;
+    }
+    if (dispatch(&j, kind == QMM_ROWS ? qmm_scratch(&j) : 2 * ng) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -868,21 +984,27 @@ out:
 
 static PyObject *py_qmv(PyObject *mod, PyObject *args) {
     (void)mod;
-    return run(args, 0);
+    return run(args, QMV);
 }
 
 static PyObject *py_dequantize(PyObject *mod, PyObject *args) {
     (void)mod;
-    return run(args, 1);
+    return run(args, DEQUANTIZE);
+}
+
+static PyObject *py_qmm(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return run(args, QMM_ROWS);
 }
 
 /* the selected rows of a buffer, each [packed values | scales | biases]:
  *   qmv_rows(x, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code):
  *     y[i] = x . row sel[i] (values, then its k / group scales and biases at their offsets)
  *   dequantize_rows(None, buf, ...the same...): y[i] = row sel[i]'s values, float32 [len(sel), k]
+ *   qmm_rows(x, buf, ...the same...): y[b, i] = x[b] . row sel[i], a pass x float32 [pos, k]
  * sel int64; every index checked against the buffer. */
 static PyObject *strided_rows(PyObject *args, int kind) {
-    const char *name = kind == QMV ? "qmv_rows" : "dequantize_rows";
+    const char *name = kind == QMV ? "qmv_rows" : kind == DEQUANTIZE ? "dequantize_rows" : "qmm_rows";
     Py_buffer x = {0}, w, sel, y;
     PyObject *xo;
     long long stride, soff, boff, k, bits, group, sc;
@@ -890,14 +1012,16 @@ static PyObject *strided_rows(PyObject *args, int kind) {
         return NULL;
     PyObject *result = NULL;
     float *xsum = NULL;
-    if (kind == QMV && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
+    if (kind != DEQUANTIZE && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
     const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0;
+    const int64_t pos = kind == QMM_ROWS && k > 0 ? x.len / (4 * k) : 1;
     const int64_t rows = stride > 0 ? w.len / stride : 0;
     int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && k > 0 && k % group == 0 &&
              sel.len % 8 == 0 && stride >= k * bits / 8 && soff >= k * bits / 8 && soff + ng * ssz <= stride &&
              boff >= 0 && boff + ng * ssz <= stride && ((uintptr_t)y.buf % 4) == 0 &&
              ((uintptr_t)sel.buf % 8) == 0 &&
-             (kind == QMV ? x.len == 4 * k && y.len == 4 * m && ((uintptr_t)x.buf % 4) == 0 : y.len == 4 * m * k);
+             (kind == DEQUANTIZE ? y.len == 4 * m * k
+                                 : x.len == 4 * k * pos && y.len == 4 * m * pos && ((uintptr_t)x.buf % 4) == 0);
     const int64_t *ids = (const int64_t *)sel.buf;
     for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows;
     if (!ok) {
@@ -913,7 +1037,14 @@ static PyObject *strided_rows(PyObject *args, int kind) {
         PyErr_NoMemory();
         goto out;
     }
-    if (dispatch(&j, 2 * ng) < 0) goto out;
+    if (kind == QMM_ROWS) {
+        if (!(xsum = transpose_x(x.buf, pos, k))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        j.xt = xsum, j.pos = pos, j.ldy = m;
+    }
+    if (dispatch(&j, kind == QMM_ROWS ? qmm_scratch(&j) : 2 * ng) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -935,15 +1066,22 @@ static PyObject *py_dequantize_rows(PyObject *mod, PyObject *args) {
     return strided_rows(args, DEQUANTIZE);
 }
 
+static PyObject *py_qmm_rows(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return strided_rows(args, QMM_ROWS);
+}
+
 /* the selected packed columns of a buffer, whose value c is scales[trow[i], c] * q + biases[trow[i], c]
  * (tables [T, k] C-contiguous):
  *   qaxpy_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code, accumulate=0):
  *     y = sum_i h[i] * column sel[i] (rows ordered by trow); accumulate: y += that, the rows'
  *     terms added to y in the same order as if they followed the rows that made y
  *   dequantize_cols(None, buf, ...the same...): y[i] = column sel[i]'s values, float32 [len(sel), k]
+ *   qmm_cols(h, buf, ...the same..., accumulate=0): y[b] = sum_i h[b, i] * column sel[i] for a pass
+ *     h float32 [pos, len(sel)], y [pos, k] (any row order; accumulate: y += that)
  * sel, trow int64; every index checked against the buffer and the tables. */
 static PyObject *table_cols(PyObject *args, int kind) {
-    const char *name = kind == QAXPY_COLS ? "qaxpy_cols" : "dequantize_cols";
+    const char *name = kind == QAXPY_COLS ? "qaxpy_cols" : kind == DEQUANT_COLS ? "dequantize_cols" : "qmm_cols";
     Py_buffer h = {0}, w, sel, trow, ts, tb, y;
     PyObject *ho;
     long long stride, k, bits, sc;
@@ -952,14 +1090,16 @@ static PyObject *table_cols(PyObject *args, int kind) {
                           &accumulate))
         return NULL;
     PyObject *result = NULL;
-    if (kind == QAXPY_COLS && PyObject_GetBuffer(ho, &h, PyBUF_SIMPLE) < 0) goto out;
+    float *xt = NULL;
+    if (kind != DEQUANT_COLS && PyObject_GetBuffer(ho, &h, PyBUF_SIMPLE) < 0) goto out;
     const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, rows = stride > 0 ? w.len / stride : 0;
+    const int64_t pos = kind == QMM_COLS && k > 0 ? y.len / (4 * k) : 1;
     const int64_t trows = k > 0 ? ts.len / (k * ssz) : 0;
     int ok = valid_width(bits, 32) && sc >= F32 && sc <= BF16 && k > 0 && k % 32 == 0 && sel.len % 8 == 0 &&
              trow.len == sel.len && stride >= k * bits / 8 && ts.len == trows * k * ssz && tb.len == ts.len &&
              ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)trow.buf % 8) == 0 &&
-             (kind == QAXPY_COLS ? h.len == 4 * m && y.len == 4 * k && ((uintptr_t)h.buf % 4) == 0
-                                 : y.len == 4 * m * k);
+             (kind == DEQUANT_COLS ? y.len == 4 * m * k
+                                   : h.len == 4 * m * pos && y.len == 4 * k * pos && ((uintptr_t)h.buf % 4) == 0);
     const int64_t *ids = (const int64_t *)sel.buf, *tr = (const int64_t *)trow.buf;
     for (int64_t i = 0; ok && i < m; i++)
         ok = ids[i] >= 0 && ids[i] < rows && tr[i] >= 0 && tr[i] < trows &&
@@ -973,12 +1113,26 @@ static PyObject *table_cols(PyObject *args, int kind) {
     memset(&j, 0, sizeof j);
     j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.m = m, j.h = h.buf, j.y = y.buf;
     j.ts = ts.buf, j.tb = tb.buf, j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.kind = kind;
-    j.n = kind == QAXPY_COLS ? k : m, j.simd = use_simd; /* QAXPY_COLS shares out columns, else rows */
-    j.accumulate = kind == QAXPY_COLS && accumulate;
-    if (dispatch(&j, kind == QAXPY_COLS ? 2 * k : 0) < 0) goto out;
+    j.n = kind == DEQUANT_COLS ? m : k, j.simd = use_simd; /* QAXPY_COLS, QMM_COLS share out columns */
+    j.accumulate = kind != DEQUANT_COLS && accumulate;
+    if (kind == QMM_COLS) {
+        if (m == 0) { /* no columns: y is zeros, or as it was */
+            if (!accumulate) memset(y.buf, 0, (size_t)y.len);
+            result = Py_None;
+            Py_INCREF(result);
+            goto out;
+        }
+        if (!(xt = transpose_x(h.buf, pos, m))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        j.xt = xt, j.pos = pos, j.ldy = k;
+    }
+    if (dispatch(&j, kind == QAXPY_COLS ? 2 * k : kind == QMM_COLS ? qmm_scratch(&j) : 0) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
+    free(xt);
     if (h.obj) PyBuffer_Release(&h);
     PyBuffer_Release(&w);
     PyBuffer_Release(&sel);
@@ -997,6 +1151,11 @@ static PyObject *py_qaxpy_cols(PyObject *mod, PyObject *args) {
 static PyObject *py_dequantize_cols(PyObject *mod, PyObject *args) {
     (void)mod;
     return table_cols(args, DEQUANT_COLS);
+}
+
+static PyObject *py_qmm_cols(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return table_cols(args, QMM_COLS);
 }
 
 #define MAX_MANY 64
@@ -1175,6 +1334,11 @@ static PyMethodDef methods[] = {
      "dequantize_rows(None, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code)"},
     {"dequantize_cols", py_dequantize_cols, METH_VARARGS,
      "dequantize_cols(None, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code)"},
+    {"qmm", py_qmm, METH_VARARGS, "qmm(x, w, scales, biases, y, n, k, bits, group, scale_code): y = x @ W.T, x [pos, k]"},
+    {"qmm_rows", py_qmm_rows, METH_VARARGS,
+     "qmm_rows(x, buf, row_stride, scales_off, biases_off, sel, y, k, bits, group, scale_code), x [pos, k]"},
+    {"qmm_cols", py_qmm_cols, METH_VARARGS,
+     "qmm_cols(h, buf, row_stride, sel, trow, scales, biases, y, k, bits, scale_code, accumulate=0), h [pos, m]"},
     {"qmv_many", py_qmv_many, METH_VARARGS, "qmv_many(xs, ws, ss, bs, x_of, y, n, k, bits, group, scale_code)"},
     {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
     {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},

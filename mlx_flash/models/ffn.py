@@ -148,7 +148,7 @@ class FlashFFN(nn.Module):
             rows = parts.pop(0)
             if callable(rows):
                 if packed:  # (computed before the rows they read may be overwritten)
-                    y = self._add(y, self._packed_chunks(x, packed))
+                    y = self._add(y, self._packed_parts(x, packed))
                     packed = []
                 if y is not None:
                     (mx.eval if getattr(rows, "overwrites", True) else mx.async_eval)(y)
@@ -171,7 +171,7 @@ class FlashFFN(nn.Module):
                 continue
             y = self._dense_part(x, rows, y)
         if packed:
-            y = self._add(y, self._packed_chunks(x, packed))
+            y = self._add(y, self._packed_parts(x, packed))
         if few is not None and sums[0] is not None:
             acc = np.stack(sums)
         if acc is not None or y is None:
@@ -201,7 +201,14 @@ class FlashFFN(nn.Module):
         down row i added."""
         from ..kernels import host_f32
 
-        v = host_f32(x)
+        return self._on_host(host_f32(x), rows, up, gate, down)
+
+    def _on_host(self, v, rows, up, gate, down):
+        """The FFN over host vectors v ([K], or a pass's [positions, K]): up / gate / down as
+        _one_token's, the activation on the host where it has one (through MLX where not, or
+        with an up bias)."""
+        from ..kernels import host_f32
+
         host_act = HOST_ACTIVATIONS.get(self._act)
         if host_act is not None and "up_bias" not in self:
             h = host_act(gate(v)) * up(v) if self.gated else host_act(up(v))
@@ -210,7 +217,7 @@ class FlashFFN(nn.Module):
         if "up_bias" in self:
             h = h + self.up_bias[rows.ids]
         h = self._act(mx.array(gate(v))) * h if self.gated else self._act(h)
-        return down(host_f32(h))
+        return down(host_f32(h).reshape(h.shape))
 
     def _selected(self, x, rows, acc):
         """One token's FFN over the chosen rows of a float32 cache (the same sums as the masked
@@ -247,6 +254,41 @@ class FlashFFN(nn.Module):
                                lambda v: qmv_rows(p.kernels, v, raw["gate"], p.sel, spec, *offsets),
                                lambda h: qaxpy_cols(p.kernels, np.ascontiguousarray(h[order]), raw["down"],
                                                     p.sel[order], trow[order], p.tables["down"], spec, out=acc))
+
+    def _packed_pass(self, x, parts):
+        """A pass of several positions (a batch's decode step) over packed rows: each part's gate
+        and up rows multiplied into every position (qmm_rows), the activation, and its down
+        columns summed into one host sum (qmm_cols, each part continuing the previous part's
+        sums row by row, as one part holding them all would): every row dequantized once, in C,
+        for every position, and no chunk through MLX."""
+        from ..kernels import host_f32, qmm_cols, qmm_rows
+
+        positions = x.size // x.shape[-1]
+        v = host_f32(x).reshape(positions, self.d_model)
+        acc = None
+        for rows in parts:
+            p = rows.packed
+            if p.sel.size == 0:
+                continue
+            raw = {k: a.view(np.uint8) for k, a in p.views.items()}
+            spec = p.layout.quant
+            offsets = spec.inline_offsets(self.d_model)
+            acc = self._on_host(v, rows, lambda u: qmm_rows(p.kernels, u, raw["up"], p.sel, spec, *offsets),
+                                lambda u: qmm_rows(p.kernels, u, raw["gate"], p.sel, spec, *offsets),
+                                lambda h: qmm_cols(p.kernels, h, raw["down"], p.sel, p.ids // spec.group_size,
+                                                   p.tables["down"], spec, out=acc))
+        if acc is None:
+            return mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype)
+        return mx.array(acc).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
+
+    def _packed_parts(self, x, parts):
+        """Several positions over packed rows: a batch's decode step that kernels.pass_kernels
+        takes (no mask) through _packed_pass, else (a prompt's chunk, a larger batch) dequantized
+        chunks through BLAS."""
+        if (_kernels.pass_kernels(parts[0].packed.kernels, x) and all(r.mask is None for r in parts)
+                and parts[0].packed.layout.columns == ("down",)):
+            return self._packed_pass(x, parts)
+        return self._packed_chunks(x, parts)
 
     PACKED_CHUNK_VALUES = 1 << 20  # float32 values of one kind's dequantized chunk (4 MiB)
 

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..io import reader as _reader
-from ..kernels import SMALL_PASS, host_f32
+from ..kernels import SMALL_PASS, host_f32, pass_kernels
 
 HELD_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 _CODES = {mx.float16: 1, mx.bfloat16: 2}  # the native converter's dtype codes
@@ -113,16 +113,20 @@ def head_product(x, eager, n, k, arena, rows, bias=None):
 
 def native_product(q, arena, x, bias=None):
     """x @ W.T (+ bias) of a matrix the kernels multiply (a QuantMatrix, a 16-bit _Held: its n,
-    k, matvec(v, out) and dequantize(start, stop, out)): the native matvec for each position of a pass of up
-    to kernels.SMALL_PASS positions, else dequantized chunks + BLAS. Eager: W's memory is not read
-    once this returns."""
+    k, matvec(v, out) and dequantize(start, stop, out)): the native matvec for each position of
+    a pass of up to kernels.SMALL_PASS positions; a batch's decode step through W's matmul where
+    it has one and kernels.pass_kernels takes x (each row dequantized once for every sequence);
+    else dequantized chunks + BLAS. Eager: W's memory is not read once this returns."""
     positions = x.size // x.shape[-1]
-    if positions > SMALL_PASS:
+    if positions > SMALL_PASS and not (hasattr(q, "matmul") and pass_kernels(q.kernels, x)):
         return chunked_matmul(x, q.n, q.k, q.dequantize, arena, bias)
     v = host_f32(x).reshape(positions, q.k)
-    out = np.empty((positions, q.n), dtype=np.float32)
-    for i in range(positions):
-        q.matvec(v[i], out[i])
+    if positions > SMALL_PASS:
+        out = q.matmul(v)
+    else:
+        out = np.empty((positions, q.n), dtype=np.float32)
+        for i in range(positions):
+            q.matvec(v[i], out[i])
     y = mx.array(out).reshape(*x.shape[:-1], q.n).astype(x.dtype)
     return y if bias is None else y + bias
 

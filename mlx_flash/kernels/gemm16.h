@@ -1,0 +1,154 @@
+/* A small matrix product for a decode step of several sequences (a batch, up to 16 positions
+ * a pass): y[b, r] = sum_kk a[r * rs + kk * ks] * x[b, kk], included by _matvec.c.
+ *
+ * Why: a batch's decode step multiplies every weight by 16 vectors. Dequantized chunks
+ * through BLAS ran at ~22 GMAC/s on two Zen 4 cores (OpenBLAS's sgemm at M = 16 packs the
+ * weights before it multiplies them, and MLX evaluates each chunk apart), where a 4-bit
+ * OPT-6.7B step is 103 GMAC. This kernel reads a weight once from the chunk it was
+ * dequantized into and multiplies it into all 16 positions at once: x is transposed once a
+ * call (xt [k][16], zero-padded), so a 512-bit register holds one column of x for every
+ * position, and each weight is one broadcast multiply-add (58 GMAC/s on one Zen 4 core,
+ * 8 rows a tile: /tmp prototype, stop 44).
+ *
+ * The strides take either layout a step meets: rs = k, ks = 1 for rows of W (x @ W.T:
+ * gate, up, attention, the output head; 8 rows a tile, 16 positions a register), rs = 1,
+ * ks = d for W [m, d] itself (h @ W: the FFN's down rows; 16 outputs a register, a
+ * register a position). Each sum runs over kk in order, one float32 multiply-add at a time: the
+ * AVX-512 lanes fuse it (one rounding), the portable loop multiplies then adds (two):
+ * equal to ~1e-6 relative, neither BLAS's order (tests/test_kernels.py holds them to it).
+ */
+#ifndef MLX_FLASH_GEMM16_H
+#define MLX_FLASH_GEMM16_H
+
+#include <stdint.h>
+
+#define MM16_ROWS 8 /* rows a tile: 8 accumulators (each 16 positions of one row) */
+#define MM16_RUN 64 /* values a row's sum takes into a register of its own before its total */
+#define MM16_PAD 16 /* floats between a dequantized tile's rows beyond their length: rows a power of
+                     * two apart share the L1 cache's sets and evict each other (8 KB apart:
+                     * 40 -> ? GMAC/s) */
+
+/* one row r of a, every position b < m: y[b * ldy] (+)= sum_kk a[kk * ks] * xt[kk * 16 + b], in runs of
+ * `run` values (mm16_tile's MM16_RUN; 0: one run, as mm16_cols sums into y) */
+static void mm16_row_portable(const float *a, int64_t ks, const float *xt, int64_t k, int64_t m, float *y,
+                              int64_t ldy, int accumulate, int64_t run) {
+    float acc[16] = {0};
+    if (run <= 0) run = k;
+    for (int64_t k0 = 0; k0 < k; k0 += run) {
+        float part[16] = {0};
+        for (int64_t kk = k0; kk < k0 + run && kk < k; kk++) {
+            const float w = a[kk * ks];
+            for (int64_t b = 0; b < m; b++) {
+                const float t = w * xt[kk * 16 + b];
+                part[b] += t;
+            }
+        }
+        for (int64_t b = 0; b < m; b++) acc[b] += part[b];
+    }
+    for (int64_t b = 0; b < m; b++) y[b * ldy] = accumulate ? y[b * ldy] + acc[b] : acc[b];
+}
+
+#ifdef BF16_PATH /* x86-64 with a compiler that has AVX-512 (qmv_bf16.h); simd level 2 */
+/* MM16_ROWS rows starting at a: out[r * 16 + b] = their sums for all 16 lanes, each sum taken
+ * MM16_RUN values at a time into a register of its own and then added to the row's total (as
+ * the one-position kernels sum a group, then the groups): a float32 sum's rounding grows with
+ * the run, not with k */
+TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t rs, int64_t ks, const float *xt, int64_t k,
+                                         float *out) {
+    __m512 acc[MM16_ROWS];
+    for (int r = 0; r < MM16_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += MM16_RUN) {
+        const int64_t k1 = k0 + MM16_RUN < k ? k0 + MM16_RUN : k;
+        __m512 run[MM16_ROWS];
+        for (int r = 0; r < MM16_ROWS; r++) run[r] = _mm512_setzero_ps();
+        for (int64_t kk = k0; kk < k1; kk++) {
+            const __m512 xv = _mm512_loadu_ps(xt + kk * 16);
+            const float *ak = a + kk * ks;
+            for (int r = 0; r < MM16_ROWS; r++) run[r] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * rs]), xv, run[r]);
+        }
+        for (int r = 0; r < MM16_ROWS; r++) acc[r] = _mm512_add_ps(acc[r], run[r]);
+    }
+    for (int r = 0; r < MM16_ROWS; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
+}
+#endif
+
+/* 32 4-bit values (16 bytes: byte i holds value 2i low, 2i + 1 high) -> 2 x 16 floats in order */
+TARGET_AVX512_BF16 static inline void unpack4_avx512(const uint8_t *p, __m512 v[2]) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))); /* values 0-15 */
+    v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))); /* 16-31 */
+}
+
+/* 16 scales or biases at code -> floats */
+TARGET_AVX512_BF16 static inline __m512 load16_scales(const uint8_t *p, int64_t code) {
+    if (code == F32) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (code == F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bfloat16 */
+}
+
+/* a 4-bit row's k values (groups of g, a multiple of 32): scale * q, then + bias, as
+ * dequantize_row_avx2 (a multiply, then an add: the same values to the bit), 32 a step in
+ * 512-bit registers (a pass's tiles dequantize every weight: ~2x the AVX2 loop's rate) */
+TARGET_AVX512_BF16 static void dequantize_row4_avx512(const uint8_t *w, const float *sc, const float *bi, int64_t k,
+                                                     int64_t g, float *out) {
+    __m512 v[2];
+    for (int64_t k0 = 0; k0 < k; k0 += g) {
+        const __m512 s = _mm512_set1_ps(sc[k0 / g]), b = _mm512_set1_ps(bi[k0 / g]);
+        for (int64_t i = k0; i < k0 + g; i += 32) {
+            unpack4_avx512(w + i / 2, v);
+            _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(s, v[0]), b));
+            _mm512_storeu_ps(out + i + 16, _mm512_add_ps(_mm512_mul_ps(s, v[1]), b));
+        }
+    }
+}
+
+/* a 4-bit column's n values (a multiple of 32): ts[c] * q + tb[c], as dequant_col_avx2 */
+TARGET_AVX512_BF16 static void dequant_col4_avx512(const uint8_t *p, int64_t n, const uint8_t *sr, const uint8_t *br,
+                                                  int64_t code, float *out) {
+    const int64_t ssz = code == F32 ? 4 : 2;
+    __m512 v[2];
+    for (int64_t c = 0; c < n; c += 32) {
+        unpack4_avx512(p + c / 2, v);
+        for (int l = 0; l < 2; l++) {
+            const int64_t at = c + 16 * l;
+            const __m512 t = _mm512_mul_ps(load16_scales(sr + at * ssz, code), v[l]);
+            _mm512_storeu_ps(out + at, _mm512_add_ps(t, load16_scales(br + at * ssz, code)));
+        }
+    }
+}
+
+#define MM16_KBLOCK 64 /* W [k, n]: rows of W a pass over the outputs (each a stream the pass reads) */
+
+/* W [k, n] (rs = 1, ks = W's row stride), outputs [r0, r1): 16 outputs a register, each
+ * position's sums its own register (a broadcast of x[b, kk] times 16 weights of row kk),
+ * rows of W MM16_KBLOCK at a time, so a pass streams a few rows rather than striding down
+ * all k of them (a stride of d floats: a new page every row) */
+TARGET_AVX512_BF16 static void mm16_cols(const float *a, int64_t ks, const float *xt, int64_t k, int64_t m,
+                                         float *y, int64_t ldy, int accumulate, int64_t r0, int64_t r1) {
+    for (int64_t k0 = 0; k0 < k; k0 += MM16_KBLOCK) {
+        const int64_t k1 = k0 + MM16_KBLOCK < k ? k0 + MM16_KBLOCK : k;
+        const int add = accumulate || k0 > 0;
+        for (int64_t r = r0; r < r1; r += 16) {
+            const __mmask16 lanes = r1 - r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (r1 - r)) - 1);
+            /* (through a local copy, the registers indexed by constants only: indexed by m, the
+             * compiler keeps them in memory) */
+            float io[16][16];
+            for (int64_t b = 0; b < 16; b++)
+                _mm512_storeu_ps(io[b], add && b < m ? _mm512_maskz_loadu_ps(lanes, y + b * ldy + r) : _mm512_setzero_ps());
+            __m512 acc[16];
+            for (int b = 0; b < 16; b++) acc[b] = _mm512_loadu_ps(io[b]);
+            for (int64_t kk = k0; kk < k1; kk++) {
+                const __m512 wv = _mm512_maskz_loadu_ps(lanes, a + kk * ks + r);
+                const float *xk = xt + kk * 16;
+                for (int b = 0; b < 16; b++) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(xk[b]), wv, acc[b]);
+            }
+            for (int b = 0; b < 16; b++) _mm512_storeu_ps(io[b], acc[b]);
+            for (int64_t b = 0; b < m; b++) _mm512_mask_storeu_ps(y + b * ldy + r, lanes, _mm512_loadu_ps(io[b]));
+        }
+    }
+}
+#endif
+
+#endif

@@ -313,9 +313,10 @@ AVX2 static void dequantize_row_avx2(const job_t *j, const uint8_t *w, const flo
     }
 }
 
-/* one column's values [0, k): ts[c] * q + tb[c] (tables at code), 32 at a time */
+/* one column's values [0, k): ts[c] * q + tb[c] (tables at code), 32 at a time; value c at
+ * out[(c / 16) * bs + c % 16] (bs = 16: in order; larger: blocks of 16 bs apart, qmm_cols's tile) */
 AVX2 static void dequant_col_avx2(const uint8_t *p, int64_t bits, int64_t k, const uint8_t *sr, const uint8_t *br,
-                                  int64_t code, float *out) {
+                                  int64_t code, float *out, int64_t bs) {
     const int64_t ssz = code == F32 ? 4 : 2;
     __m256 v[4];
     for (int64_t c = 0; c < k; c += 32) {
@@ -323,7 +324,7 @@ AVX2 static void dequant_col_avx2(const uint8_t *p, int64_t bits, int64_t k, con
         for (int l = 0; l < 4; l++) {
             const int64_t at = c + 8 * l;
             const __m256 t = _mm256_mul_ps(load8_scales(sr + at * ssz, code), v[l]);
-            _mm256_storeu_ps(out + at, _mm256_add_ps(t, load8_scales(br + at * ssz, code)));
+            _mm256_storeu_ps(out + at / 16 * bs + at % 16, _mm256_add_ps(t, load8_scales(br + at * ssz, code)));
         }
     }
 }
@@ -563,20 +564,21 @@ static void dequantize_one(const job_t *j, int64_t rr, float *sc, float *bi, flo
     dequantize_row(j, w, sc, bi, out);
 }
 
-/* values [c0, c1) of packed column i of a QMM_COLS / DEQUANT_COLS job (c0, c1 - c0 multiples of 32) -> out */
-static void dequantize_col_part(const job_t *j, int64_t i, int64_t c0, int64_t c1, float *out) {
+/* values [c0, c1) of packed column i of a QMM_COLS / DEQUANT_COLS job (c0, c1 - c0 multiples of 32)
+ * -> out, value c0 + c at out[(c / 16) * bs + c % 16] (dequant_col_avx2's blocks) */
+static void dequantize_col_part(const job_t *j, int64_t i, int64_t c0, int64_t c1, float *out, int64_t bs) {
     const int64_t ssz = j->scode == F32 ? 4 : 2, bits = j->bits, n = c1 - c0;
     const uint8_t *p = j->w + j->sel[i] * j->row_bytes + c0 * bits / 8;
     const uint8_t *sr = j->ts + j->trow[i] * j->t_stride + c0 * ssz, *br = j->tb + j->trow[i] * j->t_stride + c0 * ssz;
 #ifdef BF16_PATH
     if (j->simd >= 2 && bits == 4 && n % 32 == 0) {
-        dequant_col4_avx512(p, n, sr, br, j->scode, out);
+        dequant_col4_avx512(p, n, sr, br, j->scode, out, bs);
         return;
     }
 #endif
 #ifdef AVX2_PATH
     if (j->simd && (bits == 4 || bits == 8) && n % 32 == 0) {
-        dequant_col_avx2(p, bits, n, sr, br, j->scode, out);
+        dequant_col_avx2(p, bits, n, sr, br, j->scode, out, bs);
         return;
     }
 #endif
@@ -586,14 +588,14 @@ static void dequantize_col_part(const job_t *j, int64_t i, int64_t c0, int64_t c
         const uint8_t *qb = block_values(p, bits, b, len, q);
         for (int64_t v = 0; v < len; v++) {
             const float t = load_scale(sr + (b + v) * ssz, j->scode) * (float)qb[v];
-            out[b + v] = t + load_scale(br + (b + v) * ssz, j->scode);
+            out[(b + v) / 16 * bs + (b + v) % 16] = t + load_scale(br + (b + v) * ssz, j->scode);
         }
     }
 }
 
 /* DEQUANT_COLS, rows [r0, r1) of sel: y[i, c] = ts[trow[i]][c] * q + tb[trow[i]][c], k values a row */
 static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; i++) dequantize_col_part(j, i, 0, j->k, j->y + i * j->k);
+    for (int64_t i = r0; i < r1; i++) dequantize_col_part(j, i, 0, j->k, j->y + i * j->k, 16);
 }
 
 /* QMM_ROWS, rows [r0, r1): MM16_ROWS rows at a time dequantized into `tile` (MM16_ROWS * k
@@ -623,24 +625,40 @@ static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
 }
 
 /* QMM_COLS, outputs [c0, c1) (multiples of 32 but the last): the m columns' values c0 .. c1-1,
- * MM16_KBLOCK columns at a time, dequantized into `tile`, then y[b, c] (+)= sum_i x[b, i] * value */
+ * MM16_KBLOCK columns at a time, dequantized into `tile` in blocks of 16 values (value c of the
+ * block's column i at tile[(c / 16) * MM16_KBLOCK * 16 + i * 16 + c % 16]: a pass over 16
+ * outputs reads one contiguous block, not a line from each of MM16_KBLOCK rows), then
+ * y[b, c] (+)= sum_i x[b, i] * value */
 static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
-    const int64_t w = c1 - c0, wp = w + MM16_PAD;
+    const int64_t w = c1 - c0, bs = MM16_KBLOCK * 16;
     for (int64_t i0 = 0; i0 < j->m; i0 += MM16_KBLOCK) {
         const int64_t nr = j->m - i0 < MM16_KBLOCK ? j->m - i0 : MM16_KBLOCK;
         const int add = j->accumulate || i0 > 0;
-        for (int64_t i = 0; i < nr; i++) dequantize_col_part(j, i0 + i, c0, c1, tile + i * wp);
+#ifdef BF16_PATH
+        if (j->simd >= 2 && j->bits == 4 && w % 32 == 0) {
+            const int64_t ssz = j->scode == F32 ? 4 : 2;
+            const uint8_t *p[MM16_KBLOCK], *sr[MM16_KBLOCK], *br[MM16_KBLOCK];
+            for (int64_t i = 0; i < nr; i++) {
+                p[i] = j->w + j->sel[i0 + i] * j->row_bytes + c0 / 2;
+                sr[i] = j->ts + j->trow[i0 + i] * j->t_stride + c0 * ssz;
+                br[i] = j->tb + j->trow[i0 + i] * j->t_stride + c0 * ssz;
+            }
+            dequant_cols4_tile(p, sr, br, nr, w, j->scode, tile, bs);
+        } else
+#endif
+            for (int64_t i = 0; i < nr; i++) dequantize_col_part(j, i0 + i, c0, c1, tile + i * 16, bs);
         for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
             const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
             const float *xt = j->xt + p0 * j->m + i0 * 16;
             float *y = j->y + p0 * j->ldy + c0;
 #ifdef BF16_PATH
             if (j->simd >= 2) {
-                mm16_cols(tile, wp, xt, nr, m, y, j->ldy, add, 0, w);
+                mm16_cols(tile, bs, xt, nr, m, y, j->ldy, add, w);
                 continue;
             }
 #endif
-            for (int64_t c = 0; c < w; c++) mm16_row_portable(tile + c, wp, xt, nr, m, y + c, j->ldy, add, 0);
+            for (int64_t c = 0; c < w; c++)
+                mm16_row_portable(tile + c / 16 * bs + c % 16, 16, xt, nr, m, y + c, j->ldy, add, 0);
         }
     }
 }
@@ -881,9 +899,10 @@ static float *transpose_x(const float *x, int64_t pos, int64_t k) {
 }
 
 /* the floats each thread's share of a QMM_* job needs: QMM_ROWS a row's scales and biases and
- * MM16_ROWS dequantized rows; QMM_COLS MM16_KBLOCK columns' values (at most every output) */
+ * MM16_ROWS dequantized rows; QMM_COLS MM16_KBLOCK columns' values (at most every output: k, a
+ * multiple of 32) */
 static int64_t qmm_scratch(const job_t *j) {
-    return j->kind == QMM_ROWS ? 2 * (j->k / j->g) + MM16_ROWS * (j->k + MM16_PAD) : MM16_KBLOCK * (j->k + MM16_PAD);
+    return j->kind == QMM_ROWS ? 2 * (j->k / j->g) + MM16_ROWS * (j->k + MM16_PAD) : MM16_KBLOCK * j->k;
 }
 
 /* x's group sums */

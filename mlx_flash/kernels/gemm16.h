@@ -70,7 +70,6 @@ TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t rs, int64_t ks,
     }
     for (int r = 0; r < MM16_ROWS; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 }
-#endif
 
 /* 32 4-bit values (16 bytes: byte i holds value 2i low, 2i + 1 high) -> 2 x 16 floats in order */
 TARGET_AVX512_BF16 static inline void unpack4_avx512(const uint8_t *p, __m512 v[2]) {
@@ -104,9 +103,10 @@ TARGET_AVX512_BF16 static void dequantize_row4_avx512(const uint8_t *w, const fl
     }
 }
 
-/* a 4-bit column's n values (a multiple of 32): ts[c] * q + tb[c], as dequant_col_avx2 */
+/* a 4-bit column's n values (a multiple of 32): ts[c] * q + tb[c], as dequant_col_avx2 (value c
+ * at out[(c / 16) * bs + c % 16]) */
 TARGET_AVX512_BF16 static void dequant_col4_avx512(const uint8_t *p, int64_t n, const uint8_t *sr, const uint8_t *br,
-                                                  int64_t code, float *out) {
+                                                  int64_t code, float *out, int64_t bs) {
     const int64_t ssz = code == F32 ? 4 : 2;
     __m512 v[2];
     for (int64_t c = 0; c < n; c += 32) {
@@ -114,36 +114,60 @@ TARGET_AVX512_BF16 static void dequant_col4_avx512(const uint8_t *p, int64_t n, 
         for (int l = 0; l < 2; l++) {
             const int64_t at = c + 16 * l;
             const __m512 t = _mm512_mul_ps(load16_scales(sr + at * ssz, code), v[l]);
-            _mm512_storeu_ps(out + at, _mm512_add_ps(t, load16_scales(br + at * ssz, code)));
+            _mm512_storeu_ps(out + at / 16 * bs, _mm512_add_ps(t, load16_scales(br + at * ssz, code)));
         }
     }
 }
 
-#define MM16_KBLOCK 64 /* W [k, n]: rows of W a pass over the outputs (each a stream the pass reads) */
+/* nr 4-bit columns (p[i], their table rows sr[i] / br[i] at code), values [0, n) (n a multiple of
+ * 32) into qmm_cols's tile: value c of column i at out[(c / 16) * bs + i * 16 + c % 16]. The
+ * columns are the inner loop, so the stores run along a block (a column at a time would store
+ * each 16 values bs floats apart); their lines are read 4 steps each */
+TARGET_AVX512_BF16 static void dequant_cols4_tile(const uint8_t *const *p, const uint8_t *const *sr,
+                                                 const uint8_t *const *br, int64_t nr, int64_t n, int64_t code,
+                                                 float *out, int64_t bs) {
+    const int64_t ssz = code == F32 ? 4 : 2;
+    __m512 v[2];
+    for (int64_t c = 0; c < n; c += 32)
+        for (int64_t i = 0; i < nr; i++) {
+            unpack4_avx512(p[i] + c / 2, v);
+            for (int l = 0; l < 2; l++) {
+                const int64_t at = c + 16 * l;
+                const __m512 t = _mm512_mul_ps(load16_scales(sr[i] + at * ssz, code), v[l]);
+                _mm512_storeu_ps(out + at / 16 * bs + i * 16, _mm512_add_ps(t, load16_scales(br[i] + at * ssz, code)));
+            }
+        }
+}
 
-/* W [k, n] (rs = 1, ks = W's row stride), outputs [r0, r1): 16 outputs a register, each
- * position's sums its own register (a broadcast of x[b, kk] times 16 weights of row kk),
- * rows of W MM16_KBLOCK at a time, so a pass streams a few rows rather than striding down
- * all k of them (a stride of d floats: a new page every row) */
-TARGET_AVX512_BF16 static void mm16_cols(const float *a, int64_t ks, const float *xt, int64_t k, int64_t m,
-                                         float *y, int64_t ldy, int accumulate, int64_t r0, int64_t r1) {
-    for (int64_t k0 = 0; k0 < k; k0 += MM16_KBLOCK) {
-        const int64_t k1 = k0 + MM16_KBLOCK < k ? k0 + MM16_KBLOCK : k;
-        const int add = accumulate || k0 > 0;
-        for (int64_t r = r0; r < r1; r += 16) {
-            const __mmask16 lanes = r1 - r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (r1 - r)) - 1);
-            /* (through a local copy, the registers indexed by constants only: indexed by m, the
-             * compiler keeps them in memory) */
+#define MM16_KBLOCK 64 /* W's rows a pass over the outputs: a tile of 64 x the share's outputs */
+
+/* W [k, n] as qmm_cols's tile holds it (element (kk, r) at a[(r / 16) * bs + kk * 16 + r % 16]),
+ * outputs [0, n): 16 outputs a register, each position's sums its own register (a broadcast of
+ * x[b, kk] times 16 weights of row kk), added to y where `add` */
+TARGET_AVX512_BF16 static void mm16_cols(const float *a, int64_t bs, const float *xt, int64_t k, int64_t m,
+                                         float *y, int64_t ldy, int add, int64_t n) {
+    for (int64_t r = 0; r < n; r += 16) {
+        const __mmask16 lanes = n - r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - r)) - 1);
+        const float *ar = a + r / 16 * bs;
+        __m512 acc[16];
+        if (m == 16) { /* (the registers indexed by constants only: indexed by m, the compiler
+                        * keeps them in memory; fewer positions go through a local copy) */
+            for (int b = 0; b < 16; b++) acc[b] = add ? _mm512_maskz_loadu_ps(lanes, y + b * ldy + r) : _mm512_setzero_ps();
+        } else {
             float io[16][16];
             for (int64_t b = 0; b < 16; b++)
                 _mm512_storeu_ps(io[b], add && b < m ? _mm512_maskz_loadu_ps(lanes, y + b * ldy + r) : _mm512_setzero_ps());
-            __m512 acc[16];
             for (int b = 0; b < 16; b++) acc[b] = _mm512_loadu_ps(io[b]);
-            for (int64_t kk = k0; kk < k1; kk++) {
-                const __m512 wv = _mm512_maskz_loadu_ps(lanes, a + kk * ks + r);
-                const float *xk = xt + kk * 16;
-                for (int b = 0; b < 16; b++) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(xk[b]), wv, acc[b]);
-            }
+        }
+        for (int64_t kk = 0; kk < k; kk++) {
+            const __m512 wv = _mm512_loadu_ps(ar + kk * 16);
+            const float *xk = xt + kk * 16;
+            for (int b = 0; b < 16; b++) acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(xk[b]), wv, acc[b]);
+        }
+        if (m == 16) {
+            for (int b = 0; b < 16; b++) _mm512_mask_storeu_ps(y + b * ldy + r, lanes, acc[b]);
+        } else {
+            float io[16][16];
             for (int b = 0; b < 16; b++) _mm512_storeu_ps(io[b], acc[b]);
             for (int64_t b = 0; b < m; b++) _mm512_mask_storeu_ps(y + b * ldy + r, lanes, _mm512_loadu_ps(io[b]));
         }

@@ -144,10 +144,10 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
         tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
     except Exception as e:
         raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
-    release_heap()
     model = family.Model(args)
     quantize_resident(model, model_config.get("quantization"), folder)
     check_file(folder, manifest.resident, checksum=config.verify)
+    release_heap()  # (the tokenizer's temporaries, and the checksum's buffer: 8 MB the heap had kept)
     return model, tokenizer, args
 
 

@@ -2,7 +2,7 @@
 
 - mlx_flash/io/_native.c: the reader's pool, conversions and checksums;
 - mlx_flash/kernels/_matvec.c: matrix-vector products on the CPU (weights held at their bits; a
-  token's active rows of a neuron cache).
+  token's active rows of a neuron cache), and a batch's decode step over quantized weights.
 
 Both are optional: if one fails to compile, the install still succeeds, and
 FlashReader falls back to its pure-Python pool, quantized weights to MLX's own

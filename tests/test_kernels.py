@@ -577,3 +577,39 @@ def test_a_pass_of_several_positions_equals_its_dequantized_rows_times_x(bits, p
         qmm_cols(kernels, np.ascontiguousarray(h[:, :2]), cols_buf, np.array([0, n]), np.array([0, 0]), tables, spec)
     empty = qmm_cols(kernels, h[:, :0], cols_buf, sel[:0], trow[:0], tables, spec)
     assert empty.shape == (positions, 224) and not empty.any()
+
+
+def test_a_row_s_product_in_a_pass_does_not_depend_on_the_threads_or_the_split():
+    """qmm_rows / qmm: a row's sums are the same bits whichever share of the threads or part of the
+    rows holds it (a last tile of fewer rows runs the same tile, zero-padded), so hybrid's parts
+    give dense's values; and sizes that would overflow the checks are refused, not followed."""
+    from mlx_flash.kernels import qmm_rows
+    from mlx_flash.layout.quant import QuantSpec
+
+    rng = np.random.default_rng(5)
+    spec = QuantSpec(4, 32, "float16")
+    n, d = 203, 256
+    soff, boff = d // 2, d // 2 + 2 * d // 32
+    buf = rng.integers(0, 256, (n, boff + 2 * d // 32), dtype=np.uint8)
+    buf[:, soff:] = (rng.standard_normal((n, 2 * d // 32)) * 0.1).astype(np.float16).view(np.uint8).reshape(n, -1)
+    x = rng.standard_normal((16, d)).astype(np.float32)
+    rows = np.arange(n)
+    try:
+        for level in range(SIMD_TOP + 1):
+            kernels.simd(level)
+            kernels.set_threads(1)
+            whole = qmm_rows(kernels, x, buf, rows, spec, soff, boff)
+            for threads in (2, 3, 5):
+                kernels.set_threads(threads)
+                assert np.array_equal(qmm_rows(kernels, x, buf, rows, spec, soff, boff), whole), (level, threads)
+            split = np.concatenate([qmm_rows(kernels, x, buf, rows[:101], spec, soff, boff),
+                                    qmm_rows(kernels, x, buf, rows[101:], spec, soff, boff)], axis=1)
+            assert np.array_equal(split, whole), level
+    finally:
+        kernels.simd(SIMD_TOP)
+        kernels.set_threads(default_threads())
+    y = np.empty((1, 4), np.float32)
+    for k in (2**62, 2**62 + 32):
+        with pytest.raises(ValueError, match="qmm: arguments"):
+            kernels.qmm(np.zeros(32, np.float32), np.zeros(64, np.uint8), np.zeros(128, np.uint8),
+                        np.zeros(128, np.uint8), y, 4, k, 4, 32, 1)

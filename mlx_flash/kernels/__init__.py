@@ -61,21 +61,23 @@ SMALL_PASS = 4  # passes of up to this many positions (a speculative verify pass
 
 
 BATCH_PASS = 32  # a batch's decode step of up to this many sequences multiplies each row, dequantized once,
-# into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU has AVX-512 (pass_kernels);
-# more sequences, and every prompt chunk, dequantize chunks for BLAS (MLX's order of sums, as before)
+# into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU runs their AVX-512 tiles
+# (pass_kernels); more sequences, and a prompt chunk of more than one position a sequence,
+# dequantize chunks for BLAS (MLX's order of sums, as before)
 
 
 def batched(module):
-    """Whether the pass kernels (qmm*) run their AVX-512 tiles here. Without them (AVX2, other
-    CPUs) they would run the portable loops, slower than dequantized chunks + BLAS: the
-    callers take BLAS."""
+    """Whether the pass kernels (qmm*) run their AVX-512 tiles here: SIMD level 2 (AVX-512 with
+    BF16, the level the 4-bit one-position kernels need too; a CPU with AVX-512F only stays at
+    level 1). Without them (AVX2, other CPUs) they would run the portable loops, slower than
+    dequantized chunks + BLAS: the callers take BLAS."""
     return module is not None and module.simd(-1) >= 2
 
 
 def pass_kernels(module, x):
-    """Whether the pass kernels take x (an MLX activation [..., positions, d]): a batch's decode
-    step (one new position a sequence) of more than SMALL_PASS and at most BATCH_PASS sequences,
-    on a CPU where they run their AVX-512 tiles (batched)."""
+    """Whether the pass kernels take x (an MLX activation [..., positions, d]): one position a
+    sequence (a batch's decode step, or a prefill chunk one position wide) for more than
+    SMALL_PASS and at most BATCH_PASS sequences, where batched(module)."""
     positions = x.size // x.shape[-1]
     return SMALL_PASS < positions <= BATCH_PASS and x.ndim >= 2 and x.shape[-2] == 1 and batched(module)
 

@@ -1,4 +1,4 @@
-/* Matrix-vector products on the CPU, for single-token decode.
+/* Matrix-vector products on the CPU, for a decode step (and, 3., a batch's: a few matrices' worth).
  *
  * 1. Quantized (qmv):   y[n] = sum_k x[k] * (scale[n, k / g] * q[n, k] + bias[n, k / g])
  *
@@ -30,6 +30,9 @@
  * over a matrix held at float16 or bfloat16 (models/half.py, a held dense FFN): each
  * value converted in registers (F16C / a shift) as the row streams, the sums those of the
  * float32 rows, where a float32 arena for BLAS was filled with every weight each token.
+ *
+ * 3. A batch's decode step (qmm, qmm_rows, qmm_cols: gemm16.h): each quantized row or column
+ * dequantized once, into a small tile, and multiplied into every sequence's position.
  *
  * Why one file past 500 lines: every kernel is a kind of one job that the same
  * pool runs (the job struct, the pool and the dispatch are shared); most of the
@@ -598,9 +601,10 @@ static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; i++) dequantize_col_part(j, i, 0, j->k, j->y + i * j->k, 16);
 }
 
-/* QMM_ROWS, rows [r0, r1): MM16_ROWS rows at a time dequantized into `tile` (MM16_ROWS * k
- * floats), then multiplied into every position: y[b, r] = row r . x[b] (AVX-512: mm16_tile;
- * else, and for a last tile of fewer rows, the portable loop). sc, bi: K / g scratch. */
+/* QMM_ROWS, rows [r0, r1): MM16_ROWS rows at a time dequantized into `tile` (MM16_ROWS rows of
+ * k + MM16_PAD floats), then multiplied into every position: y[b, r] = row r . x[b]. AVX-512:
+ * mm16_tile for every tile, a last one of fewer rows zero-padded (a row's sum is then the same
+ * whichever share or part holds it); else the portable loop. sc, bi: K / g scratch. */
 static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi, float *tile) {
     const int64_t k = j->k, kp = k + MM16_PAD; /* (the tile's rows a line further apart than k) */
     for (int64_t t0 = r0; t0 < r1; t0 += MM16_ROWS) {
@@ -611,11 +615,12 @@ static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
             const float *xt = j->xt + p0 * k;
             float *y = j->y + p0 * j->ldy + t0;
 #ifdef BF16_PATH
-            if (j->simd >= 2 && nr == MM16_ROWS) {
+            if (j->simd >= 2) {
                 float out[MM16_ROWS * 16];
-                mm16_tile(tile, kp, 1, xt, k, out);
+                if (nr < MM16_ROWS) memset(tile + nr * kp, 0, sizeof(float) * (size_t)((MM16_ROWS - nr) * kp));
+                mm16_tile(tile, kp, xt, k, out);
                 for (int64_t b = 0; b < m; b++)
-                    for (int i = 0; i < MM16_ROWS; i++) y[b * j->ldy + i] = out[i * 16 + b];
+                    for (int64_t i = 0; i < nr; i++) y[b * j->ldy + i] = out[i * 16 + b];
                 continue;
             }
 #endif
@@ -691,7 +696,6 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
         }
         return;
     }
-    const int64_t ng = j->k / j->g;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t rr = j->sel ? j->sel[r] : r;
         const uint8_t *w = j->w + rr * j->row_bytes, *sp = j->s + rr * j->s_stride, *bp = j->b + rr * j->b_stride;
@@ -725,7 +729,7 @@ static struct {
     _Atomic uint64_t pending;  /* workers' shares not finished */
     int sleepers, waiting;  /* under mu: workers asleep on go; the caller asleep on done */
     const job_t *job;
-    float *scratch;  /* scratch_per = 2 * (K / g) floats for each of scratch_n threads */
+    float *scratch;  /* scratch_per floats for each of scratch_n threads (the most a job asked for) */
     int64_t scratch_per;
     int scratch_n;
     int64_t spin_ns;
@@ -887,7 +891,7 @@ static int dispatch(const job_t *j, int64_t scratch) {
  * pos zero) -> a new allocation (free it), or NULL */
 static float *transpose_x(const float *x, int64_t pos, int64_t k) {
     const int64_t tiles = (pos + 15) / 16;
-    float *xt = malloc(sizeof(float) * (size_t)(tiles * k * 16));
+    float *xt = malloc(sizeof(float) * (size_t)(tiles > 0 ? tiles * k * 16 : 1));
     if (!xt) return NULL;
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t kk = 0; kk < k; kk++)
@@ -946,6 +950,10 @@ static float *prepare_x_for(const job_t *j, const float *xf, xprep_t *in) {
     return xsum;
 }
 
+/* a dimension the size checks may multiply without overflow (and divide by): 1 .. 2^30 (a pass's
+ * positions: at most 2^20) */
+static int sane(long long d) { return d > 0 && d <= (1LL << 30); }
+
 static int valid_width(long long bits, long long group) {
     return (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
            (group == 32 || group == 64 || group == 128);
@@ -965,9 +973,9 @@ static PyObject *run(PyObject *args, int kind) {
     float *xsum = NULL;
     if (kind != DEQUANTIZE && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
     const int64_t ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0, row_bytes = k * bits / 8;
-    const int64_t pos = kind == QMM_ROWS && k > 0 ? x.len / (4 * k) : 1;
-    const int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && n >= 0 &&
-                   k > 0 && k % group == 0 && w.len == n * row_bytes && s.len == n * ng * ssz &&
+    const int64_t pos = kind == QMM_ROWS && sane(k) ? x.len / (4 * k) : 1;
+    const int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && n >= 0 && n <= (1LL << 30) && sane(k) &&
+                   pos <= (1 << 20) && k % group == 0 && w.len == n * row_bytes && s.len == n * ng * ssz &&
                    b.len == n * ng * ssz && y.len == n * 4 * (kind == DEQUANTIZE ? k : pos) &&
                    ((uintptr_t)y.buf % 4) == 0 &&
                    (kind == DEQUANTIZE || (x.len == pos * k * 4 && ((uintptr_t)x.buf % 4) == 0));
@@ -1033,9 +1041,9 @@ static PyObject *strided_rows(PyObject *args, int kind) {
     float *xsum = NULL;
     if (kind != DEQUANTIZE && PyObject_GetBuffer(xo, &x, PyBUF_SIMPLE) < 0) goto out;
     const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, ng = group > 0 ? k / group : 0;
-    const int64_t pos = kind == QMM_ROWS && k > 0 ? x.len / (4 * k) : 1;
+    const int64_t pos = kind == QMM_ROWS && sane(k) ? x.len / (4 * k) : 1;
     const int64_t rows = stride > 0 ? w.len / stride : 0;
-    int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && k > 0 && k % group == 0 &&
+    int ok = valid_width(bits, group) && sc >= F32 && sc <= BF16 && sane(k) && pos <= (1 << 20) && k % group == 0 &&
              sel.len % 8 == 0 && stride >= k * bits / 8 && soff >= k * bits / 8 && soff + ng * ssz <= stride &&
              boff >= 0 && boff + ng * ssz <= stride && ((uintptr_t)y.buf % 4) == 0 &&
              ((uintptr_t)sel.buf % 8) == 0 &&
@@ -1112,9 +1120,10 @@ static PyObject *table_cols(PyObject *args, int kind) {
     float *xt = NULL;
     if (kind != DEQUANT_COLS && PyObject_GetBuffer(ho, &h, PyBUF_SIMPLE) < 0) goto out;
     const int64_t m = sel.len / 8, ssz = sc == F32 ? 4 : 2, rows = stride > 0 ? w.len / stride : 0;
-    const int64_t pos = kind == QMM_COLS && k > 0 ? y.len / (4 * k) : 1;
-    const int64_t trows = k > 0 ? ts.len / (k * ssz) : 0;
-    int ok = valid_width(bits, 32) && sc >= F32 && sc <= BF16 && k > 0 && k % 32 == 0 && sel.len % 8 == 0 &&
+    const int64_t pos = kind == QMM_COLS && sane(k) ? y.len / (4 * k) : 1;
+    const int64_t trows = sane(k) ? ts.len / (k * ssz) : 0;
+    int ok = valid_width(bits, 32) && sc >= F32 && sc <= BF16 && sane(k) && pos <= (1 << 20) && k % 32 == 0 &&
+             sel.len % 8 == 0 &&
              trow.len == sel.len && stride >= k * bits / 8 && ts.len == trows * k * ssz && tb.len == ts.len &&
              ((uintptr_t)y.buf % 4) == 0 && ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)trow.buf % 8) == 0 &&
              (kind == DEQUANT_COLS ? y.len == 4 * m * k

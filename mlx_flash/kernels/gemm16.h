@@ -1,21 +1,26 @@
-/* A small matrix product for a decode step of several sequences (a batch, up to 16 positions
- * a pass): y[b, r] = sum_kk a[r * rs + kk * ks] * x[b, kk], included by _matvec.c.
+/* The pass kernels' products, included by _matvec.c after quant.h and qmv_bf16.h (F32, F16,
+ * TARGET_AVX512_BF16): a decode step of several sequences (a batch: up to kernels.BATCH_PASS
+ * positions, in tiles of 16) multiplies every weight, dequantized once, into every position.
  *
  * Why: a batch's decode step multiplies every weight by 16 vectors. Dequantized chunks
- * through BLAS ran at ~22 GMAC/s on two Zen 4 cores (OpenBLAS's sgemm at M = 16 packs the
- * weights before it multiplies them, and MLX evaluates each chunk apart), where a 4-bit
- * OPT-6.7B step is 103 GMAC. This kernel reads a weight once from the chunk it was
- * dequantized into and multiplies it into all 16 positions at once: x is transposed once a
- * call (xt [k][16], zero-padded), so a 512-bit register holds one column of x for every
- * position, and each weight is one broadcast multiply-add (58 GMAC/s on one Zen 4 core,
- * 8 rows a tile: /tmp prototype, stop 44).
+ * through BLAS ran at ~22 G multiply-adds/s on two Zen 4 cores (OpenBLAS's sgemm at M = 16
+ * packs the weights before it multiplies them, and MLX evaluates each chunk apart), where a
+ * 4-bit OPT-6.7B step is 106 G. Here x is transposed once a call (xt [k][16], zero-padded),
+ * so a 512-bit register holds one column of x for all 16 positions, and each weight is one
+ * broadcast multiply-add into them (58 G/s on one Zen 4 core at the cores' peak:
+ * results/batch/stop44-opt-6.7b-q4/peak_fma.c).
  *
- * The strides take either layout a step meets: rs = k, ks = 1 for rows of W (x @ W.T:
- * gate, up, attention, the output head; 8 rows a tile, 16 positions a register), rs = 1,
- * ks = d for W [m, d] itself (h @ W: the FFN's down rows; 16 outputs a register, a
- * register a position). Each sum runs over kk in order, one float32 multiply-add at a time: the
- * AVX-512 lanes fuse it (one rounding), the portable loop multiplies then adds (two):
- * equal to ~1e-6 relative, neither BLAS's order (tests/test_kernels.py holds them to it).
+ * Two tiles, one per layout a step meets:
+ * - mm16_tile, rows of W (x @ W.T: gate, up, attention, the output head): MM16_ROWS rows
+ *   dequantized into a tile, a register per row holding its 16 positions; each row's sum in
+ *   runs of MM16_RUN values, each run in a register of its own and then added to the total
+ *   (as the one-position kernels sum a group, then the groups).
+ * - mm16_cols, W [m, d] itself (h @ W: the FFN's down columns): MM16_KBLOCK columns
+ *   dequantized into a blocked tile, 16 outputs a register, a register a position; each
+ *   output's sum runs over the columns in order into the value y held, so a call continuing
+ *   another sums as one call over both.
+ * The AVX-512 lanes fuse each multiply-add (one rounding), the portable loop multiplies then
+ * adds (two): equal to ~1e-6 relative, neither BLAS's order (tests/test_kernels.py).
  */
 #ifndef MLX_FLASH_GEMM16_H
 #define MLX_FLASH_GEMM16_H
@@ -25,8 +30,8 @@
 #define MM16_ROWS 8 /* rows a tile: 8 accumulators (each 16 positions of one row) */
 #define MM16_RUN 64 /* values a row's sum takes into a register of its own before its total */
 #define MM16_PAD 16 /* floats between a dequantized tile's rows beyond their length: rows a power of
-                     * two apart share the L1 cache's sets and evict each other (8 KB apart:
-                     * 40 -> ? GMAC/s) */
+                     * two apart share the L1 cache's sets and evict each other */
+#define MM16_KBLOCK 64 /* columns a pass of mm16_cols over the outputs (a tile of 64 x the share's outputs) */
 
 /* one row r of a, every position b < m: y[b * ldy] (+)= sum_kk a[kk * ks] * xt[kk * 16 + b], in runs of
  * `run` values (mm16_tile's MM16_RUN; 0: one run, as mm16_cols sums into y) */
@@ -49,12 +54,9 @@ static void mm16_row_portable(const float *a, int64_t ks, const float *xt, int64
 }
 
 #ifdef BF16_PATH /* x86-64 with a compiler that has AVX-512 (qmv_bf16.h); simd level 2 */
-/* MM16_ROWS rows starting at a: out[r * 16 + b] = their sums for all 16 lanes, each sum taken
- * MM16_RUN values at a time into a register of its own and then added to the row's total (as
- * the one-position kernels sum a group, then the groups): a float32 sum's rounding grows with
- * the run, not with k */
-TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t rs, int64_t ks, const float *xt, int64_t k,
-                                         float *out) {
+/* MM16_ROWS rows, lda floats apart from a: out[r * 16 + b] = their sums for all 16 lanes, in runs
+ * of MM16_RUN values */
+TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t lda, const float *xt, int64_t k, float *out) {
     __m512 acc[MM16_ROWS];
     for (int r = 0; r < MM16_ROWS; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k0 = 0; k0 < k; k0 += MM16_RUN) {
@@ -63,8 +65,7 @@ TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t rs, int64_t ks,
         for (int r = 0; r < MM16_ROWS; r++) run[r] = _mm512_setzero_ps();
         for (int64_t kk = k0; kk < k1; kk++) {
             const __m512 xv = _mm512_loadu_ps(xt + kk * 16);
-            const float *ak = a + kk * ks;
-            for (int r = 0; r < MM16_ROWS; r++) run[r] = _mm512_fmadd_ps(_mm512_set1_ps(ak[r * rs]), xv, run[r]);
+            for (int r = 0; r < MM16_ROWS; r++) run[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda + kk]), xv, run[r]);
         }
         for (int r = 0; r < MM16_ROWS; r++) acc[r] = _mm512_add_ps(acc[r], run[r]);
     }
@@ -139,7 +140,6 @@ TARGET_AVX512_BF16 static void dequant_cols4_tile(const uint8_t *const *p, const
         }
 }
 
-#define MM16_KBLOCK 64 /* W's rows a pass over the outputs: a tile of 64 x the share's outputs */
 
 /* W [k, n] as qmm_cols's tile holds it (element (kk, r) at a[(r / 16) * bs + kk * 16 + r % 16]),
  * outputs [0, n): 16 outputs a register, each position's sums its own register (a broadcast of

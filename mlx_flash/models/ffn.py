@@ -134,8 +134,9 @@ class FlashFFN(nn.Module):
         # One token's parts the native kernels compute (held and streamed rows: hybrid) add
         # into one host sum, each part's rows after the previous part's, in the order one
         # call over all of them would; several positions' packed parts are multiplied in
-        # chunks of their rows taken in order across the parts, as one part's would be:
-        # either way hybrid's output is dense's to the bit.
+        # chunks of their rows taken in order across the parts, as one part's would be, or (a
+        # batch's decode step, _packed_pass) each row's product alone and the down columns
+        # summed on from part to part: either way hybrid's output is dense's to the bit.
         y, acc, packed = None, None, []
         positions = x.size // x.shape[-1]
         one = positions == 1

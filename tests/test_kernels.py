@@ -613,3 +613,30 @@ def test_a_row_s_product_in_a_pass_does_not_depend_on_the_threads_or_the_split()
         with pytest.raises(ValueError, match="qmm: arguments"):
             kernels.qmm(np.zeros(32, np.float32), np.zeros(64, np.uint8), np.zeros(128, np.uint8),
                         np.zeros(128, np.uint8), y, 4, k, 4, 32, 1)
+
+
+@pytest.mark.parametrize("without", ["avx512", "x86"])
+def test_the_kernels_compile_where_the_cpu_lacks_avx512_or_is_not_x86(tmp_path, without):
+    """_matvec.c with its AVX-512 BF16 part switched off (an older compiler, a CPU level below it)
+    and with every x86 part off (Apple silicon, other CPUs) still compiles: a build that fails
+    loses every native kernel silently (the extension is optional)."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = Path(mlx_flash.__file__).parent / "kernels"
+    for name in ("_matvec.c", "quant.h", "qmv_bf16.h", "gemm16.h"):
+        text = (src / name).read_text()
+        switch = {"qmv_bf16.h": "#if defined(__x86_64__) && defined(BF16_COMPILER)",
+                  "_matvec.c": "#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))"}.get(name)
+        if switch and (name == "qmv_bf16.h" or without == "x86"):
+            assert text.count(switch) == 1, f"{name}: the line that switches its SIMD part on has changed"
+            text = text.replace(switch, "#if 0")
+        (tmp_path / name).write_text(text)
+    out = subprocess.run([cc, "-fsyntax-only", "-Wall", "-Werror", "-ffp-contract=off",
+                          f"-I{sysconfig.get_paths()['include']}", str(tmp_path / "_matvec.c")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -577,6 +577,14 @@ def test_a_pass_of_several_positions_equals_its_dequantized_rows_times_x(bits, p
         qmm_cols(kernels, np.ascontiguousarray(h[:, :2]), cols_buf, np.array([0, n]), np.array([0, 0]), tables, spec)
     empty = qmm_cols(kernels, h[:, :0], cols_buf, sel[:0], trow[:0], tables, spec)
     assert empty.shape == (positions, 224) and not empty.any()
+    if SIMD_TOP >= 2:  # AVX2's tiles run AVX-512's operations lane for lane: the same bits
+        got = []
+        for level in (2, 1):
+            kernels.simd(level)
+            got.append((qmm_rows(kernels, x, rows_buf, sel, spec, soff, boff),
+                        qmm_cols(kernels, h, cols_buf, sel, trow, tables, spec, out=start.copy()), q.matmul(x)))
+        kernels.simd(SIMD_TOP)
+        assert all(np.array_equal(a, b) for a, b in zip(*got))
 
 
 def test_a_row_s_product_in_a_pass_does_not_depend_on_the_threads_or_the_split():

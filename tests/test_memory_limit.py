@@ -339,7 +339,19 @@ def test_a_load_planned_again_does_not_count_its_first_attempt(smollm2):
     # dense under a limit whose KV cache in DRAM leaves too little: the model loads, no plan
     # fits, and it loads again with the KV cache on flash. The second plan measures the runtime
     # as the first did: the first model is gone (it was held by the exception's traceback:
-    # a float16 SmolLM2 under 516 MB measured 118, then 245 MB)
+    # a float16 SmolLM2 under 516 MB measured 118, then 245 MB). What the load adds to the
+    # imports' RSS (the tokenizer, the model's skeleton) is measured first, in a process of its own:
+    # the window where only the KV cache on flash fits is a few MB wide
+    probe = f"""
+import mlx_flash
+from mlx_flash.runtime import memory
+rss = memory.process_rss()
+m, t = mlx_flash.load({str(smollm2)!r}, mode="dense", memory_limit="2GB", ctx_size=2048, progress=False)
+print("added", m.runtime.memory.baseline - rss)
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    added = int(r.stdout.split("added")[1].split()[0])
     code = f"""
 import mlx_flash, mlx_flash.plan.fit as L
 from mlx_flash.runtime import memory
@@ -348,7 +360,7 @@ shape = memory.Shape(n_layers=30, d_model=576, n_ff=1536, n_heads=9, kv_per_toke
 rss = memory.process_rss()
 def weights(lim):
     try:
-        return memory.plan_memory(str(lim), shape, 4, 2048, baseline=rss + 35 * MB).weights  # (+ the tokenizer)
+        return memory.plan_memory(str(lim), shape, 4, 2048, baseline=rss + {added}).weights
     except Exception:  # (nothing left for them)
         return 0
 limit = next(lim for lim in range(rss + 100 * MB, rss + 800 * MB, 5 * MB) if weights(lim) > 90 * MB)

@@ -61,17 +61,16 @@ SMALL_PASS = 4  # passes of up to this many positions (a speculative verify pass
 
 
 BATCH_PASS = 32  # a batch's decode step of up to this many sequences multiplies each row, dequantized once,
-# into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU runs their AVX-512 tiles
-# (pass_kernels); more sequences, and a prompt chunk of more than one position a sequence,
+# into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU runs their AVX-512 or AVX2
+# tiles (pass_kernels); more sequences, and a prompt chunk of more than one position a sequence,
 # dequantize chunks for BLAS (MLX's order of sums, as before)
 
 
 def batched(module):
-    """Whether the pass kernels (qmm*) run their AVX-512 tiles here: SIMD level 2 (AVX-512 with
-    BF16, the level the 4-bit one-position kernels need too; a CPU with AVX-512F only stays at
-    level 1). Without them (AVX2, other CPUs) they would run the portable loops, slower than
-    dequantized chunks + BLAS: the callers take BLAS."""
-    return module is not None and module.simd(-1) >= 2
+    """Whether the pass kernels (qmm*) run their tiles here: SIMD level 1 (AVX2 + FMA) or 2 (AVX-512
+    BF16), the same bits at both. At level 0 (other CPUs, or the portable loops asked for) they
+    would run loops slower than dequantized chunks + BLAS: the callers take BLAS."""
+    return module is not None and module.simd(-1) >= 1
 
 
 def pass_kernels(module, x):

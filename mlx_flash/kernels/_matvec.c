@@ -57,7 +57,6 @@
 
 #include "quant.h"
 #include "qmv_bf16.h"
-#include "gemm16.h"
 
 #define MAX_THREADS 64
 #define PAR_MIN_WORK (1 << 20) /* weights (values) a job must touch to be shared out */
@@ -365,6 +364,8 @@ AVX2 static void scale_run_avx2(const uint8_t *sr, const uint8_t *br, int64_t co
 }
 #endif
 
+#include "gemm16.h" /* (after the AVX2 helpers: its 256-bit tiles use them) */
+
 /* the widest loops this CPU runs: 2 AVX-512 BF16 (4-bit qmv; AVX2 for the rest), 1 AVX2, 0 portable */
 static int cpu_simd(void) {
 #ifdef AVX2_PATH
@@ -602,9 +603,9 @@ static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
 }
 
 /* QMM_ROWS, rows [r0, r1): MM16_ROWS rows at a time dequantized into `tile` (MM16_ROWS rows of
- * k + MM16_PAD floats), then multiplied into every position: y[b, r] = row r . x[b]. AVX-512:
- * mm16_tile for every tile, a last one of fewer rows zero-padded (a row's sum is then the same
- * whichever share or part holds it); else the portable loop. sc, bi: K / g scratch. */
+ * k + MM16_PAD floats), then multiplied into every position: y[b, r] = row r . x[b]. AVX-512 or
+ * AVX2: the tile for every tile, a last one of fewer rows zero-padded (a row's sum is then the
+ * same whichever share or part holds it); else the portable loop. sc, bi: K / g scratch. */
 static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi, float *tile) {
     const int64_t k = j->k, kp = k + MM16_PAD; /* (the tile's rows a line further apart than k) */
     for (int64_t t0 = r0; t0 < r1; t0 += MM16_ROWS) {
@@ -614,11 +615,16 @@ static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
             const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
             const float *xt = j->xt + p0 * k;
             float *y = j->y + p0 * j->ldy + t0;
-#ifdef BF16_PATH
-            if (j->simd >= 2) {
+#ifdef AVX2_PATH
+            if (j->simd >= 1) {
                 float out[MM16_ROWS * 16];
                 if (nr < MM16_ROWS) memset(tile + nr * kp, 0, sizeof(float) * (size_t)((MM16_ROWS - nr) * kp));
-                mm16_tile(tile, kp, xt, k, out);
+#ifdef BF16_PATH
+                if (j->simd >= 2)
+                    mm16_tile(tile, kp, xt, k, out);
+                else
+#endif
+                    mm16_tile_avx2(tile, kp, xt, k, out);
                 for (int64_t b = 0; b < m; b++)
                     for (int64_t i = 0; i < nr; i++) y[b * j->ldy + i] = out[i * 16 + b];
                 continue;
@@ -639,8 +645,8 @@ static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
     for (int64_t i0 = 0; i0 < j->m; i0 += MM16_KBLOCK) {
         const int64_t nr = j->m - i0 < MM16_KBLOCK ? j->m - i0 : MM16_KBLOCK;
         const int add = j->accumulate || i0 > 0;
-#ifdef BF16_PATH
-        if (j->simd >= 2 && j->bits == 4 && w % 32 == 0) {
+#ifdef AVX2_PATH
+        if (j->simd >= 1 && j->bits == 4 && w % 32 == 0) {
             const int64_t ssz = j->scode == F32 ? 4 : 2;
             const uint8_t *p[MM16_KBLOCK], *sr[MM16_KBLOCK], *br[MM16_KBLOCK];
             for (int64_t i = 0; i < nr; i++) {
@@ -648,7 +654,12 @@ static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
                 sr[i] = j->ts + j->trow[i0 + i] * j->t_stride + c0 * ssz;
                 br[i] = j->tb + j->trow[i0 + i] * j->t_stride + c0 * ssz;
             }
-            dequant_cols4_tile(p, sr, br, nr, w, j->scode, tile, bs);
+#ifdef BF16_PATH
+            if (j->simd >= 2)
+                dequant_cols4_tile(p, sr, br, nr, w, j->scode, tile, bs);
+            else
+#endif
+                dequant_cols4_tile_avx2(p, sr, br, nr, w, j->scode, tile, bs);
         } else
 #endif
             for (int64_t i = 0; i < nr; i++) dequantize_col_part(j, i0 + i, c0, c1, tile + i * 16, bs);
@@ -659,6 +670,12 @@ static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
 #ifdef BF16_PATH
             if (j->simd >= 2) {
                 mm16_cols(tile, bs, xt, nr, m, y, j->ldy, add, w);
+                continue;
+            }
+#endif
+#ifdef AVX2_PATH
+            if (j->simd >= 1 && w % 8 == 0) {
+                mm16_cols_avx2(tile, bs, xt, nr, m, y, j->ldy, add, w);
                 continue;
             }
 #endif

@@ -1,5 +1,5 @@
-/* The pass kernels' products, included by _matvec.c after quant.h and qmv_bf16.h (F32, F16,
- * TARGET_AVX512_BF16): a decode step of several sequences (a batch: up to kernels.BATCH_PASS
+/* The pass kernels' products, included by _matvec.c after quant.h, qmv_bf16.h and its AVX2
+ * helpers (F32, F16, TARGET_AVX512_BF16, AVX2): a decode step of several sequences (a batch: up to kernels.BATCH_PASS
  * positions, in tiles of 16) multiplies every weight, dequantized once, into every position.
  *
  * Why: a batch's decode step multiplies every weight by 16 vectors. Dequantized chunks
@@ -19,8 +19,10 @@
  *   dequantized into a blocked tile, 16 outputs a register, a register a position; each
  *   output's sum runs over the columns in order into the value y held, so a call continuing
  *   another sums as one call over both.
- * The AVX-512 lanes fuse each multiply-add (one rounding), the portable loop multiplies then
- * adds (two): equal to ~1e-6 relative, neither BLAS's order (tests/test_kernels.py).
+ * AVX-512 (level 2) and AVX2 (level 1, half the lanes: mm16_tile_avx2, mm16_cols_avx2) run
+ * the same operations lane for lane, so the same bits; both fuse each multiply-add (one
+ * rounding), the portable loop multiplies then adds (two): equal to ~1e-6 relative, neither
+ * BLAS's order (tests/test_kernels.py).
  */
 #ifndef MLX_FLASH_GEMM16_H
 #define MLX_FLASH_GEMM16_H
@@ -170,6 +172,75 @@ TARGET_AVX512_BF16 static void mm16_cols(const float *a, int64_t bs, const float
             float io[16][16];
             for (int b = 0; b < 16; b++) _mm512_storeu_ps(io[b], acc[b]);
             for (int64_t b = 0; b < m; b++) _mm512_mask_storeu_ps(y + b * ldy + r, lanes, _mm512_loadu_ps(io[b]));
+        }
+    }
+}
+#endif
+
+#ifdef AVX2_PATH /* x86-64 (_matvec.c): simd level 1 */
+/* mm16_tile at 256 bits (AVX2 + FMA): 4 rows at a time, two registers a row (positions 0-7 and
+ * 8-15); each run of MM16_RUN values summed in registers from zero, then added to the row's
+ * total in `out`: lane for lane mm16_tile's operations, so the same bits */
+AVX2 static void mm16_tile_avx2(const float *a, int64_t lda, const float *xt, int64_t k, float *out) {
+    for (int i = 0; i < MM16_ROWS * 16; i++) out[i] = 0.0f;
+    for (int r0 = 0; r0 < MM16_ROWS; r0 += 4)
+        for (int64_t k0 = 0; k0 < k; k0 += MM16_RUN) {
+            const int64_t k1 = k0 + MM16_RUN < k ? k0 + MM16_RUN : k;
+            __m256 lo[4], hi[4];
+            for (int r = 0; r < 4; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+            for (int64_t kk = k0; kk < k1; kk++) {
+                const __m256 x0 = _mm256_loadu_ps(xt + kk * 16), x1 = _mm256_loadu_ps(xt + kk * 16 + 8);
+                for (int r = 0; r < 4; r++) {
+                    const __m256 w = _mm256_broadcast_ss(a + (r0 + r) * lda + kk);
+                    lo[r] = _mm256_fmadd_ps(w, x0, lo[r]);
+                    hi[r] = _mm256_fmadd_ps(w, x1, hi[r]);
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                float *o = out + (r0 + r) * 16;
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), lo[r]));
+                _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), hi[r]));
+            }
+        }
+}
+
+/* dequant_cols4_tile at 256 bits: the same values (a multiply, then an add) into the same blocks */
+AVX2 static void dequant_cols4_tile_avx2(const uint8_t *const *p, const uint8_t *const *sr, const uint8_t *const *br,
+                                         int64_t nr, int64_t n, int64_t code, float *out, int64_t bs) {
+    const int64_t ssz = code == F32 ? 4 : 2;
+    __m256 v[4];
+    for (int64_t c = 0; c < n; c += 32)
+        for (int64_t i = 0; i < nr; i++) {
+            unpack4_avx2(p[i] + c / 2, v);
+            for (int l = 0; l < 4; l++) {
+                const int64_t at = c + 8 * l;
+                const __m256 t = _mm256_mul_ps(load8_scales(sr[i] + at * ssz, code), v[l]);
+                _mm256_storeu_ps(out + at / 16 * bs + i * 16 + at % 16, _mm256_add_ps(t, load8_scales(br[i] + at * ssz, code)));
+            }
+        }
+}
+
+/* mm16_cols at 256 bits: 8 outputs a register (n a multiple of 8), 8 positions a pass over the
+ * tile; each output's sum over the columns in order into the value y held: lane for lane
+ * mm16_cols's operations */
+AVX2 static void mm16_cols_avx2(const float *a, int64_t bs, const float *xt, int64_t k, int64_t m, float *y,
+                                int64_t ldy, int add, int64_t n) {
+    for (int64_t r = 0; r < n; r += 8) {
+        const float *ar = a + r / 16 * bs + r % 16;
+        for (int64_t b0 = 0; b0 < m; b0 += 8) {
+            /* (through a local copy: registers indexed by constants only) */
+            float io[8][8];
+            for (int64_t b = 0; b < 8; b++)
+                _mm256_storeu_ps(io[b], add && b0 + b < m ? _mm256_loadu_ps(y + (b0 + b) * ldy + r) : _mm256_setzero_ps());
+            __m256 acc[8];
+            for (int b = 0; b < 8; b++) acc[b] = _mm256_loadu_ps(io[b]);
+            for (int64_t kk = 0; kk < k; kk++) {
+                const __m256 wv = _mm256_loadu_ps(ar + kk * 16);
+                const float *xk = xt + kk * 16 + b0;
+                for (int b = 0; b < 8; b++) acc[b] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + b), wv, acc[b]);
+            }
+            for (int b = 0; b < 8; b++) _mm256_storeu_ps(io[b], acc[b]);
+            for (int64_t b = 0; b < 8 && b0 + b < m; b++) _mm256_storeu_ps(y + (b0 + b) * ldy + r, _mm256_loadu_ps(io[b]));
         }
     }
 }

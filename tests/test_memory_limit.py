@@ -351,7 +351,7 @@ print("added", m.runtime.memory.baseline - rss)
 """
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    added = int(r.stdout.split("added")[1].split()[0])
+    added = int(r.stdout.strip().splitlines()[-1].split()[1])
     code = f"""
 import mlx_flash, mlx_flash.plan.fit as L
 from mlx_flash.runtime import memory
@@ -363,7 +363,8 @@ def weights(lim):
         return memory.plan_memory(str(lim), shape, 4, 2048, baseline=rss + {added}).weights
     except Exception:  # (nothing left for them)
         return 0
-limit = next(lim for lim in range(rss + 100 * MB, rss + 800 * MB, 5 * MB) if weights(lim) > 90 * MB)
+limit = next(lim for lim in range(rss + 100 * MB, rss + 800 * MB, 5 * MB) if weights(lim) > 60 * MB)
+print("limit", limit, "added", {added})
 seen = []
 plan = L.plan_memory
 def spy(*a, **k):

@@ -32,7 +32,7 @@ EIGHT = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [42, 17], [300, 301, 302, 303, 5], [11, 12
 
 @pytest.mark.parametrize("mode, budget", [("dense", None), ("hybrid", "300MB")])
 def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_alone(smollm2, mode, budget,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, caplog):
     """A decode step of more than SMALL_PASS sequences multiplies each packed row into every
     sequence at once (qmm_rows / qmm_cols for the FFN, qmm for the quantized attention and head)
     where the CPU has AVX2 or AVX-512, and through BLAS where not (level 0): each prompt gets its
@@ -58,10 +58,14 @@ def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_
             module.simd(level)
             for name in calls:
                 calls[name] = 0
+            K._SAID.clear()
+            caplog.clear()
             r = mlx_flash.batch_generate(model, tok, EIGHT, max_tokens=5, stop=False)
             assert r.tokens == alone, level
             used = K.batched(module)
             assert all((n > 0) == used for n in calls.values()), (level, calls)
+            said = [m for m in caplog.messages if "not the pass kernels" in m]
+            assert len(said) == (0 if used else 1), said  # (where BLAS takes the step: said once)
     finally:
         module.simd(top)
         model.runtime.close()

@@ -73,12 +73,28 @@ def batched(module):
     return module is not None and module.simd(-1) >= 1
 
 
+_SAID = set()  # the reasons a batch's step went through BLAS, said once a process
+
+
 def pass_kernels(module, x):
     """Whether the pass kernels take x (an MLX activation [..., positions, d]): one position a
     sequence (a batch's decode step, or a prefill chunk one position wide) for more than
-    SMALL_PASS and at most BATCH_PASS sequences, where batched(module)."""
+    SMALL_PASS and at most BATCH_PASS sequences, where batched(module). A batch's step they do
+    not take says why, once."""
     positions = x.size // x.shape[-1]
-    return SMALL_PASS < positions <= BATCH_PASS and x.ndim >= 2 and x.shape[-2] == 1 and batched(module)
+    if not (positions > SMALL_PASS and x.ndim >= 2 and x.shape[-2] == 1):
+        return False
+    why = (f"{positions} sequences, more than the {BATCH_PASS} they take" if positions > BATCH_PASS else
+           None if batched(module) else "the pass kernels run on x86 with AVX2 or AVX-512 only (SIMD level "
+           f"{module.simd(-1) if module is not None else 0} here)")
+    if why is not None and why not in _SAID:
+        _SAID.add(why)
+        import logging
+
+        logging.getLogger("mlx_flash").warning(
+            "a batch's decode step multiplies its quantized rows through dequantized chunks + BLAS, not the "
+            "pass kernels: %s", why)
+    return why is None
 
 
 def host_f32(x):

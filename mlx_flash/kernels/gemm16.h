@@ -1,6 +1,7 @@
 /* The pass kernels' products, included by _matvec.c after quant.h, qmv_bf16.h and its AVX2
- * helpers (F32, F16, TARGET_AVX512_BF16, AVX2): a decode step of several sequences (a batch: up to kernels.BATCH_PASS
- * positions, in tiles of 16) multiplies every weight, dequantized once, into every position.
+ * helpers (F32, F16, TARGET_AVX512_BF16, AVX2): a decode step of several sequences (a batch:
+ * up to kernels.BATCH_PASS positions, in tiles of 16) multiplies every weight, dequantized
+ * once, into every position.
  *
  * Why: a batch's decode step multiplies every weight by 16 vectors. Dequantized chunks
  * through BLAS ran at ~22 G multiply-adds/s on two Zen 4 cores (OpenBLAS's sgemm at M = 16
@@ -36,7 +37,8 @@
 #define MM16_KBLOCK 64 /* columns a pass of mm16_cols over the outputs (a tile of 64 x the share's outputs) */
 
 /* one row r of a, every position b < m: y[b * ldy] (+)= sum_kk a[kk * ks] * xt[kk * 16 + b], in runs of
- * `run` values (mm16_tile's MM16_RUN; 0: one run, as mm16_cols sums into y) */
+ * `run` values (mm16_tile's MM16_RUN; 0: one run over all of k, added to y at the end, where
+ * mm16_cols adds into y as it goes: the portable loops round apart from the tiles anyway) */
 static void mm16_row_portable(const float *a, int64_t ks, const float *xt, int64_t k, int64_t m, float *y,
                               int64_t ldy, int accumulate, int64_t run) {
     float acc[16] = {0};

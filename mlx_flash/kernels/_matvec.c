@@ -315,20 +315,24 @@ AVX2 static void dequantize_row_avx2(const job_t *j, const uint8_t *w, const flo
     }
 }
 
-/* one column's values [0, k): ts[c] * q + tb[c] (tables at code), 32 at a time; value c at
- * out[(c / 16) * bs + c % 16] (bs = 16: in order; larger: blocks of 16 bs apart, qmm_cols's tile) */
-AVX2 static void dequant_col_avx2(const uint8_t *p, int64_t bits, int64_t k, const uint8_t *sr, const uint8_t *br,
-                                  int64_t code, float *out, int64_t bs) {
+/* nr 4- or 8-bit columns (p[i], their table rows sr[i] / br[i] at code), values [0, n) (n a
+ * multiple of 32): ts[c] * q + tb[c], 32 at a time; value c of column i at
+ * out[(c / 16) * bs + i * 16 + c % 16] (one column, bs = 16: in order; qmm_cols's tile: blocks
+ * of 16 bs apart). The columns are the inner loop, so the stores run along a block (a column
+ * at a time would store each 16 values bs floats apart); their lines are read 4 steps each */
+AVX2 static void dequant_cols_avx2(const uint8_t *const *p, const uint8_t *const *sr, const uint8_t *const *br,
+                                   int64_t nr, int64_t bits, int64_t n, int64_t code, float *out, int64_t bs) {
     const int64_t ssz = code == F32 ? 4 : 2;
     __m256 v[4];
-    for (int64_t c = 0; c < k; c += 32) {
-        unpack32_avx2(p, bits, c, v);
-        for (int l = 0; l < 4; l++) {
-            const int64_t at = c + 8 * l;
-            const __m256 t = _mm256_mul_ps(load8_scales(sr + at * ssz, code), v[l]);
-            _mm256_storeu_ps(out + at / 16 * bs + at % 16, _mm256_add_ps(t, load8_scales(br + at * ssz, code)));
+    for (int64_t c = 0; c < n; c += 32)
+        for (int64_t i = 0; i < nr; i++) {
+            unpack32_avx2(p[i], bits, c, v);
+            for (int l = 0; l < 4; l++) {
+                const int64_t at = c + 8 * l;
+                const __m256 t = _mm256_mul_ps(load8_scales(sr[i] + at * ssz, code), v[l]);
+                _mm256_storeu_ps(out + at / 16 * bs + i * 16 + at % 16, _mm256_add_ps(t, load8_scales(br[i] + at * ssz, code)));
+            }
         }
-    }
 }
 
 /* qaxpy_cols's row step over a few rows at once (at most 4), 32 values at a time: acc[c] += h[0] *
@@ -569,20 +573,20 @@ static void dequantize_one(const job_t *j, int64_t rr, float *sc, float *bi, flo
 }
 
 /* values [c0, c1) of packed column i of a QMM_COLS / DEQUANT_COLS job (c0, c1 - c0 multiples of 32)
- * -> out, value c0 + c at out[(c / 16) * bs + c % 16] (dequant_col_avx2's blocks) */
+ * -> out, value c0 + c at out[(c / 16) * bs + c % 16] (dequant_cols_avx2's blocks) */
 static void dequantize_col_part(const job_t *j, int64_t i, int64_t c0, int64_t c1, float *out, int64_t bs) {
     const int64_t ssz = j->scode == F32 ? 4 : 2, bits = j->bits, n = c1 - c0;
     const uint8_t *p = j->w + j->sel[i] * j->row_bytes + c0 * bits / 8;
     const uint8_t *sr = j->ts + j->trow[i] * j->t_stride + c0 * ssz, *br = j->tb + j->trow[i] * j->t_stride + c0 * ssz;
 #ifdef BF16_PATH
     if (j->simd >= 2 && bits == 4 && n % 32 == 0) {
-        dequant_col4_avx512(p, n, sr, br, j->scode, out, bs);
+        dequant_cols4_tile(&p, &sr, &br, 1, n, j->scode, out, bs);
         return;
     }
 #endif
 #ifdef AVX2_PATH
     if (j->simd && (bits == 4 || bits == 8) && n % 32 == 0) {
-        dequant_col_avx2(p, bits, n, sr, br, j->scode, out, bs);
+        dequant_cols_avx2(&p, &sr, &br, 1, bits, n, j->scode, out, bs);
         return;
     }
 #endif
@@ -646,20 +650,20 @@ static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
         const int64_t nr = j->m - i0 < MM16_KBLOCK ? j->m - i0 : MM16_KBLOCK;
         const int add = j->accumulate || i0 > 0;
 #ifdef AVX2_PATH
-        if (j->simd >= 1 && j->bits == 4 && w % 32 == 0) {
+        if (j->simd >= 1 && (j->bits == 4 || j->bits == 8) && w % 32 == 0) {
             const int64_t ssz = j->scode == F32 ? 4 : 2;
             const uint8_t *p[MM16_KBLOCK], *sr[MM16_KBLOCK], *br[MM16_KBLOCK];
             for (int64_t i = 0; i < nr; i++) {
-                p[i] = j->w + j->sel[i0 + i] * j->row_bytes + c0 / 2;
+                p[i] = j->w + j->sel[i0 + i] * j->row_bytes + c0 * j->bits / 8;
                 sr[i] = j->ts + j->trow[i0 + i] * j->t_stride + c0 * ssz;
                 br[i] = j->tb + j->trow[i0 + i] * j->t_stride + c0 * ssz;
             }
 #ifdef BF16_PATH
-            if (j->simd >= 2)
+            if (j->simd >= 2 && j->bits == 4)
                 dequant_cols4_tile(p, sr, br, nr, w, j->scode, tile, bs);
             else
 #endif
-                dequant_cols4_tile_avx2(p, sr, br, nr, w, j->scode, tile, bs);
+                dequant_cols_avx2(p, sr, br, nr, j->bits, w, j->scode, tile, bs);
         } else
 #endif
             for (int64_t i = 0; i < nr; i++) dequantize_col_part(j, i0 + i, c0, c1, tile + i * 16, bs);

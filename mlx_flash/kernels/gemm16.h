@@ -108,26 +108,8 @@ TARGET_AVX512_BF16 static void dequantize_row4_avx512(const uint8_t *w, const fl
     }
 }
 
-/* a 4-bit column's n values (a multiple of 32): ts[c] * q + tb[c], as dequant_col_avx2 (value c
- * at out[(c / 16) * bs + c % 16]) */
-TARGET_AVX512_BF16 static void dequant_col4_avx512(const uint8_t *p, int64_t n, const uint8_t *sr, const uint8_t *br,
-                                                  int64_t code, float *out, int64_t bs) {
-    const int64_t ssz = code == F32 ? 4 : 2;
-    __m512 v[2];
-    for (int64_t c = 0; c < n; c += 32) {
-        unpack4_avx512(p + c / 2, v);
-        for (int l = 0; l < 2; l++) {
-            const int64_t at = c + 16 * l;
-            const __m512 t = _mm512_mul_ps(load16_scales(sr + at * ssz, code), v[l]);
-            _mm512_storeu_ps(out + at / 16 * bs, _mm512_add_ps(t, load16_scales(br + at * ssz, code)));
-        }
-    }
-}
-
-/* nr 4-bit columns (p[i], their table rows sr[i] / br[i] at code), values [0, n) (n a multiple of
- * 32) into qmm_cols's tile: value c of column i at out[(c / 16) * bs + i * 16 + c % 16]. The
- * columns are the inner loop, so the stores run along a block (a column at a time would store
- * each 16 values bs floats apart); their lines are read 4 steps each */
+/* dequant_cols_avx2 (_matvec.c) for 4-bit columns in 512-bit registers: the same values (a
+ * multiply, then an add) in the same places (one column with bs = 16: in order) */
 TARGET_AVX512_BF16 static void dequant_cols4_tile(const uint8_t *const *p, const uint8_t *const *sr,
                                                  const uint8_t *const *br, int64_t nr, int64_t n, int64_t code,
                                                  float *out, int64_t bs) {
@@ -202,22 +184,6 @@ AVX2 static void mm16_tile_avx2(const float *a, int64_t lda, const float *xt, in
                 float *o = out + (r0 + r) * 16;
                 _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), lo[r]));
                 _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), hi[r]));
-            }
-        }
-}
-
-/* dequant_cols4_tile at 256 bits: the same values (a multiply, then an add) into the same blocks */
-AVX2 static void dequant_cols4_tile_avx2(const uint8_t *const *p, const uint8_t *const *sr, const uint8_t *const *br,
-                                         int64_t nr, int64_t n, int64_t code, float *out, int64_t bs) {
-    const int64_t ssz = code == F32 ? 4 : 2;
-    __m256 v[4];
-    for (int64_t c = 0; c < n; c += 32)
-        for (int64_t i = 0; i < nr; i++) {
-            unpack4_avx2(p[i] + c / 2, v);
-            for (int l = 0; l < 4; l++) {
-                const int64_t at = c + 8 * l;
-                const __m256 t = _mm256_mul_ps(load8_scales(sr[i] + at * ssz, code), v[l]);
-                _mm256_storeu_ps(out + at / 16 * bs + i * 16 + at % 16, _mm256_add_ps(t, load8_scales(br[i] + at * ssz, code)));
             }
         }
 }

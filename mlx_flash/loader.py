@@ -74,7 +74,7 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked, context_of)
     refit = None
     try:
-        runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
+        runtime = build_runtime(model, folder, manifest, config, resident, progress=progress, batch=asked.batch_size)
     except BudgetTooSmall as e:
         refit = refit_config(e, asked, config, manifest, memory)
         if refit is None:
@@ -88,7 +88,8 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
                                                                    None if memory is None else memory.baseline)
         memory = rebuilt or memory
         try:
-            runtime = build_runtime(model, folder, manifest, config, resident, progress=progress)
+            runtime = build_runtime(model, folder, manifest, config, resident, progress=progress,
+                                    batch=asked.batch_size)
         except BudgetTooSmall as e:
             raise (e if memory is None else memory.restate(e)) from None
     runtime.memory = memory

@@ -71,6 +71,28 @@ def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_
         model.runtime.close()
 
 
+def test_the_profile_s_timing_of_large_batches_leaves_the_fallback_note_to_the_user_s_batches(monkeypatch, caplog):
+    """The machine profile times a step of 64 sequences (BLAS, past BATCH_PASS) on purpose: said
+    nothing then, and said at the user's first such batch."""
+    import logging
+
+    import mlx.core as mx
+
+    from mlx_flash import kernels as K
+
+    module, why = K.kernels_module()
+    if module is None:
+        pytest.skip(f"native kernels: {why}")
+    monkeypatch.setattr(K, "_SAID", set())
+    x = mx.zeros((K.BATCH_PASS + 8, 1, 64))
+    with caplog.at_level(logging.WARNING, logger="mlx_flash"):
+        with K.pass_notes_off():
+            assert not K.pass_kernels(module, x)
+        assert not [r for r in caplog.records if "not the pass kernels" in r.getMessage()]
+        assert not K.pass_kernels(module, x)
+        assert [r for r in caplog.records if f"more than the {K.BATCH_PASS} they take" in r.getMessage()]
+
+
 def test_batch_on_opt_positions_under_left_padding(tmp_path):
     """OPT's learned positions start after each sequence's padding, not at the batch's start."""
     folder = build_checkpoint("tiny-opt", "float32", home=tmp_path, progress=False)
@@ -142,6 +164,31 @@ def test_a_batch_under_a_memory_limit_holds_its_planned_caches(smollm2):
         mlx_flash.load(smollm2, batch_size=4, progress=False)
 
 
+def test_auto_under_a_memory_limit_for_a_batch_prices_the_batch_s_step(smollm2, tmp_path, monkeypatch):
+    """--mode auto for batch_size sequences compares the plans by the cost model's decode step of
+    that many sequences (the profile's batch rates), and --explain shows that step."""
+    from mlx_flash.plan.explain import explain
+    from mlx_flash.plan.profile import save_profile
+    from mlx_flash.runtime import memory
+    from test_plan import _profile, _rates
+
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path))
+    rates = _rates(float32=10.0, q4=20.0, float16=5.0, bfloat16=5.0, q8=20.0)
+    save_profile(_profile(compute=rates, pass_compute={f: {10**6: {16: v / 4}} for f, (v,) in
+                                                       ((f, tuple(r.values())) for f, r in rates.items())}),
+                 tmp_path / "profile.json")
+    limit = memory.process_rss() + 300 * 10**6
+    model, _ = mlx_flash.load(smollm2, memory_limit=str(limit), ctx_size=32, batch_size=8, progress=False)
+    try:
+        choice = model.runtime.choice
+        assert "ms a decode step of 8 sequences" in choice.reason, choice.reason
+        assert all(c.prediction.positions == 8 and c.prediction.batch_priced for c in choice.candidates
+                   if c.prediction is not None)
+        assert "predicted per step of 8 sequences" in explain(model.runtime)
+    finally:
+        model.runtime.close()
+
+
 def test_cli_batch_file_under_a_cgroup_of_the_limit(smollm2, tmp_path):
     from test_memory_limit import _cgroup_runner
 
@@ -160,8 +207,13 @@ def test_cli_batch_file_under_a_cgroup_of_the_limit(smollm2, tmp_path):
 
 
 def test_benchmark_batch_writes_its_table(tmp_path):
+    """... with the cost model's step beside the measured one where a machine profile is cached."""
     import os
 
+    from mlx_flash.plan.profile import save_profile
+    from test_plan import _profile
+
+    save_profile(_profile(pass_compute={"q4": {10**6: {16: 2.0}}}), tmp_path / "profile.json")
     r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--dtype", "q4", "--batch", "3", "--tokens", "3",
              "--rounds", "2", "--out", str(tmp_path / "out"), env=os.environ | {"MLX_FLASH_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
@@ -169,7 +221,12 @@ def test_benchmark_batch_writes_its_table(tmp_path):
     assert [row["batch"] for row in res["rows"]] == [1, 3]  # one-by-one always in the same run
     assert all(len(row["runs"]) == 2 and row["decode_tps"] > 0 for row in res["rows"])
     assert res["rows"][1]["runs"][0]["generated"] == 9
-    assert "| 3 |" in (tmp_path / "out" / "batch-tiny-llama-q4-hybrid.md").read_text()
+    one, three = res["rows"]
+    assert one["predicted"]["total_ms"] > 0 and "positions" not in one["predicted"]
+    assert three["predicted"]["positions"] == 3 and three["predicted"]["compute_ms"] > one["predicted"]["compute_ms"]
+    assert three["measured_over_predicted"] == pytest.approx(three["step_ms"] / three["predicted"]["total_ms"])
+    table = (tmp_path / "out" / "batch-tiny-llama-q4-hybrid.md").read_text()
+    assert "| 3 |" in table and "measured ÷ predicted" in table
 
 
 def test_benchmark_batch_under_a_memory_limit_plans_each_size(tmp_path):

@@ -15,7 +15,7 @@ from mlx_flash.kernels import kernels_module
 from mlx_flash.bench import profile as bench_profile
 from mlx_flash.plan import profile as profile_mod
 from mlx_flash.plan.choose import Candidate, choose_mode, variants
-from mlx_flash.plan.cost import Work, predict
+from mlx_flash.plan.cost import Prediction, Work, predict
 from mlx_flash.plan.profile import Profile, load_profile, save_profile
 from mlx_flash.runtime.config import FlashConfig
 from test_parity import TOKENS, greedy
@@ -108,6 +108,47 @@ def test_cost_model_arithmetic():
     assert predict(w, q).io_ms == pytest.approx(2 * predict(w, p).io_ms)
 
 
+def test_a_batch_step_is_priced_from_the_profile_s_rates_for_a_step_of_that_many_sequences():
+    """A decode step of B sequences reads what one token reads and multiplies every weight into
+    B positions: up to SMALL_PASS as B one-position products (what the runtime runs), beyond at
+    the profile's measured rates for a step of B, interpolated between the measured sizes; a
+    profile without them prices B one-position steps and says so."""
+    from dataclasses import replace
+
+    from mlx_flash.kernels import SMALL_PASS
+
+    p = _profile(compute=_rates(float32=10.0, q4=20.0), pass_compute={"q4": {10**6: {16: 2.0, 32: 1.5}}})
+    w = Work(read_bytes=200 * MB, read_size=262144, computed={"q4": 40 * MB}, overlapped=False, n_layers=10,
+             mode="hybrid")
+    one = predict(w, p)
+    assert one.compute_ms == pytest.approx(2.0 + 20.0) and one.positions == 1 and one.batch_priced
+
+    def compute(b):
+        got = predict(replace(w, positions=b), p)
+        assert got.io_ms == one.io_ms and got.positions == b and got.batch_priced  # the step reads what a token does
+        return got.compute_ms - 20.0  # less the 10 layers' 2 ms
+
+    assert compute(SMALL_PASS) == pytest.approx(SMALL_PASS * 2.0)
+    assert compute(16) == pytest.approx(20.0)  # 40 MB at 2 GB/s
+    assert compute(10) == pytest.approx(SMALL_PASS * 2.0 + (20.0 - SMALL_PASS * 2.0) * (10 - SMALL_PASS) / (16 - SMALL_PASS))
+    assert compute(32) == pytest.approx(40 / 1.5) and compute(64) == pytest.approx(2 * 40 / 1.5)
+    # the FFN's packed rows take their own batch rates where measured, else the quantized matrices'
+    rows = replace(w, computed={"q4-rows": 40 * MB}, positions=16)
+    assert predict(rows, p).compute_ms == pytest.approx(20.0 + 20.0)
+    p.pass_compute["q4-rows"] = {10**6: {16: 1.0}}
+    assert predict(rows, p).compute_ms == pytest.approx(40.0 + 20.0)
+    # no batch rates for a form: B one-position products, said by the prediction
+    f32 = predict(replace(w, computed={"float32": 40 * MB}, positions=16), p)
+    assert f32.compute_ms == pytest.approx(16 * 4.0 + 20.0) and not f32.batch_priced
+    assert "a step of 16 sequences" in f32.describe() and f32.as_dict()["batch_priced"] is False
+    # the rates survive the profile's JSON; a profile written before them loads without any
+    back = Profile.from_dict(json.loads(json.dumps(p.as_dict())))
+    assert back.pass_compute == p.pass_compute
+    old = p.as_dict()
+    del old["pass_compute"]
+    assert Profile.from_dict(old).pass_compute == {}
+
+
 def test_exact_work_counts_a_batch_of_reads_per_layer_and_store():
     from types import SimpleNamespace as NS
 
@@ -169,7 +210,7 @@ def test_choose_mode_never_takes_a_hybrid_holding_no_neuron_where_naive_fits():
         return (empty, False, False)
 
     def predict(c):
-        return type("Prediction", (), {"total_ms": {"hybrid": 189, "naive": 190}.get(c.label, 500)})()
+        return Prediction(0.0, 0.0, {"hybrid": 189, "naive": 190}.get(c.label, 500))
 
     c = choose_mode(FlashConfig(), 100, plan_of, [Candidate("hybrid"), Candidate("naive")], predict)
     assert c.mode == "naive" and "hybrid" not in c.reason
@@ -183,7 +224,7 @@ def test_choose_mode_with_a_profile_takes_the_fastest_predicted_plan_that_fits()
     times = {"dense": 10, "dense (float16 rows)": 30, "hybrid (float16 rows)": 45, "hybrid": 40, "naive": 50}
 
     def predict(c):
-        return type("Prediction", (), {"total_ms": times[c.label]})()
+        return Prediction(0.0, 0.0, times[c.label])
 
     cfg = FlashConfig()
     c = choose_mode(cfg, 200, _plan_of(200, needs), variants(True), predict)

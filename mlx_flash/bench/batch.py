@@ -7,7 +7,9 @@ Per batch size B: B prompts of random token ids, each decoding --tokens tokens w
 token, through mlx_flash.batch_generate (B = 1 is the one-by-one baseline: a sequence at a time
 costs the same per token whichever sequence it is). Decode time only (prompt processing apart);
 the sizes alternate in order from round to round, and the medians are reported with the bytes
-each decode step read from flash and the physical floor of those bytes at the disk's rate.
+each decode step read from flash, the physical floor of those bytes at the disk's rate and,
+with the machine's profile cached, the cost model's time for the step (plan/cost.py: the
+profile's rates for a batch's step of that many sequences) beside the measured one.
 
 With --memory-limit instead of a weights budget, each batch size runs under a plan of its own
 (load(memory_limit=..., batch_size=B)): B sequences' KV caches and prompt temporaries come off
@@ -27,7 +29,9 @@ EXACT_MODES = ("naive", "hybrid", "dense")
 
 
 def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", batches=(1, 16), tokens=4,
-                    prompt_tokens=16, rounds=2, seed=0, progress=True, memory_limit=None):
+                    prompt_tokens=16, rounds=2, seed=0, progress=True, memory_limit=None, profile=None):
+    """profile: the machine's (plan/profile.py), to predict each batch size's step."""
+    import dataclasses
     import gc
 
     import mlx.core as mx
@@ -44,6 +48,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     folder = build_checkpoint(shape, dtype, progress=progress)
     held = {}  # the loaded model: (batch size it was planned for, model, tokenizer)
     plans = {}  # batch size -> (budget, weights) of its plan
+    works = {}  # batch size -> cost.Work of one position under its plan
 
     def model_for(b):
         key = b if memory_limit is not None else 1
@@ -61,6 +66,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
             held.update(key=key, model=model, tok=tok)
             rt = model.runtime
             plans[key] = (rt.budget_bytes, rt.plan.weights_bytes if rt.plan is not None else None)
+            works[key] = rt.work()
             # one short batch, untimed: MLX's kernels and the store's buffers warmed
             mlx_flash.batch_generate(model, tok, [rng.integers(1, vocab, prompt_tokens).tolist()
                                                   for _ in range(min(b, 2) if memory_limit is not None else 2)],
@@ -102,7 +108,17 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     for row in rows:
         row["vs_one_by_one"] = row["decode_tps"] / base
     for row in rows:
-        row["budget_bytes"], row["weights_bytes"] = plans[row["batch"] if memory_limit is not None else 1]
+        key = row["batch"] if memory_limit is not None else 1
+        row["budget_bytes"], row["weights_bytes"] = plans[key]
+        if profile is not None and works.get(key) is not None:
+            from ..plan.cost import predict
+
+            try:
+                pred = predict(dataclasses.replace(works[key], positions=row["batch"]), profile)
+            except FlashError:  # (a profile without one of the plan's weight forms: no prediction)
+                continue
+            row["predicted"] = pred.as_dict() | {"batch_priced": pred.batch_priced}
+            row["measured_over_predicted"] = row["step_ms"] / pred.total_ms
     return {"shape": shape, "dtype": dtype, "mode": mode,
             "memory_budget": memory_budget if memory_limit is None else None, "memory_limit": memory_limit,
             "budget_bytes": rows[0]["budget_bytes"], "weights_bytes": rows[0]["weights_bytes"],
@@ -125,17 +141,26 @@ def report(res, profile=None):
              + (f" ({profile.machine}, measured {profile.measured}{', quick probe' if profile.quick else ''})."
                 if profile else " (no machine profile cached: `mlx_flash.benchmark profile`).")
              + (" Under the limit each batch size has a plan of its own (its KV caches off the limit): the "
-                "weights it holds in DRAM are in the last column." if limited else ""),
+                "weights it holds in DRAM are in the last column." if limited else "")
+             + (" Predicted: the cost model's step (I/O, compute) from the profile's rates for a step of that many "
+                "sequences; measured ÷ predicted beside it." if profile else ""),
              "", "| batch | decode tok/s | vs one-by-one | ms per step | read per step (GB) | floor per step (ms) |"
-             + (" weights in DRAM (GB) |" if limited else ""),
-             "| --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else "")]
+             " predicted ms per step (I/O, compute) | measured ÷ predicted |" + (" weights in DRAM (GB) |" if limited else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else "")]
     for r in res["rows"]:
         floor = ""
         if profile is not None and r["bytes_per_step"]:
             floor = f"{1e3 * r['bytes_per_step'] / 1e9 / profile.disk_gbs(read_size(r)):.0f}"
         held = (f" {r['weights_bytes'] / 1e9:.2f} |" if r.get("weights_bytes") else " – |") if limited else ""
+        pred, ratio = "–", "–"
+        if r.get("predicted"):
+            p = r["predicted"]
+            pred = f"{p['total_ms']:.0f} ({p['io_ms']:.0f}, {p['compute_ms']:.0f})"
+            if not p.get("batch_priced", True):
+                pred += " as one-position steps: the profile has no batch rates"
+            ratio = f"{r['measured_over_predicted']:.2f}"
         lines.append(f"| {r['batch']} | {r['decode_tps']:.3f} | {r['vs_one_by_one']:.2f}x | {r['step_ms']:.0f} | "
-                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} |" + held)
+                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} | {pred} | {ratio} |" + held)
     return "\n".join(lines) + "\n"
 
 

@@ -63,12 +63,16 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     batch_ms = batch_latency(file, disk, threads, batches=30 if quick else 150)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10, streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
+    say("compute: a batch's decode step (8 to 64 sequences), by weight form")
+    passes = pass_rates(positions=PASS_POSITIONS_QUICK if quick else PASS_POSITIONS, repeat=2 if quick else 4,
+                        streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
     say("per-layer and per-token costs, overlap: 4-bit models of two widths and depths decoded "
         "through the runtime, by mode")
     zero = {m: {1: 0.0} for m in MODES}
     p = Profile(disk, threads, compute, zero, zero, 0.0, machine_key(), mx.__version__, _device(),
                 time.strftime("%Y-%m-%d %H:%M:%S"), quick, VERSION, notes)
     say("the reader's conversion: 4-bit rows read into float32 rows, against the reads alone")
+    p.pass_compute = passes
     p.convert_ns = convert_cost(threads, rounds=5 if quick else 15)
     p.batch_ms = batch_ms  # (before runtime_costs: its probes' batches are then not a per-layer cost)
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
@@ -217,11 +221,34 @@ def compute_rates(sizes=MATRICES, repeat=10, streamed=STREAMED_BYTES):
     return out
 
 
-def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES):
+PASS_POSITIONS = (8, 16, 32, 64)  # a batch's decode step: sequences, one new position each
+PASS_POSITIONS_QUICK = (16, 32)
+
+
+def pass_rates(sizes=MATRICES, positions=PASS_POSITIONS, repeat=4, streamed=STREAMED_BYTES):
+    """{form: {rows x cols: {positions: GB/s}}} of weights consumed by one decode step of a batch
+    (`positions` sequences, one new position each), through the modules and kernels such a step
+    runs (kernels.pass_kernels: the pass kernels from SMALL_PASS + 1 to BATCH_PASS sequences,
+    where the CPU has them; else dequantized chunks + BLAS), at the FFN-matrix sizes of
+    compute_rates. The cost model prices a batch's step from them (plan/cost.py)."""
+    from ..kernels import pass_notes_off
+
+    out = {}
+    with pass_notes_off():
+        for rows, cols in sizes:
+            reps = max(6, int(repeat * 4096 * 11008 / (rows * cols)) // 4)
+            for p in positions:
+                for form, gbs in _rates_at(rows, cols, reps, streamed, positions=p).items():
+                    out.setdefault(form, {}).setdefault(rows * cols, {})[p] = gbs
+    return out
+
+
+def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES, positions=1):
     """Each form's rate over enough distinct copies of the matrix that together they exceed the
     CPU's caches (STREAMED_BYTES), cycled through: a decode step touches each layer's weights
     once, from DRAM; one matrix multiplied again and again would be read from the cache (a 7B
-    FFN matrix at 4 bits, 25 MB, fits an EPYC's L3: 17 GB/s there, against ~6 in a model)."""
+    FFN matrix at 4 bits, 25 MB, fits an EPYC's L3: 17 GB/s there, against ~6 in a model).
+    positions: a batch's decode step of that many sequences (x [positions, 1, cols])."""
     import mlx.nn as nn
 
     from ..kernels import kernels_module
@@ -234,7 +261,7 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES):
     def rate(fs, nbytes):
         """The best of three runs of `repeat` products cycling through `fs` (a shared machine's
         other work only slows)."""
-        x = mx.random.normal((1, 1, cols))
+        x = mx.random.normal((positions, 1, cols))
         for f in fs:
             mx.eval(f(x))  # warm
         best = float("inf")
@@ -282,27 +309,47 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES):
         out[f"q{bits}"] = rate(ms, nbytes)
         del ms
         if on_cpu and kernels is not None:
-            out[f"q{bits}-rows"] = _ffn_rows_rate(kernels, rows, cols, bits, repeat, copies)
+            out[f"q{bits}-rows"] = _ffn_rows_rate(kernels, rows, cols, bits, repeat, copies, positions)
     return out
 
 
-def _ffn_rows_rate(kernels, n, d, bits, repeat, copies):
+def _ffn_rows_rate(kernels, n, d, bits, repeat, copies, positions=1):
     """GB/s of a quantized FFN's rows consumed by one token's products, through the kernels
     FlashFFN runs on them (models/ffn.py `_packed`): n up rows (scales inline) -> qmv_rows, then n
     down columns (their scales in the layer's table) -> qaxpy_cols, each kind's rows contiguous as
     the stores hold them. Not the resident matrices' rate: the column kernel runs ~30 % slower a
     byte here, and an OPT-6.7B-shaped model's FFN computed at 7 GB/s where its attention took 9.
     Every row of the layer, in runs of 64 sharing a scale-table row: a sparse selection of a few
-    rows a run (flash mode's packed caches) pays the runs' fixed costs more often."""
-    from ..kernels import qaxpy_cols, qmv_rows
+    rows a run (flash mode's packed caches) pays the runs' fixed costs more often.
+    positions > 1: a batch's decode step, as FlashFFN._packed_parts runs it: the pass kernels
+    (qmm_rows, qmm_cols) where kernels.pass_kernels takes it, else 4 MiB chunks of rows
+    dequantized and multiplied by MLX (_packed_chunks)."""
+    from ..kernels import (BATCH_PASS, SMALL_PASS, batched, dequantize_cols, dequantize_rows, qaxpy_cols,
+                           qmm_cols, qmm_rows, qmv_rows)
 
     nbytes = n * ffn_row_bytes(d, bits)
     f = ffn_rows(n, d, bits, copies(nbytes))
+    offsets = f.spec.inline_offsets(d)
+    x = np.ascontiguousarray(np.tile(f.x, (positions, 1)))
+    kernel_pass = SMALL_PASS < positions <= BATCH_PASS and batched(kernels)
+    step = max(1, (1 << 20) // d)  # FlashFFN.PACKED_CHUNK_VALUES a chunk
 
     def layer(i):
         up, down = f.layers[i % len(f.layers)]
-        h = qmv_rows(kernels, f.x, up, f.sel, f.spec, *f.spec.inline_offsets(d))
-        qaxpy_cols(kernels, h, down, f.sel, f.trow, f.table, f.spec)
+        if positions == 1:
+            h = qmv_rows(kernels, f.x, up, f.sel, f.spec, *offsets)
+            qaxpy_cols(kernels, h, down, f.sel, f.trow, f.table, f.spec)
+        elif kernel_pass:
+            qmm_cols(kernels, qmm_rows(kernels, x, up, f.sel, f.spec, *offsets), down, f.sel, f.trow, f.table, f.spec)
+        else:
+            y, xm = None, mx.array(x)
+            for a in range(0, n, step):
+                at = slice(a, min(a + step, n))
+                w_up = mx.array(dequantize_rows(kernels, up, f.sel[at], f.spec, *offsets, d))
+                w_down = mx.array(dequantize_cols(kernels, down, f.sel[at], f.trow[at], f.table, f.spec))
+                part = (xm @ w_up.T) @ w_down
+                y = part if y is None else y + part
+                mx.eval(y)
 
     for i in range(len(f.layers)):
         layer(i)  # warm

@@ -333,10 +333,11 @@ def batch_main(args, argv):
         raise FlashError("--tokens, --rounds, --prompt-tokens and --batch must be positive")
     if args.memory_limit is not None and "--memory-budget" in (argv if argv is not None else sys.argv[1:]):
         raise FlashError("--memory-limit (the whole process) and --memory-budget (weights only): give one")
-    res = batch.run_batch_bench(args.shape, args.dtype, args.mode, args.memory_budget, tuple(args.batch),
-                                args.tokens, args.prompt_tokens, args.rounds, memory_limit=args.memory_limit)
-    res["command"] = "mlx_flash.benchmark batch " + " ".join(argv if argv is not None else sys.argv[1:])
     profile = load_profile()
+    res = batch.run_batch_bench(args.shape, args.dtype, args.mode, args.memory_budget, tuple(args.batch),
+                                args.tokens, args.prompt_tokens, args.rounds, memory_limit=args.memory_limit,
+                                profile=profile)
+    res["command"] = "mlx_flash.benchmark batch " + " ".join(argv if argv is not None else sys.argv[1:])
     path = batch.write(res, args.out, profile)
     print(path.read_text())
     print(f"wrote {path} and {path.with_suffix('.json')}")
@@ -353,6 +354,10 @@ def profile_main(args):
     for form, rates in p.compute.items():
         print(f"compute GB/s of {form} weights (one decode step), by matrix: " + ", ".join(
             f"{n / 1e6:.1f}M {v:.1f}" for n, v in sorted(rates.items())))
+    for form, by_size in p.pass_compute.items():
+        print(f"compute GB/s of {form} weights in a batch's decode step, by matrix and sequences: " + "; ".join(
+            f"{n / 1e6:.1f}M " + ", ".join(f"{b}: {v:.1f}" for b, v in sorted(r.items()))
+            for n, r in sorted(by_size.items())))
     for what, table in (("per layer", p.layer_ms), ("per token", p.token_ms)):
         print(f"cost {what} (ms besides the bytes), by width: " + "; ".join(
             f"{mode} " + ", ".join(f"d{w} {v:.2f}" for w, v in sorted(r.items())) for mode, r in table.items()))

@@ -60,10 +60,15 @@ SMALL_PASS = 4  # passes of up to this many positions (a speculative verify pass
 # that many matrix-vector products, and each position's values are then a one-position pass's
 
 
-BATCH_PASS = 32  # a batch's decode step of up to this many sequences multiplies each row, dequantized once,
+BATCH_PASS = 256  # a batch's decode step of up to this many sequences multiplies each row, dequantized once,
 # into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU runs their AVX-512 or AVX2
 # tiles (pass_kernels); more sequences, and a prompt chunk of more than one position a sequence,
-# dequantize chunks for BLAS (MLX's order of sums, as before)
+# dequantize chunks for BLAS (MLX's order of sums, as before). 256, not 32 (stop 44's): a 4-bit
+# step of 64 sequences through the tiles consumed a 7B FFN matrix at 0.96 GB/s here, through
+# chunks + BLAS at 0.37; of 128, 0.50 against 0.31 (stop 45, bench/profile.py pass_rates). The
+# step's temporaries (x transposed in C, the FFN's hidden states on the host: ~4 x positions x
+# d_ff floats) grow with the sequences as a batch's prompt chunk's do, which a --memory-limit
+# plan counts per sequence (runtime/memory.py activation_bytes)
 
 
 def batched(module):
@@ -74,6 +79,21 @@ def batched(module):
 
 
 _SAID = set()  # the reasons a batch's step went through BLAS, said once a process
+
+
+_QUIET = []  # pass_notes_off's, while one is open
+
+
+class pass_notes_off:
+    """Within it, pass_kernels says nothing (the machine profile times BLAS's batch steps on
+    purpose): the reasons stay unsaid for the process's later batches."""
+
+    def __enter__(self):
+        _QUIET.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _QUIET.remove(self)
 
 
 def pass_kernels(module, x):
@@ -87,7 +107,7 @@ def pass_kernels(module, x):
     why = (f"{positions} sequences, more than the {BATCH_PASS} they take" if positions > BATCH_PASS else
            None if batched(module) else "the pass kernels run on x86 with AVX2 or AVX-512 only (SIMD level "
            f"{module.simd(-1) if module is not None else 0} here)")
-    if why is not None and why not in _SAID:
+    if why is not None and why not in _SAID and not _QUIET:
         _SAID.add(why)
         import logging
 

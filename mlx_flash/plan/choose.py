@@ -90,8 +90,10 @@ def choose_mode(config, budget, plan_of, candidates=None, predict=None):
     if all(c.prediction is not None for c in fits):
         chosen = min(fits, key=lambda c: c.prediction.total_ms)
         others = ", ".join(f"{c.label} {c.prediction.total_ms:.0f}" for c in fits if c is not chosen)
+        positions = chosen.prediction.positions
+        unit = "ms/token" if positions == 1 else f"ms a decode step of {positions} sequences"
         reason = (f"the fastest predicted of the plans that fit the {budget / 1e6:.0f} MB for weights: "
-                  f"{chosen.prediction.total_ms:.0f} ms/token" + (f"; {others}" if others else ""))
+                  f"{chosen.prediction.total_ms:.0f} {unit}" + (f"; {others}" if others else ""))
     else:
         chosen = fits[0]
         skipped = candidates[: candidates.index(chosen)]

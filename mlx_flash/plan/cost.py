@@ -8,7 +8,10 @@
                deep queue leaves out; a layer of hybrid's reads, 3 of 256 KiB, waited 1.15 ms
                for 0.8 ms of bytes)
     compute  = sum over the forms weights are held in of bytes consumed / that form's rate at
-               the model's matrix size (one FFN matrix; small matrices run slower per byte)
+               the model's matrix size (one FFN matrix; small matrices run slower per byte);
+               a batch's decode step (B sequences, one position each) at the rate the profile
+               measured for a step of B (Profile.step_ms: the pass kernels' tiles of 16, or
+               chunks + BLAS), the step's reads the same as one token's
     layers   = the layers x the mode's cost per layer besides its bytes (MLX's dispatch, the
                store's syncs), + what a token costs once (embedding, sampling, Python): the
                profile's probe models at two widths and two depths, less what this model
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
+from ..kernels import SMALL_PASS
+
 
 @dataclass
 class Work:
@@ -51,6 +56,7 @@ class Work:
     moved_bytes: int = 0  # memory management: bytes of rows a cache moves within itself per token
     hideable: dict | None = None  # the bytes (by form) whose compute the reads overlap (None: all of it)
     read_batches: int = 0  # batches of reads a token issues (one a layer and store that reads)
+    positions: int = 1  # sequences a decode step advances (a batch's step): each weight read once for all
 
 
 @dataclass
@@ -59,13 +65,17 @@ class Prediction:
     compute_ms: float  # the weights' bytes and the per-layer overhead
     total_ms: float
     mem_ms: float = 0.0  # memory management: rows moved within a cache
+    positions: int = 1  # a batch's step: the times are the step's (positions tokens)
+    batch_priced: bool = True  # a batch's step priced from the profile's batch rates (False: as one-position steps)
 
     def describe(self):
         mem = f", memory management {self.mem_ms:.0f}" if self.mem_ms else ""
-        return f"{self.total_ms:.0f} ms/token (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f}{mem})"
+        unit = "ms/token" if self.positions == 1 else f"ms a step of {self.positions} sequences"
+        return f"{self.total_ms:.0f} {unit} (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f}{mem})"
 
     def as_dict(self):
-        return {"io_ms": self.io_ms, "compute_ms": self.compute_ms, "mem_ms": self.mem_ms, "total_ms": self.total_ms}
+        d = {"io_ms": self.io_ms, "compute_ms": self.compute_ms, "mem_ms": self.mem_ms, "total_ms": self.total_ms}
+        return d if self.positions == 1 else d | {"positions": self.positions, "batch_priced": self.batch_priced}
 
 
 def predict(work, profile):
@@ -77,7 +87,7 @@ def predict(work, profile):
     size = work.matrix_elements or None
 
     def of(computed):
-        return sum(1e3 * b / (profile.compute_gbs(form, size) * 1e9) for form, b in computed.items() if b)
+        return sum(profile.step_ms(form, b, size, work.positions) for form, b in computed.items() if b)
 
     compute = of(work.computed)
     L, width = max(work.n_layers, 1), work.d_model or None
@@ -90,7 +100,8 @@ def predict(work, profile):
     # memory); never hidden (a layer's rows move before its reads start)
     mem = 1e3 * work.moved_bytes / (profile.compute_gbs("float32", size) * 1e9) if work.moved_bytes else 0.0
     once = profile.token_cost(work.mode, width)
-    return Prediction(io, compute + once, total + mem + once, mem)
+    priced = work.positions <= SMALL_PASS or profile.prices_batches(f for f, b in work.computed.items() if b)
+    return Prediction(io, compute + once, total + mem + once, mem, work.positions, priced)
 
 
 def predict_at_disk_rate(work, profile, disk_gbs):
@@ -147,7 +158,8 @@ def converts(layout, packed):
     return not packed and (layout.quant is not None or layout.dtype != "float32")
 
 
-def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), kv_read=(0, 0, 0), bundled=True):
+def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), kv_read=(0, 0, 0), bundled=True,
+               positions=1):
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
     (form q<bits>-rows: the FFN's row kernels), else float32, and a float16-held cache's rows
@@ -156,7 +168,8 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     kv_read: (bytes, bytes per read, batches) of the KV cache on flash read back per token (at
     the decode's mean context: an input, like the prompt; its batches are its chunks, several a
     layer at a long context). Each layer that reads issues one batch per store otherwise (FFN
-    rows, attention), or unbundled (--unbundled), one a weight kind for its FFN rows."""
+    rows, attention), or unbundled (--unbundled), one a weight kind for its FFN rows. positions: a
+    batch's decode step of that many sequences (the step's work; its reads are one token's)."""
     L, n = plan.n_layers, plan.n_neurons
     held = plan.layer_capacity(0) if plan.mode != "naive" else 0
     streamed = n - held
@@ -179,4 +192,4 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     batches = (L * (1 if bundled else len(layout.kinds)) if ffn_read else 0) + attention_read[1] + kv_batches
     return Work(ffn_read + attention_read[0], size, computed,
                 plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, kv_bytes, kv_size,
-                converted_values=converted, read_batches=batches)
+                converted_values=converted, read_batches=batches, positions=positions)

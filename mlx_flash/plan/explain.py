@@ -10,7 +10,9 @@ def explain(runtime, profile=None):
     profile = profile or load_profile()
     choice, plan = runtime.choice, runtime.plan
     lines = ["[mlx_flash] plan: " + (choice.describe() if choice is not None else f"--mode {runtime.mode}")]
-    rows = [("mode", "weights in DRAM", "read per token", "predicted per token")]
+    batch = runtime.batch  # (a --memory-limit plan for a batch: priced by its decode step)
+    rows = [("mode", "weights in DRAM", "read per token" if batch == 1 else "read per step",
+             "predicted per token" if batch == 1 else f"predicted per step of {batch} sequences")]
     candidates = choice.candidates if choice is not None and choice.candidates else []
     if candidates:
         for c in candidates:
@@ -41,7 +43,7 @@ def explain(runtime, profile=None):
 
 
 def _row(runtime, profile, mode, plan, packed, chosen):
-    work = runtime.work(plan, packed)
+    work = runtime.work(plan, packed, runtime.batch)
     weights = f"{plan.weights_bytes / 1e6:.0f} MB" + (" <- chosen" if chosen else "")
     if work is None:
         return mode, weights, "depends on the sparsity", "not modelled (flash mode)"

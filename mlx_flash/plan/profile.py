@@ -19,7 +19,10 @@
   kernels read the 16-bit rows as they are, else a float32 arena, then BLAS: models/half.py;
   a held dense or hybrid FFN's rows too) and 4-/8-bit quantized (the native kernels on the CPU, MLX's quantized matmul
   elsewhere: models/quantized.py); and on the CPU an FFN's packed rows (q4-rows, q8-rows:
-  the row and column kernels models/ffn.py runs on them).
+  the row and column kernels models/ffn.py runs on them);
+- pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
+  position each: the pass kernels, or dequantized chunks + BLAS where those do not run); a
+  profile measured before them prices a batch's step as that many one-position steps.
 
 Here: the profile and its cache. bench/profile.py measures it (it decodes a model through the
 runtime, which this layer sits below); `mlx_flash.benchmark profile` writes it into
@@ -41,6 +44,7 @@ import mlx.core as mx
 
 from ..errors import FlashError
 from ..home import default_home
+from ..kernels import SMALL_PASS
 
 VERSION = 7  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
 # 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
@@ -67,6 +71,8 @@ class Profile:
     notes: list = field(default_factory=list)
     convert_ns: float = 0.0  # ns the reader spends a value it dequantizes / converts into float32 rows
     batch_ms: float = 0.0  # ms a batch of reads costs beyond its bytes at the curve's rate (latency)
+    # weight form -> {matrix elements: {sequences: GB/s consumed by a batch's decode step}}
+    pass_compute: dict = field(default_factory=dict)
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""
@@ -88,11 +94,41 @@ class Profile:
         if form not in self.compute:
             raise FlashError(f"the machine profile has no compute rate for {form} weights "
                              f"(it has {', '.join(self.compute)}): run mlx_flash.benchmark profile")
-        rates = self.compute[form]
-        sizes = sorted(rates)
-        if elements is None:
-            return rates[sizes[-1]]
-        return float(np.interp(np.log(max(elements, 1)), np.log(sizes), [rates[n] for n in sizes]))
+        return _at_size(self.compute[form], elements)
+
+    def step_ms(self, form, nbytes, elements=None, positions=1):
+        """ms a decode step of `positions` sequences spends on `nbytes` of `form` weights: one
+        position at compute_gbs; up to SMALL_PASS, as many one-position products (what the
+        runtime runs then); more, pass_compute's rates, interpolated linearly in the step's time
+        between the measured batch sizes (and SMALL_PASS one-position products), beyond the
+        largest in proportion to it. Without pass rates for the form: `positions` one-position
+        products (an older profile's; Prediction.batch_priced says so)."""
+        one = 1e3 * nbytes / (self.compute_gbs(form, elements) * 1e9)
+        rates = self._pass_rates(form)
+        if positions <= SMALL_PASS or rates is None:
+            return positions * one
+        points = [(SMALL_PASS, SMALL_PASS * one)] + [
+            (p, 1e3 * nbytes / (_at_size(r, elements) * 1e9)) for p, r in sorted(rates.items())]
+        if positions >= points[-1][0]:
+            return points[-1][1] * positions / points[-1][0]
+        return float(np.interp(positions, [p for p, _ in points], [t for _, t in points]))
+
+    def _pass_rates(self, form):
+        """{positions: {elements: GB/s}} of a batch's step for `form`, or None (not measured)."""
+        table = self.pass_compute.get(form)
+        if table is None and form.endswith("-rows"):
+            table = self.pass_compute.get(form[: -len("-rows")])
+        if not table:
+            return None
+        out = {}
+        for n, by_p in table.items():
+            for p, gbs in by_p.items():
+                out.setdefault(p, {})[n] = gbs
+        return out
+
+    def prices_batches(self, forms):
+        """Whether every form of `forms` has pass rates (a batch's step priced from measurement)."""
+        return all(self._pass_rates(f) is not None for f in forms)
 
     def layer_cost(self, mode, d_model=None):
         """ms per layer besides the bytes, for `mode` at a model width: interpolated between the
@@ -110,6 +146,8 @@ class Profile:
         d["compute"] = {f: {str(n): v for n, v in r.items()} for f, r in self.compute.items()}
         for key in ("layer_ms", "token_ms"):
             d[key] = {m: {str(w): v for w, v in r.items()} for m, r in getattr(self, key).items()}
+        d["pass_compute"] = {f: {str(n): {str(p): v for p, v in by_p.items()} for n, by_p in r.items()}
+                             for f, r in self.pass_compute.items()}
         return d
 
     @classmethod
@@ -119,6 +157,8 @@ class Profile:
         d["compute"] = {f: {int(n): float(v) for n, v in r.items()} for f, r in d["compute"].items()}
         for key in ("layer_ms", "token_ms"):
             d[key] = {m: {int(w): float(v) for w, v in r.items()} for m, r in d[key].items()}
+        d["pass_compute"] = {f: {int(n): {int(p): float(v) for p, v in by_p.items()} for n, by_p in r.items()}
+                             for f, r in d.get("pass_compute", {}).items()}
         return cls(**d)
 
 
@@ -126,6 +166,14 @@ def curve_gbs(curve, read_bytes):
     """A disk curve ({read size: GB/s}) at a read size: interpolated on log(size)."""
     sizes = sorted(int(k) for k in curve)
     return float(np.interp(np.log(max(read_bytes, 1)), np.log(sizes), [curve[s] for s in sizes]))
+
+
+def _at_size(rates, elements):
+    """{matrix elements: GB/s} at a matrix size: interpolated on log(elements) (None: the largest)."""
+    sizes = sorted(rates)
+    if elements is None:
+        return rates[sizes[-1]]
+    return float(np.interp(np.log(max(elements, 1)), np.log(sizes), [rates[n] for n in sizes]))
 
 
 def _at_width(table, mode, d_model):

@@ -67,14 +67,16 @@ class Runtime:
     attention: object = None  # stores.attention.AttentionStore: the layers whose attention is streamed
     streamed: list = field(default_factory=list, repr=False)  # the StreamedQuantizedLinears it serves
     kv: object = None  # stores.kv.FlashKV: the KV cache on flash last made (its reads join the prediction)
+    batch: int = 1  # the sequences its --memory-limit plan decodes together (auto priced their decode step)
 
     @property
     def mode(self):
         return self.config.mode
 
-    def work(self, plan=None, packed=None):
-        """cost.Work of a decode token under `plan` (default this runtime's; an exact mode's),
-        or None (flash mode: its reads depend on the sparsity, not on the plan alone)."""
+    def work(self, plan=None, packed=None, positions=1):
+        """cost.Work of a decode token under `plan` (default this runtime's; an exact mode's), or
+        of a batch's decode step of `positions` sequences, or None (flash mode: its reads depend
+        on the sparsity, not on the plan alone)."""
         from ..io.reader import DEFAULT_MAX_READ
         from ..plan.cost import exact_work
 
@@ -84,7 +86,7 @@ class Runtime:
         packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
         return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ,
                           _attention_read(self.attention), kv_read=_kv_read(self.kv, DEFAULT_MAX_READ),
-                          bundled=self.config.bundled)
+                          bundled=self.config.bundled, positions=positions)
 
     def predict(self, profile):
         """The cost model's prediction for this runtime's plan (None in flash mode)."""
@@ -365,11 +367,12 @@ def _kv_read(kv, max_read):
     return nbytes, min(size, max_read), round(nbytes / size) if size else 0
 
 
-def build_runtime(model, folder, manifest, config, resident, source=None, progress=False):
+def build_runtime(model, folder, manifest, config, resident, source=None, progress=False, batch=1):
     """-> Runtime, also set as `model.runtime`, its store attached to every FlashFFN.
 
     source: a sparsity source object for the flash mode instead of config.sparsity's
-    (the paper benchmark's traces)."""
+    (the paper benchmark's traces). batch: the sequences a --memory-limit plan decodes
+    together (its MemoryPlan's): --mode auto compares the plans by their decode step."""
     from .config import DEFAULTS_BY_NAME
 
     for name in ("expert_eviction", "expert_predictor"):
@@ -400,7 +403,7 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     if config.mode == "auto":
         rows16 = not held_ffn and may_hold_float16(config, manifest)
         choice = _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs,
-                         resident_work, _attention_read(attention))
+                         resident_work, _attention_read(attention), batch)
         config = replace(config, mode=choice.mode)
         held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
@@ -438,16 +441,17 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
                       budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work,
-                      attention=attention, streamed=streamed)
+                      attention=attention, streamed=streamed, batch=batch)
     model.runtime = runtime
     return runtime
 
 
 def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs, resident_work,
-            attention_read=(0, 0)):
+            attention_read=(0, 0), batch=1):
     """--mode auto's Choice (plan/choose.py): the exact plans that fit, each predicted by the
-    cost model where this machine's profile is cached (never measured here). rows16: dense and
-    hybrid are compared with their FFN rows held at float16 too."""
+    cost model where this machine's profile is cached (never measured here), for a decode step
+    of `batch` sequences. rows16: dense and hybrid are compared with their FFN rows
+    held at float16 too."""
     from ..io.reader import DEFAULT_MAX_READ
     from ..plan.choose import choose_mode, variants
     from ..plan.cost import exact_work, predict
@@ -467,7 +471,7 @@ def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables,
             return None
         try:
             return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ, attention_read,
-                                      bundled=config.bundled), profile)
+                                      bundled=config.bundled, positions=batch), profile)
         except FlashError:  # (a profile without this weight form's rate)
             return None
 

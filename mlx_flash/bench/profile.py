@@ -39,7 +39,7 @@ def ensure_profile_apart(log=None):
         return p
     (log or (lambda m: print(f"[mlx_flash] {m}", file=sys.stderr)))(
         "machine profile: none is cached for this machine; a quick probe now, in a child process "
-        "(about 30 s here, once; `mlx_flash.benchmark profile` measures it fully)")
+        "(about 45 s here, once; `mlx_flash.benchmark profile` measures it fully)")
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "benchmark", "profile", "--quick"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
@@ -63,8 +63,10 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     batch_ms = batch_latency(file, disk, threads, batches=30 if quick else 150)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10, streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
-    say("compute: a batch's decode step (8 to 64 sequences), by weight form")
-    passes = pass_rates(positions=PASS_POSITIONS_QUICK if quick else PASS_POSITIONS, repeat=2 if quick else 4,
+    positions = PASS_POSITIONS_QUICK if quick else PASS_POSITIONS
+    say(f"compute: a batch's decode step ({', '.join(map(str, positions))} sequences), by weight form")
+    # (quick: at a 7B FFN matrix's size only, which smaller models' steps are then priced at)
+    passes = pass_rates(MATRICES[-1:] if quick else MATRICES, positions, repeat=2 if quick else 4,
                         streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
     say("per-layer and per-token costs, overlap: 4-bit models of two widths and depths decoded "
         "through the runtime, by mode")

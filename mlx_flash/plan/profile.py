@@ -27,7 +27,7 @@
 Here: the profile and its cache. bench/profile.py measures it (it decodes a model through the
 runtime, which this layer sits below); `mlx_flash.benchmark profile` writes it into
 $MLX_FLASH_HOME/profile.json; load_profile() reads that, and the commands that need it
-(generate --explain) run bench/profile.py's quick probe (about 30 s here, in a child process, said on stderr) when
+(generate --explain) run bench/profile.py's quick probe (about 45 s here, in a child process, said on stderr) when
 it is missing or was measured on another machine or MLX.
 """
 
@@ -228,7 +228,7 @@ def load_profile(path=None, measure=None, log=None):
         why = f"{path} is unreadable ({e})"
     if measure is None:
         return None
-    (log or _say)(f"machine profile: {why}; a quick probe now (about 30 s; "
+    (log or _say)(f"machine profile: {why}; a quick probe now (about 45 s; "
                   "`mlx_flash.benchmark profile` measures it fully)")
     p = measure(quick=True)
     save_profile(p, path)

@@ -301,6 +301,10 @@ def _check_quick_profile(p):
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
     assert min(p.disk) == 2048  # (a 4-bit 7B's unbundled neuron rows are read 2.5 KiB at a time)
     assert 0.0 <= p.convert_ns < 100.0  # (0.25-0.4 ns a value here; 0 where the reads alone took longer)
+    # a batch's decode step, every form at a 7B FFN matrix's size (the quick probe's one), 16 and 32 sequences
+    assert set(p.compute) == set(p.pass_compute)
+    assert all(list(r) == [11008 * 4096] and set(r[11008 * 4096]) == {16, 32} and min(r[11008 * 4096].values()) > 0
+               for r in p.pass_compute.values())
     if kernels_module()[0] is not None and p.device == "cpu":  # the FFN's packed row kernels, measured apart
         assert {"q4-rows", "q8-rows"} <= set(p.compute)
     assert all(len(r) == 3 and all(v > 0 for v in r.values()) for r in p.compute.values())  # three matrix sizes

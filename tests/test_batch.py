@@ -72,8 +72,8 @@ def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_
 
 
 def test_the_profile_s_timing_of_large_batches_leaves_the_fallback_note_to_the_user_s_batches(monkeypatch, caplog):
-    """The machine profile times a step of 64 sequences (BLAS, past BATCH_PASS) on purpose: said
-    nothing then, and said at the user's first such batch."""
+    """The machine profile times batch steps through BLAS on purpose where the pass kernels do not
+    run (SIMD level 0): said nothing then, and said at the user's first such batch."""
     import logging
 
     import mlx.core as mx
@@ -182,9 +182,18 @@ def test_auto_under_a_memory_limit_for_a_batch_prices_the_batch_s_step(smollm2, 
     try:
         choice = model.runtime.choice
         assert "ms a decode step of 8 sequences" in choice.reason, choice.reason
+        assert "no rates for a batch's step" not in choice.reason
         assert all(c.prediction.positions == 8 and c.prediction.batch_priced for c in choice.candidates
                    if c.prediction is not None)
         assert "predicted per step of 8 sequences" in explain(model.runtime)
+    finally:
+        model.runtime.close()
+    # a profile measured before the batch rates: each plan's step priced as 8 one-position steps, said
+    save_profile(_profile(compute=rates), tmp_path / "profile.json")
+    model, _ = mlx_flash.load(smollm2, memory_limit=str(limit), ctx_size=32, batch_size=8, progress=False)
+    try:
+        assert "priced as 8 one-position steps" in model.runtime.choice.reason, model.runtime.choice.reason
+        assert "the profile has no batch rates" in explain(model.runtime)
     finally:
         model.runtime.close()
 
@@ -213,20 +222,23 @@ def test_benchmark_batch_writes_its_table(tmp_path):
     from mlx_flash.plan.profile import save_profile
     from test_plan import _profile
 
-    save_profile(_profile(pass_compute={"q4": {10**6: {16: 2.0}}}), tmp_path / "profile.json")
-    r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--dtype", "q4", "--batch", "3", "--tokens", "3",
+    save_profile(_profile(pass_compute={"q4": {10**6: {16: 2.0}}, "float32": {10**6: {16: 1.0}}}),
+                 tmp_path / "profile.json")
+    r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--dtype", "q4", "--batch", "5", "--tokens", "3",
              "--rounds", "2", "--out", str(tmp_path / "out"), env=os.environ | {"MLX_FLASH_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "out" / "batch-tiny-llama-q4-hybrid.json").read_text())
-    assert [row["batch"] for row in res["rows"]] == [1, 3]  # one-by-one always in the same run
+    assert [row["batch"] for row in res["rows"]] == [1, 5]  # one-by-one always in the same run
     assert all(len(row["runs"]) == 2 and row["decode_tps"] > 0 for row in res["rows"])
-    assert res["rows"][1]["runs"][0]["generated"] == 9
-    one, three = res["rows"]
+    assert res["rows"][1]["runs"][0]["generated"] == 15
+    one, five = res["rows"]
     assert one["predicted"]["total_ms"] > 0 and "positions" not in one["predicted"]
-    assert three["predicted"]["positions"] == 3 and three["predicted"]["compute_ms"] > one["predicted"]["compute_ms"]
-    assert three["measured_over_predicted"] == pytest.approx(three["step_ms"] / three["predicted"]["total_ms"])
+    # five sequences: a step of 16's rate (the tiles pad to 16), 10x (q4) and 10x (float32) one position's
+    p = five["predicted"]
+    assert p["positions"] == 5 and p["batch_priced"] and p["compute_ms"] > one["predicted"]["compute_ms"]
+    assert five["measured_over_predicted"] == pytest.approx(five["step_ms"] / p["total_ms"])
     table = (tmp_path / "out" / "batch-tiny-llama-q4-hybrid.md").read_text()
-    assert "| 3 |" in table and "measured ÷ predicted" in table
+    assert "| 5 |" in table and "measured ÷ predicted" in table
 
 
 def test_benchmark_batch_under_a_memory_limit_plans_each_size(tmp_path):

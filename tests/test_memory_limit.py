@@ -41,6 +41,12 @@ def test_plan_takes_every_part_off_the_limit(monkeypatch):
     for chunk in (32, 512):
         assert memory.activation_bytes(wide, chunk, 1024, 4) - memory.activation_bytes(SHAPE, chunk, 1024, 4) \
             == memory.SMALL_PASS * SHAPE.vocab * 4
+    # a batch's decode step through the pass kernels holds float32 host arrays of the FFN's width
+    # for every sequence (gate, up, their product, x transposed in C), whatever the chunk and dtype
+    narrow = Shape(**{**SHAPE.__dict__, "vocab": 1})  # (the logits apart)
+    for sequences in (memory.SMALL_PASS + 1, 256):
+        step = sequences * (4 * SHAPE.n_ff + 2 * SHAPE.d_model) * 4
+        assert memory.activation_bytes(narrow, sequences, 64, 2, sequences=sequences) >= step
 
 
 def test_plan_errors_name_the_parts(monkeypatch):

@@ -130,8 +130,15 @@ def test_a_batch_step_is_priced_from_the_profile_s_rates_for_a_step_of_that_many
 
     assert compute(SMALL_PASS) == pytest.approx(SMALL_PASS * 2.0)
     assert compute(16) == pytest.approx(20.0)  # 40 MB at 2 GB/s
-    assert compute(10) == pytest.approx(SMALL_PASS * 2.0 + (20.0 - SMALL_PASS * 2.0) * (10 - SMALL_PASS) / (16 - SMALL_PASS))
+    assert compute(SMALL_PASS + 1) == compute(10) == pytest.approx(20.0)  # fewer than measured: the tiles pad to 16
+    assert compute(24) == pytest.approx(20.0 + (40 / 1.5 - 20.0) / 2)  # between measured sizes: linear
     assert compute(32) == pytest.approx(40 / 1.5) and compute(64) == pytest.approx(2 * 40 / 1.5)
+    # a step is priced by what it cost against one position where measured (the quick probe: a 7B
+    # matrix only), not by the measured size's absolute rate: a small matrix whose one-position rate
+    # is a third of the large one's keeps the large one's ratio
+    sized = _profile(compute={"q4": {10**6: 6.0, 10**8: 18.0}}, pass_compute={"q4": {10**8: {16: 6.0}}})
+    small = replace(w, n_layers=0, computed={"q4": 6 * MB}, matrix_elements=10**6)
+    assert predict(replace(small, positions=16), sized).compute_ms == pytest.approx(3 * predict(small, sized).compute_ms)
     # the FFN's packed rows take their own batch rates where measured, else the quantized matrices'
     rows = replace(w, computed={"q4-rows": 40 * MB}, positions=16)
     assert predict(rows, p).compute_ms == pytest.approx(20.0 + 20.0)
@@ -140,7 +147,8 @@ def test_a_batch_step_is_priced_from_the_profile_s_rates_for_a_step_of_that_many
     # no batch rates for a form: B one-position products, said by the prediction
     f32 = predict(replace(w, computed={"float32": 40 * MB}, positions=16), p)
     assert f32.compute_ms == pytest.approx(16 * 4.0 + 20.0) and not f32.batch_priced
-    assert "a step of 16 sequences" in f32.describe() and f32.as_dict()["batch_priced"] is False
+    assert "a step of 16 sequences" in f32.describe() and "no batch rates" in f32.describe()
+    assert f32.as_dict()["batch_priced"] is False
     # the rates survive the profile's JSON; a profile written before them loads without any
     back = Profile.from_dict(json.loads(json.dumps(p.as_dict())))
     assert back.pass_compute == p.pass_compute

@@ -67,8 +67,8 @@ BATCH_PASS = 256  # a batch's decode step of up to this many sequences multiplie
 # step of 64 sequences through the tiles consumed a 7B FFN matrix at 0.96 GB/s here, through
 # chunks + BLAS at 0.37; of 128, 0.50 against 0.31 (stop 45, bench/profile.py pass_rates). The
 # step's temporaries (x transposed in C, the FFN's hidden states on the host: ~4 x positions x
-# d_ff floats) grow with the sequences as a batch's prompt chunk's do, which a --memory-limit
-# plan counts per sequence (runtime/memory.py activation_bytes)
+# d_ff floats) are counted by a --memory-limit plan for its batch (runtime/memory.py
+# activation_bytes)
 
 
 def batched(module):

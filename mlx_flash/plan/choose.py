@@ -94,6 +94,9 @@ def choose_mode(config, budget, plan_of, candidates=None, predict=None):
         unit = "ms/token" if positions == 1 else f"ms a decode step of {positions} sequences"
         reason = (f"the fastest predicted of the plans that fit the {budget / 1e6:.0f} MB for weights: "
                   f"{chosen.prediction.total_ms:.0f} {unit}" + (f"; {others}" if others else ""))
+        if not all(c.prediction.batch_priced for c in fits):
+            reason += (f"; the machine profile has no rates for a batch's step, so each is priced as {positions} "
+                       "one-position steps (`mlx_flash.benchmark profile` measures them)")
     else:
         chosen = fits[0]
         skipped = candidates[: candidates.index(chosen)]

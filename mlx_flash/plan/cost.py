@@ -71,7 +71,8 @@ class Prediction:
     def describe(self):
         mem = f", memory management {self.mem_ms:.0f}" if self.mem_ms else ""
         unit = "ms/token" if self.positions == 1 else f"ms a step of {self.positions} sequences"
-        return f"{self.total_ms:.0f} {unit} (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f}{mem})"
+        unpriced = "" if self.batch_priced else ", as one-position steps: the profile has no batch rates"
+        return f"{self.total_ms:.0f} {unit} (I/O {self.io_ms:.0f}, compute {self.compute_ms:.0f}{mem}{unpriced})"
 
     def as_dict(self):
         d = {"io_ms": self.io_ms, "compute_ms": self.compute_ms, "mem_ms": self.mem_ms, "total_ms": self.total_ms}

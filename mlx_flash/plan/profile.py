@@ -99,18 +99,26 @@ class Profile:
     def step_ms(self, form, nbytes, elements=None, positions=1):
         """ms a decode step of `positions` sequences spends on `nbytes` of `form` weights: one
         position at compute_gbs; up to SMALL_PASS, as many one-position products (what the
-        runtime runs then); more, pass_compute's rates, interpolated linearly in the step's time
-        between the measured batch sizes (and SMALL_PASS one-position products), beyond the
-        largest in proportion to it. Without pass rates for the form: `positions` one-position
-        products (an older profile's; Prediction.batch_priced says so)."""
+        runtime runs then); more, the one-position time times what a step of that many cost
+        against one position at the sizes pass_compute measured (interpolated on log(size):
+        the quick probe measures a 7B matrix only, whose ratio a small model's step then
+        takes, not its absolute rate), between the measured batch sizes linearly in the step's
+        time (from SMALL_PASS one-position products; fewer sequences than the smallest
+        measured cost what it costs: the tiles pad to 16), beyond the largest in proportion
+        to it. Without pass rates for the form: `positions` one-position products (an older
+        profile's; Prediction.batch_priced says so)."""
         one = 1e3 * nbytes / (self.compute_gbs(form, elements) * 1e9)
         rates = self._pass_rates(form)
         if positions <= SMALL_PASS or rates is None:
             return positions * one
-        points = [(SMALL_PASS, SMALL_PASS * one)] + [
-            (p, 1e3 * nbytes / (_at_size(r, elements) * 1e9)) for p, r in sorted(rates.items())]
+        points = [(SMALL_PASS, SMALL_PASS * one)]
+        for p, r in sorted(rates.items()):
+            slower = {n: self.compute_gbs(form, n) / gbs for n, gbs in r.items()}  # a step of p against one position
+            points.append((p, one * _at_size(slower, elements)))
         if positions >= points[-1][0]:
             return points[-1][1] * positions / points[-1][0]
+        if positions < points[1][0]:
+            return points[1][1]
         return float(np.interp(positions, [p for p, _ in points], [t for _, t in points]))
 
     def _pass_rates(self, form):
@@ -169,7 +177,8 @@ def curve_gbs(curve, read_bytes):
 
 
 def _at_size(rates, elements):
-    """{matrix elements: GB/s} at a matrix size: interpolated on log(elements) (None: the largest)."""
+    """{matrix elements: value (GB/s, or a ratio)} at a matrix size: interpolated on log(elements)
+    (None: the largest)."""
     sizes = sorted(rates)
     if elements is None:
         return rates[sizes[-1]]

@@ -240,14 +240,18 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
     rows to write, a few times); and the logits of up to SMALL_PASS positions for each of
     `sequences` (a decode step's, a verify pass's, a prompt's last few; a prompt chunk's own are
     never computed: mlx_lm's prefill drops them, and every lm_head computes a chunk of more
-    positions lazily: models/half.py head_product)."""
+    positions lazily: models/half.py head_product). A decode step of more than SMALL_PASS
+    sequences through the pass kernels holds float32 host arrays of the FFN's width for each:
+    the gate, the up, their product and x transposed in C (kernels.BATCH_PASS), at least
+    that whatever the chunk."""
     if kv_on_flash:
         width = 2 * shape.n_heads * (chunk_positions(kv_row_bytes(shape, itemsize)) + chunk) * 4 // itemsize
         width += 4 * shape.kv_per_token // shape.n_layers
     else:
         width = 2 * shape.n_heads * context
     per = 3 * shape.n_ff + 8 * shape.d_model + width
-    return (chunk * per + max(2, SMALL_PASS) * sequences * shape.vocab) * itemsize
+    step = sequences * (4 * shape.n_ff + 2 * shape.d_model) * 4 if sequences > SMALL_PASS else 0
+    return max(chunk * per * itemsize, step) + max(2, SMALL_PASS) * sequences * shape.vocab * itemsize
 
 
 def kv_row_bytes(shape, itemsize):

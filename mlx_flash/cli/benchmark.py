@@ -10,9 +10,11 @@
             in its own process under the same memory cgroup limit; table
             (markdown, CSV, JSON) under --out.
   batch     decode throughput of a batch of prompts against one at a time
-            (FlexGen's block schedule) on a random checkpoint of a real shape.
+            (FlexGen's block schedule) on a random checkpoint of a real shape,
+            with the cost model's step beside the measured one.
   profile   this machine's rates for the cost model (disk by read size,
-            compute by weight form, per-layer overhead by mode), cached in
+            compute by weight form for one position and for a batch's step,
+            per-layer overhead by mode), cached in
             $MLX_FLASH_HOME/profile.json for --mode auto, --explain and --stats.
 """
 

@@ -38,6 +38,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
 
     import mlx_flash
     from ..loader import release_heap
+    from ..plan.cost import predict
     from .random_model import build_checkpoint, shape_config
 
     if mode not in EXACT_MODES:
@@ -111,8 +112,6 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
         key = row["batch"] if memory_limit is not None else 1
         row["budget_bytes"], row["weights_bytes"] = plans[key]
         if profile is not None and works.get(key) is not None:
-            from ..plan.cost import predict
-
             try:
                 pred = predict(dataclasses.replace(works[key], positions=row["batch"]), profile)
             except FlashError:  # (a profile without one of the plan's weight forms: no prediction)

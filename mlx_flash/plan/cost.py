@@ -9,9 +9,10 @@
                for 0.8 ms of bytes)
     compute  = sum over the forms weights are held in of bytes consumed / that form's rate at
                the model's matrix size (one FFN matrix; small matrices run slower per byte);
-               a batch's decode step (B sequences, one position each) at the rate the profile
-               measured for a step of B (Profile.step_ms: the pass kernels' tiles of 16, or
-               chunks + BLAS), the step's reads the same as one token's
+               a batch's decode step (B sequences, one position each): the one-position time
+               times what a step of B cost against one position in the profile
+               (Profile.step_ms: the pass kernels' tiles of 16, or chunks + BLAS), the step's
+               reads the same as one token's
     layers   = the layers x the mode's cost per layer besides its bytes (MLX's dispatch, the
                store's syncs), + what a token costs once (embedding, sampling, Python): the
                profile's probe models at two widths and two depths, less what this model

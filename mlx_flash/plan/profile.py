@@ -21,8 +21,9 @@
   elsewhere: models/quantized.py); and on the CPU an FFN's packed rows (q4-rows, q8-rows:
   the row and column kernels models/ffn.py runs on them);
 - pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
-  position each: the pass kernels, or dequantized chunks + BLAS where those do not run); a
-  profile measured before them prices a batch's step as that many one-position steps.
+  position each: the pass kernels, or dequantized chunks + BLAS where those do not run; the
+  quick probe: 16 and 32, at a 7B matrix only); a profile measured before them prices a
+  batch's step as that many one-position steps.
 
 Here: the profile and its cache. bench/profile.py measures it (it decodes a model through the
 runtime, which this layer sits below); `mlx_flash.benchmark profile` writes it into

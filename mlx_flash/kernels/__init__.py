@@ -64,8 +64,9 @@ BATCH_PASS = 256  # a batch's decode step of up to this many sequences multiplie
 # into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU runs their AVX-512 or AVX2
 # tiles (pass_kernels); more sequences, and a prompt chunk of more than one position a sequence,
 # dequantize chunks for BLAS (MLX's order of sums, as before). 256, not 32 (stop 44's): a 4-bit
-# step of 64 sequences through the tiles consumed a 7B FFN matrix at 0.96 GB/s here, through
-# chunks + BLAS at 0.37; of 128, 0.50 against 0.31 (stop 45, bench/profile.py pass_rates). The
+# step of 64 sequences through the tiles consumed a 7B FFN matrix at 0.97 GB/s here, through
+# chunks + BLAS at 0.50; of 128, 0.52 against 0.33 (results/batch/stop45-opt-6.7b-q4/
+# pass_vs_blas.txt; a step of 64 prompts of OPT-6.7B 5.1 s against 9.7, batch64_cap.txt). The
 # step's temporaries (x transposed in C, the FFN's hidden states on the host: ~4 x positions x
 # d_ff floats) are counted by a --memory-limit plan for its batch (runtime/memory.py
 # activation_bytes)

@@ -58,8 +58,7 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
       model's are held at their bits, or dequantized with "float32"), prefetch.
       Or a whole FlashConfig as `config`.
     context_of: under a memory limit with no ctx_size, a function of the loaded tokenizer -> the
-      tokens the plan holds a KV cache for (generate: its prompt's, counted, and max_tokens),
-      called before the plan.
+      tokens the plan holds a KV cache for (generate: its prompt's and max_tokens), called first.
     The model carries its runtime as `model.runtime` (stats(), plan, store).
     """
     config = config or make_config(options)
@@ -71,10 +70,11 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
     if manifest.experts:  # a mixture of experts: its own runtime (runtime/moe.py)
         return _load_moe(folder, manifest, config, context_of)
     asked = config
+    build = partial(build_runtime, progress=progress, batch=asked.batch_size)  # (a batch: auto prices its step)
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked, context_of)
     refit = None
     try:
-        runtime = build_runtime(model, folder, manifest, config, resident, progress=progress, batch=asked.batch_size)
+        runtime = build(model, folder, manifest, config, resident)
     except BudgetTooSmall as e:
         refit = refit_config(e, asked, config, manifest, memory)
         if refit is None:
@@ -88,8 +88,7 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
                                                                    None if memory is None else memory.baseline)
         memory = rebuilt or memory
         try:
-            runtime = build_runtime(model, folder, manifest, config, resident, progress=progress,
-                                    batch=asked.batch_size)
+            runtime = build(model, folder, manifest, config, resident)
         except BudgetTooSmall as e:
             raise (e if memory is None else memory.restate(e)) from None
     runtime.memory = memory

@@ -385,4 +385,6 @@ print("runtimes", *seen)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "flash True" in r.stdout, r.stdout + r.stderr[-2000:]
     seen = [int(v) for v in r.stdout.split("runtimes")[1].split()]
-    assert len(seen) >= 2 and seen[-1] - seen[0] < 25 * MB, [v / MB for v in seen]
+    # the first model counted would add its ~90 MB (the third reading); what the allocator keeps of
+    # it measured 22 MB here and 25.2 in a CI run (stop 45), against a bound of 25 then
+    assert len(seen) >= 2 and seen[-1] - seen[0] < 45 * MB, [v / MB for v in seen]

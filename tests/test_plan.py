@@ -149,6 +149,16 @@ def test_a_batch_step_is_priced_from_the_profile_s_rates_for_a_step_of_that_many
     assert f32.compute_ms == pytest.approx(16 * 4.0 + 20.0) and not f32.batch_priced
     assert "a step of 16 sequences" in f32.describe() and "no batch rates" in f32.describe()
     assert f32.as_dict()["batch_priced"] is False
+    # float32 weights (MLX multiplies a pass at once, as every form on a GPU): from one position's time
+    p.pass_compute["float32"] = {10**6: {16: 1.0}}  # a step of 16 costs 10 positions' time
+    f32 = replace(w, computed={"float32": 40 * MB}, n_layers=0)
+    assert predict(replace(f32, positions=2), p).compute_ms == pytest.approx(4.0 + 4.0 * 9 / 15)
+    assert predict(replace(f32, positions=16), p).compute_ms == pytest.approx(40.0)
+    gpu = _profile(device="gpu", compute=_rates(q4=20.0), pass_compute={"q4": {10**6: {16: 2.0}}})
+    assert predict(replace(w, n_layers=0, positions=2), gpu).compute_ms == pytest.approx(2.0 + 18.0 / 15)
+    del p.pass_compute["float32"]
+    assert not predict(replace(f32, positions=2), p).batch_priced  # (2 one-position steps: not what runs)
+    assert predict(replace(w, positions=2), p).batch_priced  # (the kernels: position by position)
     # the rates survive the profile's JSON; a profile written before them loads without any
     back = Profile.from_dict(json.loads(json.dumps(p.as_dict())))
     assert back.pass_compute == p.pass_compute

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from ..kernels import SMALL_PASS
-
 
 @dataclass
 class Work:
@@ -102,7 +100,7 @@ def predict(work, profile):
     # memory); never hidden (a layer's rows move before its reads start)
     mem = 1e3 * work.moved_bytes / (profile.compute_gbs("float32", size) * 1e9) if work.moved_bytes else 0.0
     once = profile.token_cost(work.mode, width)
-    priced = work.positions <= SMALL_PASS or profile.prices_batches(f for f, b in work.computed.items() if b)
+    priced = all(profile.priced_step(f, work.positions) for f, b in work.computed.items() if b)
     return Prediction(io, compute + once, total + mem + once, mem, work.positions, priced)
 
 

@@ -99,28 +99,42 @@ class Profile:
 
     def step_ms(self, form, nbytes, elements=None, positions=1):
         """ms a decode step of `positions` sequences spends on `nbytes` of `form` weights: one
-        position at compute_gbs; up to SMALL_PASS, as many one-position products (what the
-        runtime runs then); more, the one-position time times what a step of that many cost
-        against one position at the sizes pass_compute measured (interpolated on log(size):
-        the quick probe measures a 7B matrix only, whose ratio a small model's step then
-        takes, not its absolute rate), between the measured batch sizes linearly in the step's
-        time (from SMALL_PASS one-position products; fewer sequences than the smallest
-        measured cost what it costs: the tiles pad to 16), beyond the largest in proportion
-        to it. Without pass rates for the form: `positions` one-position products (an older
-        profile's; Prediction.batch_priced says so)."""
+        position at compute_gbs; more, the one-position time times what a step of that many cost
+        against one position at the sizes pass_compute measured (interpolated on log(size): the
+        quick probe measures a 7B matrix only, whose ratio a small model's step then takes, not
+        its absolute rate), linearly in the step's time between the measured batch sizes and in
+        proportion beyond the largest. Where the native kernels run (a form other than float32
+        on the CPU), up to SMALL_PASS sequences are that many one-position products (what the
+        runtime runs) and more than that but fewer than the smallest measured cost what it
+        costs (the tiles pad to 16); elsewhere (MLX multiplies the pass at once) from one
+        position's time. Without the rates it needs: `positions` one-position products (an
+        older profile's; priced_step says so)."""
         one = 1e3 * nbytes / (self.compute_gbs(form, elements) * 1e9)
         rates = self._pass_rates(form)
-        if positions <= SMALL_PASS or rates is None:
+        kernels = self._position_by_position(form)
+        if positions == 1 or rates is None or (kernels and positions <= SMALL_PASS):
             return positions * one
-        points = [(SMALL_PASS, SMALL_PASS * one)]
+        points = []
         for p, r in sorted(rates.items()):
             slower = {n: self.compute_gbs(form, n) / gbs for n, gbs in r.items()}  # a step of p against one position
             points.append((p, one * _at_size(slower, elements)))
+        if kernels and positions < points[0][0]:
+            return points[0][1]
+        points = points if kernels else [(1, one)] + points
         if positions >= points[-1][0]:
             return points[-1][1] * positions / points[-1][0]
-        if positions < points[1][0]:
-            return points[1][1]
         return float(np.interp(positions, [p for p, _ in points], [t for _, t in points]))
+
+    def _position_by_position(self, form):
+        """Whether a pass of up to SMALL_PASS positions runs position by position (the native
+        kernels: every form but float32, on the CPU), not as one matrix product."""
+        return self.device == "cpu" and form != "float32"
+
+    def priced_step(self, form, positions):
+        """Whether step_ms prices a step of `positions` of `form` from measurement (one position,
+        the native kernels' position-by-position passes, or the form's batch rates)."""
+        return (positions == 1 or (self._position_by_position(form) and positions <= SMALL_PASS)
+                or self._pass_rates(form) is not None)
 
     def _pass_rates(self, form):
         """{positions: {elements: GB/s}} of a batch's step for `form`, or None (not measured)."""
@@ -134,10 +148,6 @@ class Profile:
             for p, gbs in by_p.items():
                 out.setdefault(p, {})[n] = gbs
         return out
-
-    def prices_batches(self, forms):
-        """Whether every form of `forms` has pass rates (a batch's step priced from measurement)."""
-        return all(self._pass_rates(f) is not None for f in forms)
 
     def layer_cost(self, mode, d_model=None):
         """ms per layer besides the bytes, for `mode` at a model width: interpolated between the

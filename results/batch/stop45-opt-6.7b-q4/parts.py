@@ -5,7 +5,8 @@ those reads are done. Prints ms a step and the mean ms of the first (even) and s
 each kernel over 4 decode steps of 16 sequences (stop 45: qmm_cols 11.9 vs 8.7 ms, qmm_rows 9.5 vs 8.9);
 with "dense", one part of 16384 a layer and no reads.
 
-usage: .venv/bin/python results/batch/stop45-opt-6.7b-q4/parts.py hybrid|dense
+usage: .venv/bin/python results/batch/stop45-opt-6.7b-q4/parts.py hybrid|dense [noverify]
+(noverify: load(verify=False), no CRC check of the reads)
 """
 import sys, time
 import mlx_flash  # noqa: F401 (before mlx.core)
@@ -14,7 +15,8 @@ from mlx_flash import kernels as K
 from mlx_flash.bench.random_model import build_checkpoint, shape_config
 mode = sys.argv[1]
 folder = build_checkpoint("opt-6.7b", "q4", progress=False)
-model, tok = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else "50%", progress=False)
+model, tok = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else "50%", progress=False,
+                            verify="noverify" not in sys.argv[2:])
 rng = np.random.default_rng(0); V = shape_config("opt-6.7b")["vocab_size"]
 seq = {}
 for name in ("qmm_rows", "qmm_cols"):

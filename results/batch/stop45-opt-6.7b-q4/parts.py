@@ -5,7 +5,7 @@ those reads are done. Prints ms a step and the mean ms of the first (even) and s
 each kernel over 4 decode steps of 16 sequences (stop 45: qmm_cols 11.9 vs 8.7 ms, qmm_rows 9.5 vs 8.9);
 with "dense", one part of 16384 a layer and no reads.
 
-usage: .venv/bin/python results/batch/stop45-opt-6.7b-q4/parts.py hybrid|dense [noverify]
+usage: .venv/bin/python results/batch/stop45-opt-6.7b-q4/parts.py hybrid|dense [verify|noverify] [reader threads, default 32]
 (noverify: load(verify=False), no CRC check of the reads)
 """
 import sys, time
@@ -16,7 +16,7 @@ from mlx_flash.bench.random_model import build_checkpoint, shape_config
 mode = sys.argv[1]
 folder = build_checkpoint("opt-6.7b", "q4", progress=False)
 model, tok = mlx_flash.load(folder, mode=mode, memory_budget=None if mode == "dense" else "50%", progress=False,
-                            verify="noverify" not in sys.argv[2:])
+                            verify="noverify" not in sys.argv[2:], threads=int(sys.argv[3]) if len(sys.argv) > 3 else 32)
 rng = np.random.default_rng(0); V = shape_config("opt-6.7b")["vocab_size"]
 seq = {}
 for name in ("qmm_rows", "qmm_cols"):

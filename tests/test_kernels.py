@@ -529,7 +529,7 @@ def test_dequantized_rows_and_columns_are_the_same_values_with_simd(bits, scale_
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
-@pytest.mark.parametrize("positions", [5, 16, 23, 70])
+@pytest.mark.parametrize("positions", [5, 16, 23, 70, 256])
 def test_a_pass_of_several_positions_equals_its_dequantized_rows_times_x(bits, positions, simd_and_threads):
     """qmm / qmm_rows / qmm_cols (a batch's decode step: each row dequantized once for every
     position) give the dequantized rows' products to float32's rounding, at every level and

@@ -326,14 +326,13 @@ def _ffn_rows_rate(kernels, n, d, bits, repeat, copies, positions=1):
     positions > 1: a batch's decode step, as FlashFFN._packed_parts runs it: the pass kernels
     (qmm_rows, qmm_cols) where kernels.pass_kernels takes it, else 4 MiB chunks of rows
     dequantized and multiplied by MLX (_packed_chunks)."""
-    from ..kernels import (BATCH_PASS, SMALL_PASS, batched, dequantize_cols, dequantize_rows, qaxpy_cols,
-                           qmm_cols, qmm_rows, qmv_rows)
+    from ..kernels import dequantize_cols, dequantize_rows, pass_kernels, qaxpy_cols, qmm_cols, qmm_rows, qmv_rows
 
     nbytes = n * ffn_row_bytes(d, bits)
     f = ffn_rows(n, d, bits, copies(nbytes))
     offsets = f.spec.inline_offsets(d)
     x = np.ascontiguousarray(np.tile(f.x, (positions, 1)))
-    kernel_pass = SMALL_PASS < positions <= BATCH_PASS and batched(kernels)
+    kernel_pass = positions > 1 and pass_kernels(kernels, mx.zeros((positions, 1, d)))  # (the runtime's own rule)
     step = max(1, (1 << 20) // d)  # FlashFFN.PACKED_CHUNK_VALUES a chunk
 
     def layer(i):

@@ -90,12 +90,11 @@ class Profile:
         """GB/s of `form` weights consumed by a matrix of `elements` (rows x cols): interpolated on
         log(elements) between the measured sizes (a small matrix's fixed costs weigh more:
         576 x 1536 runs at a third of a 7B FFN matrix's rate here); None: the largest."""
-        if form not in self.compute and form.endswith("-rows"):  # (measured only where the native kernels run)
-            form = form[: -len("-rows")]
-        if form not in self.compute:
+        rates = _of_form(self.compute, form)
+        if rates is None:
             raise FlashError(f"the machine profile has no compute rate for {form} weights "
                              f"(it has {', '.join(self.compute)}): run mlx_flash.benchmark profile")
-        return _at_size(self.compute[form], elements)
+        return _at_size(rates, elements)
 
     def step_ms(self, form, nbytes, elements=None, positions=1):
         """ms a decode step of `positions` sequences spends on `nbytes` of `form` weights: one
@@ -138,9 +137,7 @@ class Profile:
 
     def _pass_rates(self, form):
         """{positions: {elements: GB/s}} of a batch's step for `form`, or None (not measured)."""
-        table = self.pass_compute.get(form)
-        if table is None and form.endswith("-rows"):
-            table = self.pass_compute.get(form[: -len("-rows")])
+        table = _of_form(self.pass_compute, form)
         if not table:
             return None
         out = {}
@@ -185,6 +182,14 @@ def curve_gbs(curve, read_bytes):
     """A disk curve ({read size: GB/s}) at a read size: interpolated on log(size)."""
     sizes = sorted(int(k) for k in curve)
     return float(np.interp(np.log(max(read_bytes, 1)), np.log(sizes), [curve[s] for s in sizes]))
+
+
+def _of_form(table, form):
+    """table[form], an FFN's packed rows (q4-rows) falling back to their bits' matrices (q4): the
+    rows' own rates are measured only where the native kernels run. None: neither."""
+    if form not in table and form.endswith("-rows"):
+        form = form[: -len("-rows")]
+    return table.get(form)
 
 
 def _at_size(rates, elements):

@@ -5,7 +5,7 @@ evaluating the attention and norms before the kernels; native_product 15, batch_
 
 usage: .venv/bin/python results/batch/stop45-opt-6.7b-q4/steps_prof.py
 """
-import sys, cProfile, pstats, io
+import cProfile, pstats
 import mlx_flash, numpy as np
 from mlx_flash.bench.random_model import build_checkpoint, shape_config
 folder = build_checkpoint("opt-6.7b", "q4", progress=False)

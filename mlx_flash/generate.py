@@ -51,6 +51,8 @@ def _within_memory_limit(model, tokenizer, prompt, max_tokens, kwargs):
     """Under --memory-limit: the prompt chunks the plan chose, and a clear error, before any
     work, when the prompt (plus what a prompt cache holds) and max_tokens exceed the context
     the KV cache was planned for."""
+    if not isinstance(prompt, str):
+        check_token_ids(model, prompt)
     memory = getattr(getattr(model, "runtime", None), "memory", None)
     if memory is None:
         return kwargs
@@ -63,6 +65,18 @@ def _within_memory_limit(model, tokenizer, prompt, max_tokens, kwargs):
                          "then takes more of the limit) or shorten them")
     kwargs.setdefault("prefill_step_size", memory.prefill_step)
     return kwargs
+
+
+def check_token_ids(model, ids, what="the prompt"):
+    """A clear error for a token id outside the model's vocabulary (an embedding lookup out of
+    range reads memory that is not the table's: silent garbage, not an error)."""
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    a = np.asarray(ids).reshape(-1)
+    out = np.flatnonzero((a < 0) | (a >= vocab)) if vocab and a.size else ()
+    if len(out):
+        from .errors import FlashError
+
+        raise FlashError(f"{what} has token id {int(a[out[0]])}, outside the model's vocabulary (0 .. {vocab - 1})")
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
@@ -129,6 +143,7 @@ def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwarg
     for i, p in enumerate(ids):
         if not p:
             raise FlashError(f"batch_generate: prompt {i + 1} is empty")
+        check_token_ids(model, p, f"batch_generate: prompt {i + 1}")
     n, longest = len(ids), max(len(p) for p in ids)
     step = kwargs.get("prefill_step_size", 2048)
     memory = getattr(runtime, "memory", None)

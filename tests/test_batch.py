@@ -108,6 +108,10 @@ def test_batch_refusals(smollm2):
         mlx_flash.batch_generate(model, tok, [])
     with pytest.raises(FlashError, match="prompt 2 is empty"):
         mlx_flash.batch_generate(model, tok, [[1], []])
+    with pytest.raises(FlashError, match="prompt 2 has token id 49152, outside the model's vocabulary"):
+        mlx_flash.batch_generate(model, tok, [[1], [5, 49152]])
+    with pytest.raises(FlashError, match="the prompt has token id -1, outside"):
+        mlx_flash.generate(model, tok, [5, -1], max_tokens=2)
     model.runtime.close()
 
 

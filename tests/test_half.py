@@ -188,3 +188,48 @@ def test_held_hybrid_decode_step_reads_its_float16_cache_in_place(llama16, refer
     assert greedy(model) == reference[0]
     np.testing.assert_allclose(np.array(model(mx.array([PROMPT]))), reference[1], rtol=1e-5, atol=1e-4)
     model.runtime.close()
+
+
+@pytest.mark.skipif(kernels_module()[0] is None, reason="native kernels not built")
+@pytest.mark.parametrize("mode", ["dense", "hybrid"])
+def test_a_held_model_s_batch_step_goes_through_the_pass_kernels(llama16, mode, monkeypatch):
+    """A batch's decode step of more than SMALL_PASS sequences over weights held at float16 (a
+    dense FFN, a hybrid's float16 cache and its streamed float32 rows, the attention and the tied
+    head): each row converted once into the pass kernels' tiles (gather_mm / gather_mm_cols), not
+    a float32 arena for BLAS, where the CPU has AVX2 or AVX-512; BLAS at level 0. Each prompt
+    gets the tokens it gets alone at every level, and a step's values are each sequence's
+    decode step's to float32's rounding."""
+    from mlx_flash import kernels as K
+    from test_batch import EIGHT
+    from test_parity import greedy as greedy_of
+
+    module = kernels_module()[0]
+    top = module.simd(99)
+    calls = {"gather_mm": 0, "gather_mm_cols": 0}
+    real_mm, real_cols = K.gather_mm, K.gather_mm_cols
+    monkeypatch.setattr(K, "gather_mm", lambda *a, **k: calls.__setitem__("gather_mm", calls["gather_mm"] + 1)
+                        or real_mm(*a, **k))
+    monkeypatch.setattr(K, "gather_mm_cols", lambda *a, **k: calls.__setitem__("gather_mm_cols",
+                                                                              calls["gather_mm_cols"] + 1)
+                        or real_cols(*a, **k))
+    model, tok = mlx_flash.load(llama16, mode=mode, resident_dtype="float16", progress=False)
+    try:
+        d = model.args.hidden_size
+        x = mx.array(np.random.default_rng(4).standard_normal((8, 1, d)).astype(np.float32))
+        ffn, q = model.layers[0].mlp, model.layers[0].self_attn.q_proj
+        prompts = [[t % model.args.vocab_size for t in p] for p in EIGHT]  # (a small vocabulary)
+        alone = [greedy_of(model, p, 5) for p in prompts]
+        for level in range(top, -1, -1):
+            module.simd(level)
+            calls.update(gather_mm=0, gather_mm_cols=0)
+            r = mlx_flash.batch_generate(model, tok, prompts, max_tokens=5, stop=False)
+            assert r.tokens == alone, level
+            used = K.batched(module)
+            assert all((n > 0) == used for n in calls.values()), (level, calls)
+            for f in (ffn, q, model.model.embed_tokens.as_linear):
+                step = np.array(f(x))
+                each = np.concatenate([np.array(f(x[i:i + 1])) for i in range(8)])
+                assert np.abs(step - each).max() <= 1e-5 * np.abs(each).max(), (level, f)
+    finally:
+        module.simd(top)
+        model.runtime.close()

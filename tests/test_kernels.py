@@ -297,7 +297,8 @@ def test_a_16_bit_held_linear_decodes_through_the_kernel_as_through_the_arena():
     b = mx.array(rng.standard_normal(96).astype(np.float32))
     arena = Arena(1024)
     native, plain = HalfLinear(w, b, arena, kernels), HalfLinear(w, b, arena)
-    for shape in ((1, 1, 80), (1, 3, 80), (1, 9, 80)):  # a decode step, a small pass, a prompt
+    # a decode step, a small pass, a prompt, a batch's decode step (the pass kernels' tiles)
+    for shape in ((1, 1, 80), (1, 3, 80), (1, 9, 80), (8, 1, 80)):
         x = mx.array(rng.standard_normal(shape).astype(np.float32))
         want = x @ w.astype(mx.float32).T + b
         np.testing.assert_allclose(np.array(native(x)), np.array(want), rtol=1e-5, atol=1e-4)
@@ -594,6 +595,65 @@ def test_a_pass_of_several_positions_equals_its_dequantized_rows_times_x(bits, p
                             qmm_rows(kernels, np.ascontiguousarray(x[:, :k]), rows_buf, sel, spec, soff, boff))
         kernels.simd(SIMD_TOP)
         assert all(np.array_equal(a, b) for a, b in zip(*got))
+
+
+@pytest.mark.parametrize("code", [0, 1, 2])  # float32, float16, bfloat16 rows
+@pytest.mark.parametrize("positions", [5, 16, 23, 70])
+def test_a_16_bit_pass_equals_its_rows_times_x(code, positions, simd_and_threads):
+    """gather_mm / gather_mm_cols (a batch's decode step over rows held at 16 bits or float32:
+    each row converted once, into the tile, for every position) give the float32 rows' products
+    to float32's rounding at every level and thread count: uneven row counts (tiles of 8 rows, of
+    64 columns), row lengths that are not whole registers (tails of 1..15 outputs), positions
+    past a tile of 16, a sum continued from a previous part; each position within float32's
+    rounding of its one-position product (gather_mv / gather_axpy); AVX2 the same bits as
+    AVX-512; bad arguments a clear error."""
+    from mlx_flash.kernels import gather_axpy, gather_mm, gather_mm_cols, gather_mv
+
+    rng = np.random.default_rng(code * 100 + positions)
+
+    def close(got, want):
+        return np.abs(got - want).max() <= 2e-6 * np.abs(want).max() * np.sqrt(want.shape[-1])
+
+    cases = []
+    for n, k in ((77, 256), (150, 40), (9, 1000), (700, 1536)):  # (700 x 1536: shared over threads)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        w16 = w if code == 0 else w.astype(np.float16) if code == 1 else (w.view(np.uint32) >> 16).astype(np.uint16)
+        w32 = w16.astype(np.float32) if code == 1 else (w16.astype(np.uint32) << 16).view(np.float32) if code == 2 else w
+        sel = rng.permutation(n)[: max(1, n - 7)].astype(np.int64)
+        x = rng.standard_normal((positions, k)).astype(np.float32)
+        h = rng.standard_normal((positions, sel.size)).astype(np.float32)
+        start = rng.standard_normal((positions, k)).astype(np.float32)
+        cases.append((w16, sel, x, h, start, x.astype(np.float64) @ w32[sel].T.astype(np.float64),
+                      start + h.astype(np.float64) @ w32[sel].astype(np.float64)))
+    got = {}
+    for simd, threads in simd_and_threads:
+        kernels.simd(simd)
+        kernels.set_threads(threads)
+        for i, (w16, sel, x, h, start, want_rows, want_cols) in enumerate(cases):
+            rows = gather_mm(kernels, x, w16, sel)
+            cols = gather_mm_cols(kernels, h, w16, sel, out=start.copy())
+            assert close(rows, want_rows) and close(cols, want_cols), (simd, threads, w16.shape)
+            if simd == 1:  # (whatever the threads: a row's or an output's sum is one share's)
+                assert np.array_equal(rows, got.setdefault((i, "rows"), rows))
+            got.setdefault((simd, i), (rows, cols))
+            b = positions - 1
+            one = gather_mv(kernels, x[b], w16, sel)
+            assert np.abs(rows[b] - one).max() <= 2e-6 * np.abs(one).max() * np.sqrt(x.shape[1])
+            one = gather_axpy(kernels, h[b], w16, sel, out=start[b].copy())
+            assert np.abs(cols[b] - one).max() <= 2e-6 * np.abs(one).max() * np.sqrt(sel.size)
+    if SIMD_TOP >= 2:  # AVX2's tiles run AVX-512's operations lane for lane
+        for i in range(len(cases)):
+            assert all(np.array_equal(a, b) for a, b in zip(got[2, i], got[1, i])), i
+    w16, sel, x, h = cases[0][:4]
+    with pytest.raises(ValueError, match="gather_mm: arguments"):
+        kernels.gather_mm(x, w16, sel, np.empty((positions, sel.size + 1), np.float32), w16.shape[1], False, code)
+    with pytest.raises(ValueError, match="gather_mm_cols: arguments"):
+        kernels.gather_mm_cols(h, w16, sel[:0], np.empty((positions, w16.shape[1]), np.float32), w16.shape[1],
+                               False, code)
+    with pytest.raises(ValueError, match="out of range"):
+        gather_mm(kernels, x, w16, np.array([0, w16.shape[0]], np.int64))
+    empty = gather_mm_cols(kernels, h[:, :0], w16, sel[:0])
+    assert empty.shape == (positions, w16.shape[1]) and not empty.any()
 
 
 def test_a_row_s_product_in_a_pass_does_not_depend_on_the_threads_or_the_split():

@@ -113,7 +113,7 @@ def pass_kernels(module, x):
         import logging
 
         logging.getLogger("mlx_flash").warning(
-            "a batch's decode step multiplies its quantized rows through dequantized chunks + BLAS, not the "
+            "a batch's decode step multiplies its weights through float32 chunks + BLAS, not the "
             "pass kernels: %s", why)
     return why is None
 
@@ -228,6 +228,26 @@ def gather_axpy(kernels, h, w, sel, out=None):
     out: a float32 [K] the sum is added to, term by term in the rows' order (a previous part's)."""
     y = np.empty(w.shape[1], np.float32) if out is None else out
     kernels.gather_axpy(h, w, sel, y, w.shape[1], out is not None, row_code(w))
+    return y
+
+
+def gather_mm(kernels, x, w, sel):
+    """gather_mv for a pass of several positions (a batch's decode step): x float32 [pos, K] ->
+    float32 [pos, len(sel)], each row of W (as gather_mv's) converted once, into a tile, for all
+    of them."""
+    y = np.empty((x.shape[0], len(sel)), np.float32)
+    kernels.gather_mm(x, w, sel, y, w.shape[1], False, row_code(w))
+    return y
+
+
+def gather_mm_cols(kernels, h, w, sel, out=None):
+    """gather_axpy for a pass of several positions: h float32 [pos, len(sel)] -> float32 [pos, K]
+    = h @ W[sel], each row converted once for all positions. out: a float32 [pos, K] the sums are
+    added to, term by term in the rows' order (a previous part's: the sums of one call over both)."""
+    y = np.empty((h.shape[0], w.shape[1]), np.float32) if out is None else out
+    if len(sel) == 0:
+        return y if out is not None else np.zeros_like(y)
+    kernels.gather_mm_cols(h, w, sel, y, w.shape[1], out is not None, row_code(w))
     return y
 
 

@@ -108,7 +108,8 @@ typedef struct {
     int64_t pos, ldy;
 } job_t;
 
-enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5, QMV_MANY = 6, QMM_ROWS = 7, QMM_COLS = 8 };
+enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5, QMV_MANY = 6, QMM_ROWS = 7, QMM_COLS = 8,
+       GATHER_MM = 9, GATHER_MM_COLS = 10 };
 
 /* ---- one row */
 
@@ -210,6 +211,26 @@ AVX2 static int64_t axpy16_avx2(float h, const uint16_t *w, int64_t code, float 
     int64_t c = c0;
     for (; c + 8 <= c1; c += 8)
         _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_mul_ps(hv, load16_avx2(w + c, bf16))));
+    return c;
+}
+
+/* n values of a 16-bit row -> float32, 8 at a time -> the first value left for the caller's loop */
+AVX2 static int64_t convert16_avx2(const uint16_t *w, int64_t code, int64_t n, float *out) {
+    const int bf16 = code == BF16;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load16_avx2(w + i, bf16));
+    return i;
+}
+
+/* n values of a 16-bit row -> float32 in blocks of 16, bs floats apart (gather_mm_cols's
+ * tile) -> the first value left for the caller (whole blocks only) */
+AVX2 static int64_t convert16_blocks_avx2(const uint16_t *w, int64_t code, int64_t n, float *out, int64_t bs) {
+    const int bf16 = code == BF16;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16, out += bs) {
+        _mm256_storeu_ps(out, load16_avx2(w + c, bf16));
+        _mm256_storeu_ps(out + 8, load16_avx2(w + c + 8, bf16));
+    }
     return c;
 }
 
@@ -606,36 +627,97 @@ static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; i++) dequantize_col_part(j, i, 0, j->k, j->y + i * j->k, 16);
 }
 
+/* a pass's results for the nr (<= MM16_ROWS) rows in `tile` (rows k + MM16_PAD floats apart),
+ * rows t0 .. t0 + nr - 1 of the job's output: y[b, t0 + i] = tile row i . x[b] for every
+ * position b. AVX-512 or AVX2: the tile for every tile, a last one of fewer rows zero-padded (a
+ * row's sum is then the same whichever share or part holds it); else the portable loop. */
+static void tile_rows_product(const job_t *j, int64_t t0, int64_t nr, float *tile) {
+    const int64_t k = j->k, kp = k + MM16_PAD;
+    for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
+        const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
+        const float *xt = j->xt + p0 * k;
+        float *y = j->y + p0 * j->ldy + t0;
+#ifdef AVX2_PATH
+        if (j->simd >= 1) {
+            float out[MM16_ROWS * 16];
+            if (nr < MM16_ROWS) memset(tile + nr * kp, 0, sizeof(float) * (size_t)((MM16_ROWS - nr) * kp));
+#ifdef BF16_PATH
+            if (j->simd >= 2)
+                mm16_tile(tile, kp, xt, k, out);
+            else
+#endif
+                mm16_tile_avx2(tile, kp, xt, k, out);
+            for (int64_t b = 0; b < m; b++)
+                for (int64_t i = 0; i < nr; i++) y[b * j->ldy + i] = out[i * 16 + b];
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < nr; i++) mm16_row_portable(tile + i * kp, 1, xt, k, m, y + i, j->ldy, 0, MM16_RUN);
+    }
+}
+
 /* QMM_ROWS, rows [r0, r1): MM16_ROWS rows at a time dequantized into `tile` (MM16_ROWS rows of
- * k + MM16_PAD floats), then multiplied into every position: y[b, r] = row r . x[b]. AVX-512 or
- * AVX2: the tile for every tile, a last one of fewer rows zero-padded (a row's sum is then the
- * same whichever share or part holds it); else the portable loop. sc, bi: K / g scratch. */
+ * k + MM16_PAD floats), then multiplied into every position: y[b, r] = row r . x[b]. sc, bi:
+ * K / g scratch. */
 static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *bi, float *tile) {
-    const int64_t k = j->k, kp = k + MM16_PAD; /* (the tile's rows a line further apart than k) */
+    const int64_t kp = j->k + MM16_PAD; /* (the tile's rows a line further apart than k) */
     for (int64_t t0 = r0; t0 < r1; t0 += MM16_ROWS) {
         const int64_t nr = r1 - t0 < MM16_ROWS ? r1 - t0 : MM16_ROWS;
         for (int64_t i = 0; i < nr; i++) dequantize_one(j, j->sel ? j->sel[t0 + i] : t0 + i, sc, bi, tile + i * kp);
-        for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
-            const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
-            const float *xt = j->xt + p0 * k;
-            float *y = j->y + p0 * j->ldy + t0;
+        tile_rows_product(j, t0, nr, tile);
+    }
+}
+
+/* n values of a float32 or 16-bit row (code) -> float32 */
+static void convert_values(const uint8_t *w, int64_t code, int64_t n, int simd, float *out) {
+    if (code == F32) {
+        memcpy(out, w, sizeof(float) * (size_t)n);
+        return;
+    }
+    int64_t i = 0;
 #ifdef AVX2_PATH
-            if (j->simd >= 1) {
-                float out[MM16_ROWS * 16];
-                if (nr < MM16_ROWS) memset(tile + nr * kp, 0, sizeof(float) * (size_t)((MM16_ROWS - nr) * kp));
+    if (simd >= 1) i = convert16_avx2((const uint16_t *)w, code, n, out);
+#endif
+    (void)simd;
+    for (; i < n; i++) out[i] = load_scale(w + 2 * i, code);
+}
+
+/* GATHER_MM, rows [r0, r1) of sel: y[b, i] = W[sel[i]] . x[b] (W float32 or 16-bit: scode),
+ * MM16_ROWS rows at a time converted into `tile`, then multiplied into every position as
+ * QMM_ROWS's dequantized rows */
+static void gather_mm(const job_t *j, int64_t r0, int64_t r1, float *tile) {
+    const int64_t kp = j->k + MM16_PAD;
+    for (int64_t t0 = r0; t0 < r1; t0 += MM16_ROWS) {
+        const int64_t nr = r1 - t0 < MM16_ROWS ? r1 - t0 : MM16_ROWS;
+        for (int64_t i = 0; i < nr; i++)
+            convert_values(j->w + j->sel[t0 + i] * j->row_bytes, j->scode, j->k, j->simd, tile + i * kp);
+        tile_rows_product(j, t0, nr, tile);
+    }
+}
+
+/* a pass's sums over the nr (<= MM16_KBLOCK) columns i0 .. i0 + nr - 1 in `tile` (their values
+ * c0 .. c0 + w - 1 in blocks of 16: value c of column i at tile[(c / 16) * bs + i * 16 + c % 16]),
+ * for every position: y[b, c0 + c] (+)= sum_i x[b, i0 + i] * value (added to y where `add`) */
+static void tile_cols_product(const job_t *j, int64_t i0, int64_t nr, int64_t c0, int64_t w, int add,
+                              const float *tile, int64_t bs) {
+    for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
+        const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
+        const float *xt = j->xt + p0 * j->m + i0 * 16;
+        float *y = j->y + p0 * j->ldy + c0;
+        int64_t c = 0;
 #ifdef BF16_PATH
-                if (j->simd >= 2)
-                    mm16_tile(tile, kp, xt, k, out);
-                else
-#endif
-                    mm16_tile_avx2(tile, kp, xt, k, out);
-                for (int64_t b = 0; b < m; b++)
-                    for (int64_t i = 0; i < nr; i++) y[b * j->ldy + i] = out[i * 16 + b];
-                continue;
-            }
-#endif
-            for (int64_t i = 0; i < nr; i++) mm16_row_portable(tile + i * kp, 1, xt, k, m, y + i, j->ldy, 0, MM16_RUN);
+        if (j->simd >= 2) {
+            mm16_cols(tile, bs, xt, nr, m, y, j->ldy, add, w);
+            continue;
         }
+#endif
+#ifdef AVX2_PATH
+        if (j->simd >= 1) { /* whole registers of 8 outputs; the rest below */
+            c = w & ~(int64_t)7;
+            mm16_cols_avx2(tile, bs, xt, nr, m, y, j->ldy, add, c);
+        }
+#endif
+        for (; c < w; c++) mm16_row_portable(tile + c / 16 * bs + c % 16, 16, xt, nr, m, y + c, j->ldy, add, 0);
     }
 }
 
@@ -648,7 +730,6 @@ static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
     const int64_t w = c1 - c0, bs = MM16_KBLOCK * 16;
     for (int64_t i0 = 0; i0 < j->m; i0 += MM16_KBLOCK) {
         const int64_t nr = j->m - i0 < MM16_KBLOCK ? j->m - i0 : MM16_KBLOCK;
-        const int add = j->accumulate || i0 > 0;
 #ifdef AVX2_PATH
         if (j->simd >= 1 && (j->bits == 4 || j->bits == 8) && w % 32 == 0) {
             const int64_t ssz = j->scode == F32 ? 4 : 2;
@@ -667,25 +748,27 @@ static void qmm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
         } else
 #endif
             for (int64_t i = 0; i < nr; i++) dequantize_col_part(j, i0 + i, c0, c1, tile + i * 16, bs);
-        for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
-            const int64_t m = j->pos - p0 < 16 ? j->pos - p0 : 16;
-            const float *xt = j->xt + p0 * j->m + i0 * 16;
-            float *y = j->y + p0 * j->ldy + c0;
-#ifdef BF16_PATH
-            if (j->simd >= 2) {
-                mm16_cols(tile, bs, xt, nr, m, y, j->ldy, add, w);
-                continue;
-            }
-#endif
+        tile_cols_product(j, i0, nr, c0, w, j->accumulate || i0 > 0, tile, bs);
+    }
+}
+
+/* GATHER_MM_COLS, outputs [c0, c1) (multiples of 16 but the last): y[b, c] (+)= sum_i x[b, i] *
+ * W[sel[i], c] (W float32 or 16-bit: scode), MM16_KBLOCK rows at a time, their values c0 ..
+ * c1-1 converted into `tile` as QMM_COLS's dequantized columns, then multiplied alike */
+static void gather_mm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) {
+    const int64_t w = c1 - c0, bs = MM16_KBLOCK * 16, vb = j->scode == F32 ? 4 : 2;
+    for (int64_t i0 = 0; i0 < j->m; i0 += MM16_KBLOCK) {
+        const int64_t nr = j->m - i0 < MM16_KBLOCK ? j->m - i0 : MM16_KBLOCK;
+        for (int64_t i = 0; i < nr; i++) {
+            const uint8_t *row = j->w + j->sel[i0 + i] * j->row_bytes + c0 * vb;
+            int64_t c = 0;
 #ifdef AVX2_PATH
-            if (j->simd >= 1) { /* (w: a multiple of 32, as table_cols checks k) */
-                mm16_cols_avx2(tile, bs, xt, nr, m, y, j->ldy, add, w);
-                continue;
-            }
+            if (j->simd >= 1 && j->scode != F32) c = convert16_blocks_avx2((const uint16_t *)row, j->scode, w, tile + i * 16, bs);
 #endif
-            for (int64_t c = 0; c < w; c++)
-                mm16_row_portable(tile + c / 16 * bs + c % 16, 16, xt, nr, m, y + c, j->ldy, add, 0);
+            for (; c < w; c += 16)
+                convert_values(row + c * vb, j->scode, w - c < 16 ? w - c : 16, j->simd, tile + c / 16 * bs + i * 16);
         }
+        tile_cols_product(j, i0, nr, c0, w, j->accumulate || i0 > 0, tile, bs);
     }
 }
 
@@ -766,6 +849,14 @@ static void share(const job_t *j, int i, int n) {
     }
     if (j->kind == QMM_COLS) { /* shares of whole 32-value blocks, as QAXPY_COLS's */
         qmm_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
+        return;
+    }
+    if (j->kind == GATHER_MM) { /* scratch: the tile */
+        gather_mm(j, r0, r1, sc);
+        return;
+    }
+    if (j->kind == GATHER_MM_COLS) { /* shares of whole 16-value blocks */
+        gather_mm_cols(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15, sc);
         return;
     }
     run_rows(j, r0, r1, sc, sc + pool.scratch_per / 2);
@@ -873,8 +964,9 @@ static int pool_start(int64_t scratch_per) {
 static void run_job(const job_t *j) {
     /* sharing out costs a few microseconds with the workers spinning (more when they sleep):
      * worth it from ~1M weights (a 576 x 576 matvec runs faster on the caller's thread alone) */
-    const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS || j->kind == QMM_COLS ? j->m : j->n) *
-                         j->k * (j->kind == QMM_ROWS || j->kind == QMM_COLS ? j->pos : 1);
+    const int pass = j->kind == QMM_ROWS || j->kind == QMM_COLS || j->kind == GATHER_MM || j->kind == GATHER_MM_COLS;
+    const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS || j->kind == QMM_COLS ||
+                          j->kind == GATHER_MM_COLS ? j->m : j->n) * j->k * (pass ? j->pos : 1);
     const int par = pool.n > 1 && j->n >= 4 * pool.n && work >= PAR_MIN_WORK;
     if (par) pool_publish(j);
     share(j, 0, par ? pool.n : 1); /* the caller's share: the first, or every row */
@@ -1289,39 +1381,69 @@ out:
  * accumulate=0, code=0): y = sum_i h[i] W[sel[i]] (accumulate: y += that, in the order
  * qaxpy_cols's accumulate keeps). W [rows, k] (C order): float32 (code 0), or the uint16 bits
  * of float16 (1) / bfloat16 (2), each value converted as it is read, the sums those of the
- * float32 rows; sel int64 (each in 0 .. rows-1), x / y float32. */
+ * float32 rows; sel int64 (each in 0 .. rows-1), x / y float32.
+ * A pass of several positions (a batch's decode step), each row converted once, into a tile,
+ * for all of them (gemm16.h's tiles, as qmm_rows / qmm_cols):
+ *   gather_mm(x, W, sel, y, k, _, code=0): y[b, i] = W[sel[i]] . x[b], x [pos, k], y [pos, len(sel)]
+ *   gather_mm_cols(h, W, sel, y, k, accumulate=0, code=0): y[b] (+)= sum_i h[b, i] W[sel[i]],
+ *     h [pos, len(sel)] (len(sel) > 0), y [pos, k] */
 static PyObject *gather(PyObject *args, int kind) {
+    static const char *names[] = {[GATHER_MV] = "gather_mv", [GATHER_AXPY] = "gather_axpy",
+                                  [GATHER_MM] = "gather_mm", [GATHER_MM_COLS] = "gather_mm_cols"};
     Py_buffer v, w, sel, y;
     long long k;
     int accumulate = 0, code = F32;
     if (!PyArg_ParseTuple(args, "y*y*y*w*L|pi", &v, &w, &sel, &y, &k, &accumulate, &code)) return NULL;
     PyObject *result = NULL;
+    float *xt = NULL;
     const int64_t vb = code == F32 ? 4 : 2; /* bytes a value of W */
     const int64_t m = sel.len / 8, rows = k > 0 ? w.len / (vb * k) : 0;
-    int ok = k > 0 && (code == F32 || code == F16 || code == BF16) && w.len == rows * vb * k && sel.len % 8 == 0 &&
+    /* a pass's positions: x's length over its row's (k, or a value a selected row) */
+    const int64_t row = kind == GATHER_MM ? k : m;
+    const int64_t pos = (kind == GATHER_MM || kind == GATHER_MM_COLS) && row > 0 && sane(k) ? v.len / (4 * row) : 1;
+    int ok = sane(k) && (code == F32 || code == F16 || code == BF16) && w.len == rows * vb * k && sel.len % 8 == 0 &&
              ((uintptr_t)w.buf % vb) == 0 &&
              ((uintptr_t)sel.buf % 8) == 0 && ((uintptr_t)v.buf % 4) == 0 && ((uintptr_t)y.buf % 4) == 0 &&
-             (kind == GATHER_MV ? v.len == 4 * k && y.len == 4 * m : v.len == 4 * m && y.len == 4 * k);
+             m <= (1LL << 30) && pos >= 1 && pos <= (1 << 20);
+    if (ok) {
+        if (kind == GATHER_MV) ok = v.len == 4 * k && y.len == 4 * m;
+        else if (kind == GATHER_AXPY) ok = v.len == 4 * m && y.len == 4 * k;
+        else if (kind == GATHER_MM) ok = v.len == 4 * k * pos && y.len == 4 * m * pos;
+        else ok = m > 0 && v.len == 4 * m * pos && y.len == 4 * k * pos;
+    }
     const int64_t *ids = (const int64_t *)sel.buf;
     for (int64_t i = 0; ok && i < m; i++) ok = ids[i] >= 0 && ids[i] < rows;
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind (or a row out of range)",
-                     kind == GATHER_MV ? "gather_mv" : "gather_axpy");
+        PyErr_Format(PyExc_ValueError, "%s: arguments of the wrong size or kind (or a row out of range)", names[kind]);
         goto out;
     }
     job_t j;
     memset(&j, 0, sizeof j);
     j.w = w.buf, j.row_bytes = vb * k, j.k = k, j.sel = ids, j.m = m, j.y = y.buf, j.simd = use_simd, j.kind = kind;
     j.scode = code;
-    j.accumulate = kind == GATHER_AXPY && accumulate;
+    j.accumulate = (kind == GATHER_AXPY || kind == GATHER_MM_COLS) && accumulate;
+    int64_t scratch = 0;
     if (kind == GATHER_MV)
         j.x = v.buf, j.n = m;
-    else
+    else if (kind == GATHER_AXPY)
         j.h = v.buf, j.n = k;
-    if (dispatch(&j, 0) < 0) goto out;
+    else {
+        if (!(xt = transpose_x((const float *)v.buf, pos, row))) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        j.xt = xt, j.pos = pos;
+        j.n = kind == GATHER_MM ? m : k;
+        j.ldy = kind == GATHER_MM ? m : k;
+        /* GATHER_MM: MM16_ROWS rows of the tile; GATHER_MM_COLS: MM16_KBLOCK columns' values, at
+         * most every output (k, in whole blocks of 16) */
+        scratch = kind == GATHER_MM ? MM16_ROWS * (k + MM16_PAD) : MM16_KBLOCK * ((k + 15) & ~(int64_t)15);
+    }
+    if (dispatch(&j, scratch) < 0) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:
+    free(xt);
     PyBuffer_Release(&v);
     PyBuffer_Release(&w);
     PyBuffer_Release(&sel);
@@ -1337,6 +1459,16 @@ static PyObject *py_gather_mv(PyObject *mod, PyObject *args) {
 static PyObject *py_gather_axpy(PyObject *mod, PyObject *args) {
     (void)mod;
     return gather(args, GATHER_AXPY);
+}
+
+static PyObject *py_gather_mm(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return gather(args, GATHER_MM);
+}
+
+static PyObject *py_gather_mm_cols(PyObject *mod, PyObject *args) {
+    (void)mod;
+    return gather(args, GATHER_MM_COLS);
 }
 
 /* set_threads(n): the pool's size for the next call (1: the caller's thread alone) */
@@ -1391,6 +1523,9 @@ static PyMethodDef methods[] = {
     {"qmv_many", py_qmv_many, METH_VARARGS, "qmv_many(xs, ws, ss, bs, x_of, y, n, k, bits, group, scale_code)"},
     {"gather_mv", py_gather_mv, METH_VARARGS, "gather_mv(x, W, sel, y, k): y[i] = W[sel[i]] . x"},
     {"gather_axpy", py_gather_axpy, METH_VARARGS, "gather_axpy(h, W, sel, y, k): y = sum_i h[i] W[sel[i]]"},
+    {"gather_mm", py_gather_mm, METH_VARARGS, "gather_mm(x, W, sel, y, k): y[b, i] = W[sel[i]] . x[b], a pass x [pos, k]"},
+    {"gather_mm_cols", py_gather_mm_cols, METH_VARARGS,
+     "gather_mm_cols(h, W, sel, y, k, accumulate=0): y[b] = sum_i h[b, i] W[sel[i]], a pass h [pos, len(sel)]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the pool's size (0: never set)"},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> the level in use: 0 portable, 1 AVX2, 2 AVX-512 BF16 (level < 0: ask)"},

@@ -278,14 +278,45 @@ class FlashFFN(nn.Module):
                                 lambda u: qmm_rows(p.kernels, u, raw["gate"], p.sel, spec, *offsets),
                                 lambda h: qmm_cols(p.kernels, h, raw["down"], p.sel, p.ids // spec.group_size,
                                                    p.tables["down"], spec, out=acc))
+        return self._of_host(x, acc)
+
+    def _of_host(self, x, acc):
+        """A pass's host sum [positions, d_model] (None: no rows) as x's MLX array."""
         if acc is None:
             return mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype)
         return mx.array(acc).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
 
+    def _selected_pass(self, x, parts):
+        """A batch's decode step over float32 or 16-bit rows the kernels read in place
+        (FFNRows.select: a dense FFN held at 16 bits; its store gives them so only where
+        kernels.pass_kernels takes the step): each part's gate and up rows multiplied into every
+        position (gather_mm), the activation, and its down rows summed into one host sum
+        (gather_mm_cols, each part continuing the previous part's sums): every row converted once,
+        in C, for every position, where the arena converted the layer for BLAS."""
+        from ..kernels import gather_mm, gather_mm_cols, host_f32
+
+        positions = x.size // x.shape[-1]
+        v = host_f32(x).reshape(positions, self.d_model)
+        acc = None
+        for rows in parts:
+            views, sel, kernels = rows.select
+            if sel.size == 0:
+                continue
+            acc = self._on_host(v, rows, lambda u: gather_mm(kernels, u, views["up"], sel),
+                                lambda u: gather_mm(kernels, u, views["gate"], sel),
+                                lambda h: gather_mm_cols(kernels, h, views["down"], sel, out=acc))
+        return self._of_host(x, acc)
+
     def _packed_parts(self, x, parts):
-        """Several positions over packed rows: a batch's decode step that kernels.pass_kernels
-        takes (no mask) through _packed_pass, else (a prompt's chunk, a larger batch) dequantized
-        chunks through BLAS."""
+        """Several positions over rows the kernels read in place: float or 16-bit rows
+        (FFNRows.select) through _selected_pass; packed rows in a batch's decode step that
+        kernels.pass_kernels takes (no mask) through _packed_pass, else (a prompt's chunk, a
+        larger batch) dequantized chunks through BLAS."""
+        selected = [r for r in parts if r.packed is None]
+        if selected:
+            y = self._selected_pass(x, selected)
+            rest = [r for r in parts if r.packed is not None]
+            return y if not rest else y + self._packed_parts(x, rest)
         if (_kernels.pass_kernels(parts[0].packed.kernels, x) and all(r.mask is None for r in parts)
                 and parts[0].packed.layout.columns == ("down",)):
             return self._packed_pass(x, parts)

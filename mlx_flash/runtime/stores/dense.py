@@ -6,7 +6,7 @@ import numpy as np
 import mlx.core as mx
 
 from ...errors import FlashError
-from ...kernels import SMALL_PASS
+from ...kernels import SMALL_PASS, pass_kernels
 from ...models.ffn import FFNRows, PackedRows
 from ..memory import trim_heap
 from .base import Store, cpu_kernels, read_layer_bytes
@@ -17,8 +17,9 @@ class DenseStore(Store):
 
     held=True: every row at float16 (as on flash), half the DRAM, exact: a decode step on the
     CPU multiplies the float16 rows in place (the native kernels' gather_mv / gather_axpy,
-    converting each value as it is read); a prompt converts one layer at a time into a float32
-    arena for BLAS (models/half.py).
+    converting each value as it is read; a batch's step their tiles, gather_mm /
+    gather_mm_cols); a prompt converts one layer at a time into a float32 arena for BLAS
+    (models/half.py).
     packed=True: a quantized layout's rows at their bits, as on flash (packed values, inline
     scales; the down columns' scales in `tables`), computed on in place by the native CPU
     kernels (models/ffn.py FlashFFN._packed): a 4-bit model's FFN takes ~1/7 of its float32
@@ -79,8 +80,9 @@ class DenseStore(Store):
                                              self.tables[layer], self.kernels))
         if self.arena is None:
             return self.layers[layer]
-        if self.kernels is not None and x.size // x.shape[-1] <= SMALL_PASS:  # the rows as held,
-            # each position through the one-token kernels (a verify pass's values are a decode step's)
+        if self.kernels is not None and (x.size // x.shape[-1] <= SMALL_PASS or pass_kernels(self.kernels, x)):
+            # the rows as held: each position through the one-token kernels (a verify pass's values
+            # are a decode step's), or a batch's decode step through the pass kernels' tiles
             return FFNRows(up=None, down=None, ids=self._all_mx, select=(self.layers[layer], self._all, self.kernels))
         mx.eval(x)  # every earlier reader of the arena is an ancestor of x
         return FFNRows(**self.arena.fill_rows(self.layers[layer]))

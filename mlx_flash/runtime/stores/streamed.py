@@ -10,7 +10,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ...kernels import SMALL_PASS
+from ...kernels import SMALL_PASS, pass_kernels
 from ...models.ffn import FFNRows
 from .base import NeuronFileStore, take_pending
 
@@ -66,10 +66,12 @@ class StreamedStore(NeuronFileStore):
         t1 = time.perf_counter()
         hybrid, n = self.plan.mode == "hybrid", self.layout.n_neurons
         hits = self.caches[layer].num_used if hybrid else 0
-        # float16-held caches (a hybrid's) and a pass of up to SMALL_PASS positions: the native
-        # kernels read the held rows as they are, and the streamed ones after them (into the same
-        # host sums), where a prompt converts the cache into an arena for BLAS
-        direct = bool(self.arenas) and self.kernels is not None and x.size // x.shape[-1] <= SMALL_PASS
+        # float16-held caches (a hybrid's) and a pass of up to SMALL_PASS positions, or a batch's
+        # decode step the pass kernels take: the native kernels read the held rows as they are,
+        # and the streamed ones after them (into the same host sums), where a prompt converts the
+        # cache into an arena for BLAS
+        direct = bool(self.arenas) and self.kernels is not None and (
+            x.size // x.shape[-1] <= SMALL_PASS or pass_kernels(self.kernels, x))
         t2 = t3 = time.perf_counter()
         j, (got, layout) = self._streamed(layer, self._stream, convert=not direct)
         if direct:

@@ -259,3 +259,18 @@ def test_benchmark_batch_under_a_memory_limit_plans_each_size(tmp_path):
     r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--memory-limit", "400MB", "--memory-budget", "50%",
              "--out", str(tmp_path / "x"), env=os.environ | {"MLX_FLASH_HOME": str(tmp_path)})
     assert r.returncode == 2 and "give one" in r.stderr, r.stderr
+
+
+def test_benchmark_batch_of_a_model_held_at_float16(tmp_path):
+    """--resident-dtype float16: a float16 checkpoint held as stored (its batch steps through the
+    16-bit pass kernels where the CPU has them), said in the table and the file's name; refused
+    for a checkpoint that is not float16."""
+    r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--dtype", "float16", "--mode", "dense", "--batch", "5",
+             "--tokens", "2", "--rounds", "1", "--resident-dtype", "float16", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "batch-tiny-llama-float16-dense-held-float16.json").read_text())
+    assert res["resident_dtype"] == "float16" and [row["batch"] for row in res["rows"]] == [1, 5]
+    assert "held at float16" in (tmp_path / "batch-tiny-llama-float16-dense-held-float16.md").read_text()
+    r = _cli("benchmark", "batch", "--shape", "tiny-llama", "--dtype", "q4", "--resident-dtype", "float16",
+             "--out", str(tmp_path))
+    assert r.returncode != 0 and "--dtype q4 has none" in r.stderr and "Traceback" not in r.stderr

@@ -289,11 +289,12 @@ def test_16_bit_rows_give_the_float32_rows_sums_to_the_bit(code, simd_and_thread
         kernels.gather_axpy(h, w16, sel, np.empty(k, np.float32), k, False, 3)  # no such code
 
 
-def test_a_16_bit_held_linear_decodes_through_the_kernel_as_through_the_arena():
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_a_16_bit_held_linear_decodes_through_the_kernel_as_through_the_arena(dtype):
     from mlx_flash.models.half import Arena, HalfLinear
 
     rng = np.random.default_rng(2)
-    w = mx.array(rng.standard_normal((96, 80)).astype(np.float16))
+    w = mx.array(rng.standard_normal((96, 80)).astype(np.float32)).astype(dtype)
     b = mx.array(rng.standard_normal(96).astype(np.float32))
     arena = Arena(1024)
     native, plain = HalfLinear(w, b, arena, kernels), HalfLinear(w, b, arena)

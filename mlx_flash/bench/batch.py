@@ -29,8 +29,10 @@ EXACT_MODES = ("naive", "hybrid", "dense")
 
 
 def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", batches=(1, 16), tokens=4,
-                    prompt_tokens=16, rounds=2, seed=0, progress=True, memory_limit=None, profile=None):
-    """profile: the machine's (plan/profile.py), to predict each batch size's step."""
+                    prompt_tokens=16, rounds=2, seed=0, progress=True, memory_limit=None, profile=None,
+                    resident_dtype=None):
+    """profile: the machine's (plan/profile.py), to predict each batch size's step. resident_dtype:
+    mlx_flash.load's (float16: a float16 checkpoint's weights held as stored)."""
     import dataclasses
     import gc
 
@@ -63,7 +65,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
             opts = ({"memory_limit": memory_limit, "batch_size": b, "ctx_size": prompt_tokens + tokens}
                     if memory_limit is not None else
                     {"memory_budget": None if mode == "dense" else memory_budget})
-            model, tok = mlx_flash.load(folder, mode=mode, progress=False, **opts)
+            model, tok = mlx_flash.load(folder, mode=mode, progress=False, resident_dtype=resident_dtype, **opts)
             held.update(key=key, model=model, tok=tok)
             rt = model.runtime
             plans[key] = (rt.budget_bytes, rt.plan.weights_bytes if rt.plan is not None else None)
@@ -118,7 +120,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
                 continue
             row["predicted"] = pred.as_dict() | {"batch_priced": pred.batch_priced}
             row["measured_over_predicted"] = row["step_ms"] / pred.total_ms
-    return {"shape": shape, "dtype": dtype, "mode": mode,
+    return {"shape": shape, "dtype": dtype, "mode": mode, "resident_dtype": resident_dtype,
             "memory_budget": memory_budget if memory_limit is None else None, "memory_limit": memory_limit,
             "budget_bytes": rows[0]["budget_bytes"], "weights_bytes": rows[0]["weights_bytes"],
             "tokens": tokens, "prompt_tokens": prompt_tokens, "rounds": rounds, "rows": rows}
@@ -132,7 +134,8 @@ def report(res, profile=None):
     """profile: the machine's (plan/profile.py): the floor is each step's bytes at its disk rate
     for the step's mean read size."""
     limited = res.get("memory_limit") is not None
-    lines = [f"# Batch decode: {res['shape']} at {res['dtype']}, --mode {res['mode']}, "
+    held_at = f", held at {res['resident_dtype']}" if res.get("resident_dtype") else ""
+    lines = [f"# Batch decode: {res['shape']} at {res['dtype']}{held_at}, --mode {res['mode']}, "
              + (f"--memory-limit {res['memory_limit']}" if limited else f"--memory-budget {res['memory_budget']}"), "",
              f"{res['tokens']} decode tokens per sequence after a {res['prompt_tokens']}-token prompt of random ids; "
              f"{res['rounds']} rounds, batch sizes alternating in order; medians. One-by-one = batch 1 in the same run. "
@@ -166,7 +169,8 @@ def report(res, profile=None):
 def write(res, out_dir, profile=None):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"batch-{res['shape']}-{res['dtype']}-{res['mode']}" + ("-limit" if res.get("memory_limit") else "")
+    stem = (f"batch-{res['shape']}-{res['dtype']}-{res['mode']}" + ("-limit" if res.get("memory_limit") else "")
+            + (f"-held-{res['resident_dtype']}" if res.get("resident_dtype") else ""))
     (out / f"{stem}.json").write_text(json.dumps(res | {"profile": profile.as_dict() if profile else None}, indent=1))
     (out / f"{stem}.md").write_text(report(res, profile))
     return out / f"{stem}.md"

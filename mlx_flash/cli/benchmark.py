@@ -206,6 +206,9 @@ def add_batch_parser(sub):
     s.add_argument("--memory-limit", default=None, help="the whole process's memory instead of --memory-budget: "
                    "each batch size planned under it (its KV caches off the limit)")
     s.add_argument("--batch", type=_list(int), default=[1, 16], help="batch sizes (1, one by one, is always run)")
+    s.add_argument("--resident-dtype", default=None, choices=["float32", "float16"],
+                   help="what a float16 checkpoint's weights are held at in DRAM (mlx_flash.load's resident_dtype; "
+                   "default: the loader's, float32 in an exact mode)")
     s.add_argument("--tokens", type=int, default=4, help="decode tokens per sequence")
     s.add_argument("--prompt-tokens", type=int, default=16)
     s.add_argument("--rounds", type=int, default=2)
@@ -335,10 +338,13 @@ def batch_main(args, argv):
         raise FlashError("--tokens, --rounds, --prompt-tokens and --batch must be positive")
     if args.memory_limit is not None and "--memory-budget" in (argv if argv is not None else sys.argv[1:]):
         raise FlashError("--memory-limit (the whole process) and --memory-budget (weights only): give one")
+    if args.resident_dtype == "float16" and args.dtype != "float16":
+        raise FlashError(f"--resident-dtype float16 holds a float16 checkpoint as stored: --dtype {args.dtype} "
+                         "has none")
     profile = load_profile()
     res = batch.run_batch_bench(args.shape, args.dtype, args.mode, args.memory_budget, tuple(args.batch),
                                 args.tokens, args.prompt_tokens, args.rounds, memory_limit=args.memory_limit,
-                                profile=profile)
+                                profile=profile, resident_dtype=args.resident_dtype)
     res["command"] = "mlx_flash.benchmark batch " + " ".join(argv if argv is not None else sys.argv[1:])
     path = batch.write(res, args.out, profile)
     print(path.read_text())

@@ -298,8 +298,8 @@ def _load_moe(folder, manifest, config, context_of=None):
 
 
 def _half_kernels(dtype, on_cpu):
-    """The native module whose gather_mv multiplies a decode step's 16-bit held rows (the CPU, float32
-    compute), or None (said once where it is not built: each weight is then converted into a
+    """The native module whose gather_mv multiplies a decode step's 16-bit held rows (gather_mm a
+    batch's step; the CPU, float32 compute), or None (said once where it is not built: each weight is then converted into a
     float32 arena for BLAS every token, ~6x slower at SmolLM2's size here)."""
     if not on_cpu or dtype != "float32":
         return None

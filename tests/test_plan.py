@@ -108,6 +108,30 @@ def test_cost_model_arithmetic():
     assert predict(w, q).io_ms == pytest.approx(2 * predict(w, p).io_ms)
 
 
+def test_reads_landing_during_the_compute_they_overlap_slow_it():
+    """With prefetch, the next layer's reads land while this layer computes and take from it
+    (Profile.read_steal, s a GB): all of them when the compute spans the reads (a batch's step),
+    the compute's share of the I/O when the disk is the longer (a disk-bound token: then hidden
+    but for a layer's share); nothing without prefetch, nothing for a profile measured before it."""
+    from dataclasses import replace
+
+    p = _profile(read_steal=0.25)
+    w = Work(read_bytes=200 * MB, read_size=262144, computed={"float32": 2000 * MB}, overlapped=True, n_layers=10,
+             mode="hybrid")
+    base = predict(w, replace(p, read_steal=0.0))  # io 100, compute 200 + 20 layers
+    got = predict(w, p)
+    assert got.compute_ms == pytest.approx(base.compute_ms + 50.0)  # 0.2 GB x 0.25 s: every read during it
+    assert got.total_ms == pytest.approx(base.total_ms + 50.0)
+    short = replace(w, computed={"float32": 300 * MB})  # compute 30 + 20 layers: half the I/O's 100 ms
+    b, g = predict(short, replace(p, read_steal=0.0)), predict(short, p)
+    assert g.compute_ms == pytest.approx(b.compute_ms + 50.0 * 0.5)  # the reads' share that lands during it
+    assert g.total_ms == pytest.approx(b.total_ms + 25.0 / 10)  # hidden behind the disk but for a layer's share
+    off = replace(w, overlapped=False)
+    assert predict(off, p).total_ms == predict(off, replace(p, read_steal=0.0)).total_ms
+    assert Profile.from_dict({k: v for k, v in p.as_dict().items() if k != "read_steal"}).read_steal == 0.0
+    assert Profile.from_dict(p.as_dict()).read_steal == 0.25
+
+
 def test_a_batch_step_is_priced_from_the_profile_s_rates_for_a_step_of_that_many_sequences():
     """A decode step of B sequences reads what one token reads and multiplies every weight into
     B positions: up to SMALL_PASS as B one-position products (what the runtime runs), beyond at
@@ -319,6 +343,8 @@ def _check_quick_profile(p):
     assert {"float32", "float16", "q4", "q8"} <= set(p.compute) and all(v > 0 for v in p.disk.values())
     assert min(p.disk) == 2048  # (a 4-bit 7B's unbundled neuron rows are read 2.5 KiB at a time)
     assert 0.0 <= p.convert_ns < 100.0  # (0.25-0.4 ns a value here; 0 where the reads alone took longer)
+    # the checks' share of the cores at least, the reads' cost to the compute beside it (~0.1-0.2 s a GB here)
+    assert 0.0 < p.read_steal < 5.0
     # a batch's decode step, every form at a 7B FFN matrix's size (the quick probe's one), 16 and 32 sequences
     assert set(p.compute) == set(p.pass_compute)
     assert all(list(r) == [11008 * 4096] and set(r[11008 * 4096]) == {16, 32} and min(r[11008 * 4096].values()) > 0

@@ -1,6 +1,8 @@
 """Native compute kernels for the CPU (optional, built by setup.py from _matvec.c): the
-quantized matvec and row dequantization of weights held at their bits, and products over
-a token's rows of a float32 matrix (gather_mv / gather_axpy).
+quantized matvec and row dequantization of weights held at their bits; products over a
+token's rows of a float32 or 16-bit matrix (gather_mv / gather_axpy); and a batch's decode
+step through tiles, each row dequantized or converted once for every sequence (qmm,
+qmm_rows, qmm_cols; 16-bit or float32 rows: gather_mm, gather_mm_cols).
 
 They know arrays, not models: models/quantized.py and models/ffn.py decide where they are used.
 """
@@ -61,7 +63,8 @@ SMALL_PASS = 4  # passes of up to this many positions (a speculative verify pass
 
 
 BATCH_PASS = 256  # a batch's decode step of up to this many sequences multiplies each row, dequantized once,
-# into every sequence's position (qmm, qmm_rows, qmm_cols) where the CPU runs their AVX-512 or AVX2
+# into every sequence's position (qmm, qmm_rows, qmm_cols; 16-bit rows converted once: gather_mm,
+# gather_mm_cols) where the CPU runs their AVX-512 or AVX2
 # tiles (pass_kernels); more sequences, and a prompt chunk of more than one position a sequence,
 # dequantize chunks for BLAS (MLX's order of sums, as before). 256, not 32 (stop 44's): a 4-bit
 # step of 64 sequences through the tiles consumed a 7B FFN matrix at 0.97 GB/s here, through

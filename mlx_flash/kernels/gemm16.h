@@ -11,6 +11,10 @@
  * broadcast multiply-add into them (58 G/s on one Zen 4 core at the cores' peak:
  * results/batch/stop44-opt-6.7b-q4/peak_fma.c).
  *
+ * The tiles take float32 rows: the quantized kernels (qmm_rows, qmm_cols) dequantize into them,
+ * the 16-bit ones (gather_mm, gather_mm_cols: weights held at float16 / bfloat16, or float32
+ * rows) convert into them.
+ *
  * Two tiles, one per layout a step meets:
  * - mm16_tile, rows of W (x @ W.T: gate, up, attention, the output head): MM16_ROWS rows
  *   dequantized into a tile, a register per row holding its 16 positions; each row's sum in

@@ -40,8 +40,10 @@ class FFNRows:
     ids: Optional[mx.array] = None  # neuron ids of the rows; None = all, in order
     h: Optional[mx.array] = None  # activations of these neurons, when the store computed them (DIP)
     mask: Optional[mx.array] = None  # [..., n] 0/1: which rows each token uses (cached extras are not)
-    # one token on the CPU: (NumPy views {kind: [capacity, d_model]} of a float32 cache, the
-    # rows this token uses, the native kernels); up / down / gate are then None
+    # rows the native kernels read in place on the CPU, for one token (a float32 cache's active
+    # rows) or every row for a few positions or a batch's decode step (a float16-held FFN, a
+    # hybrid's float16 cache and its float32 stream): (NumPy views {kind: [capacity, d_model]}
+    # at float32 or float16, the rows, the native kernels); up / down / gate are then None
     select: Optional[tuple] = None
     packed: Optional[PackedRows] = None  # rows at their bits (then up / down / gate are None)
     y: Optional[mx.array] = None  # the part's output, when the store computed it (DIP, one token)
@@ -135,8 +137,10 @@ class FlashFFN(nn.Module):
         # into one host sum, each part's rows after the previous part's, in the order one
         # call over all of them would; several positions' packed parts are multiplied in
         # chunks of their rows taken in order across the parts, as one part's would be, or (a
-        # batch's decode step, _packed_pass) each row's product alone and the down columns
-        # summed on from part to part: either way hybrid's output is dense's to the bit.
+        # batch's decode step, _packed_pass; rows read in place: _selected_pass) each row's
+        # product alone and the down columns summed on from part to part: either way hybrid's
+        # output is dense's to the bit (but for rows read in place whose width is not a whole
+        # number of 8 floats, at the AVX2 level: the portable tail sums a 64-row block apart).
         y, acc, packed = None, None, []
         positions = x.size // x.shape[-1]
         one = positions == 1
@@ -300,6 +304,8 @@ class FlashFFN(nn.Module):
         acc = None
         for rows in parts:
             views, sel, kernels = rows.select
+            if rows.mask is not None:  # (no store gives a masked part in place at a pass)
+                raise FlashError("a pass over rows read in place cannot take a mask")
             if sel.size == 0:
                 continue
             acc = self._on_host(v, rows, lambda u: gather_mm(kernels, u, views["up"], sel),

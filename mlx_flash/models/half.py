@@ -179,7 +179,8 @@ class _Held(nn.Module):
         return self._product(x, bias)
 
     def _product(self, x, bias=None):
-        """Eager: the kernels' matvec for a pass of up to SMALL_PASS positions, else the arena."""
+        """Eager: the kernels' matvec for a pass of up to SMALL_PASS positions, their tiles for
+        a batch's decode step they take (matmul), else the arena."""
         if self._kernels is None:
             return chunked_matmul(x, self.n, self.k, self.dequantize, self._arena, bias)
         return native_product(self, self._arena, x, bias)
@@ -221,7 +222,7 @@ def hold_at_16_bits(model, held, compute, skip=(), kernels=None):
     """Swap every nn.Linear / nn.Embedding of `model` (outside modules of the types
     `skip`) for its 16-bit held version; every other parameter goes to `compute`.
     kernels: the native module (CPU, float32 compute), whose gather_mv then multiplies a
-    decode step's 16-bit rows directly. Returns the arena they share: ARENA_VALUES, or the largest
+    decode step's 16-bit rows directly (gather_mm a batch's step). Returns the arena they share: ARENA_VALUES, or the largest
     weight if smaller.
 
     The weights must already be at `held` (the flash dtype): nothing is rounded here."""

@@ -24,7 +24,12 @@
                hide here, over all layers but one (the first layer's read, or the last
                layer's compute, that nothing hides): overlap 1 gives max(I/O, C) + min/L;
                flash mode's overlap (a layer's missing rows read while its cached rows
-               compute) hides reads behind those rows' compute only (Work.hideable)
+               compute) hides reads behind those rows' compute only (Work.hideable); the reads
+               that land during that compute slow it (the block layer's work for them, their
+               checksums, their DMA into memory: the profile's read_steal, seconds a GB), for
+               the share of the reads the compute spans (hideable / I/O, at most all): nothing
+               for a disk-bound token whose compute is short, ~0.25 s a step for a 4-bit
+               OPT-6.7B batch of 16 at 50 % that reads 1.2 GB while it computes for 1.5 s
 
 Weights consumed per token: every resident matrix a token multiplies by (attention,
 lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every
@@ -95,6 +100,10 @@ def predict(work, profile):
     total = io + compute
     if work.overlapped:
         hideable = compute if work.hideable is None else of(work.hideable)
+        read = work.read_bytes + work.kv_read_bytes
+        if read and io > 0 and profile.read_steal:  # the reads landing during that compute slow it
+            steal = 1e3 * profile.read_steal * read / 1e9 * min(1.0, hideable / io)
+            compute, hideable, total = compute + steal, hideable + steal, total + steal
         total -= profile.overlap * min(io, hideable) * (L - 1) / L
     # rows moved within a cache: a pass over their bytes at the float32 matrix rate (both stream
     # memory); never hidden (a layer's rows move before its reads start)

@@ -20,6 +20,9 @@
   a held dense or hybrid FFN's rows too) and 4-/8-bit quantized (the native kernels on the CPU, MLX's quantized matmul
   elsewhere: models/quantized.py); and on the CPU an FFN's packed rows (q4-rows, q8-rows:
   the row and column kernels models/ffn.py runs on them);
+- read_steal: the seconds of compute a GB read meanwhile costs: a batch step's FFN matrix
+  through the pass kernels timed alone and while the reader streams uncached reads, plus the
+  reads' CRC32C checks' CPU time spread over the cores (a profile measured before it: 0);
 - pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
   position each: the pass kernels, or dequantized chunks + BLAS where those do not run; the
   quick probe: 16 and 32, at a 7B matrix only); a profile measured before them prices a
@@ -74,6 +77,7 @@ class Profile:
     batch_ms: float = 0.0  # ms a batch of reads costs beyond its bytes at the curve's rate (latency)
     # weight form -> {matrix elements: {sequences: GB/s consumed by a batch's decode step}}
     pass_compute: dict = field(default_factory=dict)
+    read_steal: float = 0.0  # s of compute lost a GB read meanwhile (prefetch's reads during a layer's compute)
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""

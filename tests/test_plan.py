@@ -214,6 +214,28 @@ def test_exact_work_counts_a_batch_of_reads_per_layer_and_store():
     assert exact_work(plan("dense", 100), lay, False, {}, 1 << 18, attention_read=(MB, 3)).read_batches == 3
 
 
+def test_rows_held_at_16_bits_are_priced_at_the_kernels_that_read_them_in_place():
+    """A float16-held FFN (dense, a hybrid's cache) is priced as float16-rows (gather_mv, then
+    gather_axpy for the down rows: ~2/3 of HalfLinear's rate here), and at float16's rate by a
+    profile that has none; the streamed rows at float32."""
+    from dataclasses import replace
+    from types import SimpleNamespace as NS
+
+    from mlx_flash.plan.cost import exact_work
+
+    lay = NS(kinds=("gate", "up", "down"), d_model=64, stride=1024, quant=None, dtype="float16", bundle_bytes=384)
+    held = NS(n_layers=4, n_neurons=100, mode="hybrid", held_neuron_bytes=384, prefetch=False,
+              layer_capacity=lambda i: 60)
+    w = exact_work(held, lay, False, {}, 1 << 18)
+    assert w.computed == {"float16-rows": 4 * 60 * 3 * 64 * 2, "float32": 4 * 40 * 3 * 64 * 4}
+    p = _profile(compute=_rates(float32=10.0, float16=30.0))
+    rows = dict(w.computed, float32=0)
+    without = predict(replace(w, computed=rows), p).compute_ms
+    p.compute["float16-rows"] = {k: 20.0 for k in p.compute["float16"]}
+    assert predict(replace(w, computed=rows), p).compute_ms - without == pytest.approx(
+        1e3 * rows["float16-rows"] / 1e9 * (1 / 20.0 - 1 / 30.0))
+
+
 def _plan_of(budget, needs):
     def f(c):
         need = needs[c.label]

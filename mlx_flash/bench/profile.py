@@ -379,6 +379,8 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES, positions=1):
         fs = [HalfLinear(w16, None, arena, kernels) if on_cpu else (lambda x, w16=w16: x @ w16.T) for w16 in w16s]
         out[name] = rate(fs, w16s[0].nbytes)
         del fs, w16s
+        if on_cpu and kernels is not None:
+            out[f"{name}-rows"] = _half_rows_rate(kernels, rows, cols, name, repeat, copies, positions)
     for bits in (4, 8):
         ms = []
         for w in matrices(copies(rows * cols * bits // 8)):
@@ -392,6 +394,50 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES, positions=1):
         if on_cpu and kernels is not None:
             out[f"q{bits}-rows"] = _ffn_rows_rate(kernels, rows, cols, bits, repeat, copies, positions)
     return out
+
+
+def _half_rows_rate(kernels, n, d, dtype, repeat, copies, positions=1):
+    """GB/s of an FFN's rows held at 16 bits (a dense FFN or a hybrid's cache of a float16 model)
+    consumed by one token's products, through the kernels FlashFFN runs on them in place
+    (models/ffn.py FFNRows.select): n up rows -> gather_mv, then n down rows -> gather_axpy, whose
+    sum over rows streams at about half gather_mv's rate here (16.5 against 29.6 GB/s for a
+    16,384 x 4,096 float16 matrix; an OPT-6.7B float16 model held dense decoded at 21 GB/s
+    where HalfLinear's rate, gather_mv's, priced it at 29). positions > 1: a batch's decode step
+    through the tiles (gather_mm, gather_mm_cols) where kernels.pass_kernels takes it, else the
+    float32 arena + BLAS the dense store falls back to."""
+    from ..kernels import gather_axpy, gather_mm, gather_mm_cols, gather_mv, pass_kernels
+
+    rng = np.random.default_rng(0)
+    nbytes = 2 * n * d * 2
+    base = (rng.standard_normal((n, d)) * 0.02).astype(np.float32)
+    bits16 = (lambda a: a.astype(np.float16)) if dtype == "float16" else (
+        lambda a: (a.view(np.uint32) >> 16).astype(np.uint16))
+    layers = [(bits16(base * (1 + i / 64)), bits16(base * (1 - i / 64))) for i in range(copies(nbytes))]
+    sel = np.arange(n, dtype=np.int64)
+    x = rng.standard_normal((positions, d)).astype(np.float32)
+    tiles = positions > 1 and pass_kernels(kernels, mx.zeros((positions, 1, d)))
+
+    def layer(i):
+        up, down = layers[i % len(layers)]
+        if positions == 1:
+            gather_axpy(kernels, gather_mv(kernels, x[0], up, sel), down, sel)
+        elif tiles:
+            gather_mm_cols(kernels, gather_mm(kernels, x, up, sel), down, sel)
+        else:
+            mx.eval((mx.array(x) @ mx.array(up.astype(np.float32) if dtype == "float16" else
+                                              (up.astype(np.uint32) << 16).view(np.float32)).T) @
+                    mx.array(down.astype(np.float32) if dtype == "float16" else
+                             (down.astype(np.uint32) << 16).view(np.float32)))
+
+    for i in range(len(layers)):
+        layer(i)  # warm
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for i in range(repeat):
+            layer(i)
+        best = min(best, time.perf_counter() - t)
+    return nbytes * repeat / best / 1e9
 
 
 def _ffn_rows_rate(kernels, n, d, bits, repeat, copies, positions=1):

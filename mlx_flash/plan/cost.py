@@ -172,7 +172,8 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     """Work of an exact plan (dense, naive, hybrid): every FFN row computed; the rows no cache
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
     (form q<bits>-rows: the FFN's row kernels), else float32, and a float16-held cache's rows
-    at float16; streamed float rows of a 16-bit or quantized layout are converted on the way.
+    at float16 (form float16-rows: the kernels that read them in place, or float16's where the
+    profile has no such rate); streamed float rows of a 16-bit or quantized layout are converted on the way.
     attention_read: (bytes, layers) of attention read from flash every token (streamed layers).
     kv_read: (bytes, bytes per read, batches) of the KV cache on flash read back per token (at
     the decode's mean context: an input, like the prompt; its batches are its chunks, several a
@@ -191,7 +192,7 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     if packed:  # (the FFN's row kernels: their own rate, models/ffn.py)
         add(f"q{layout.quant.bits}-rows", L * n * layout.bundle_bytes)
     else:  # held at float16: a decode step's rows through the native kernels (dense's, a hybrid cache's)
-        form = "float16" if plan.held_neuron_bytes else "float32"
+        form = "float16-rows" if plan.held_neuron_bytes else "float32"  # (held rows: the FFN's in-place kernels)
         add(form, L * held * values * (2 if plan.held_neuron_bytes else 4))
         add("float32", L * streamed * values * 4)
     ffn_read = L * streamed * layout.stride

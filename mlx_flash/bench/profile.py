@@ -406,16 +406,18 @@ def _half_rows_rate(kernels, n, d, dtype, repeat, copies, positions=1):
     through the tiles (gather_mm, gather_mm_cols) where kernels.pass_kernels takes it, else the
     float32 arena + BLAS the dense store falls back to."""
     from ..kernels import gather_axpy, gather_mm, gather_mm_cols, gather_mv, pass_kernels
+    from ..models.half import Arena
 
     rng = np.random.default_rng(0)
     nbytes = 2 * n * d * 2
     base = (rng.standard_normal((n, d)) * 0.02).astype(np.float32)
-    bits16 = (lambda a: a.astype(np.float16)) if dtype == "float16" else (
-        lambda a: (a.view(np.uint32) >> 16).astype(np.uint16))
+    code = 1 if dtype == "float16" else 2  # (bfloat16 as its uint16 bits, as models/half.py views it)
+    bits16 = (lambda a: a.astype(np.float16)) if code == 1 else (lambda a: (a.view(np.uint32) >> 16).astype(np.uint16))
     layers = [(bits16(base * (1 + i / 64)), bits16(base * (1 - i / 64))) for i in range(copies(nbytes))]
     sel = np.arange(n, dtype=np.int64)
     x = rng.standard_normal((positions, d)).astype(np.float32)
     tiles = positions > 1 and pass_kernels(kernels, mx.zeros((positions, 1, d)))
+    arena = Arena(2 * n * d) if positions > 1 and not tiles else None
 
     def layer(i):
         up, down = layers[i % len(layers)]
@@ -423,21 +425,11 @@ def _half_rows_rate(kernels, n, d, dtype, repeat, copies, positions=1):
             gather_axpy(kernels, gather_mv(kernels, x[0], up, sel), down, sel)
         elif tiles:
             gather_mm_cols(kernels, gather_mm(kernels, x, up, sel), down, sel)
-        else:
-            mx.eval((mx.array(x) @ mx.array(up.astype(np.float32) if dtype == "float16" else
-                                              (up.astype(np.uint32) << 16).view(np.float32)).T) @
-                    mx.array(down.astype(np.float32) if dtype == "float16" else
-                             (down.astype(np.uint32) << 16).view(np.float32)))
+        else:  # the dense store's fallback: the layer converted into a float32 arena for BLAS
+            w = arena.fill_rows({"up": up, "down": down}, code)
+            mx.eval((mx.array(x) @ w["up"].T) @ w["down"])
 
-    for i in range(len(layers)):
-        layer(i)  # warm
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for i in range(repeat):
-            layer(i)
-        best = min(best, time.perf_counter() - t)
-    return nbytes * repeat / best / 1e9
+    return _layers_rate(layer, len(layers), repeat, nbytes)
 
 
 def _ffn_rows_rate(kernels, n, d, bits, repeat, copies, positions=1):
@@ -477,8 +469,14 @@ def _ffn_rows_rate(kernels, n, d, bits, repeat, copies, positions=1):
                 y = part if y is None else y + part
                 mx.eval(y)
 
-    for i in range(len(f.layers)):
-        layer(i)  # warm
+    return _layers_rate(layer, len(f.layers), repeat, nbytes)
+
+
+def _layers_rate(layer, count, repeat, nbytes):
+    """GB/s of `nbytes` a call of layer(i): every one of the `count` distinct layers once (warm),
+    then the best of three runs of `repeat` calls cycling through them."""
+    for i in range(count):
+        layer(i)
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()

@@ -149,9 +149,9 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
     float32 matrix product through MLX) timed alone and while the reader streams `file`
     uncached (256 KiB reads, LAYER_READS at a time, as the disk probe), `rounds` times
     alternating, the median kept; plus the checks' CPU time a GB (the reader checks every read
-    on the CPU) over the cores, whose share of it the compute loses. Here ~0.17 s a GB for the
-    reads and ~0.04 for their checks: a 4-bit OPT-6.7B batch of 16 at 50 % reads 1.2 GB during
-    a 1.5 s step and took ~0.3 s longer than with nothing read (stop 46)."""
+    on the CPU) over the cores, whose share of it the compute loses. Here 0.10-0.16 s a GB, the
+    checks' 0.04 of it: a 4-bit OPT-6.7B batch of 16 at 50 % reads 1.2 GB during a 1.5 s step,
+    which took 0.25-0.3 s longer in hybrid than dense reading nothing (stop 46)."""
     import threading
 
     from ..io import FlashReader

@@ -292,8 +292,9 @@ class FlashFFN(nn.Module):
 
     def _selected_pass(self, x, parts):
         """A batch's decode step over float32 or 16-bit rows the kernels read in place
-        (FFNRows.select: a dense FFN held at 16 bits; its store gives them so only where
-        kernels.pass_kernels takes the step): each part's gate and up rows multiplied into every
+        (FFNRows.select: a dense FFN held at 16 bits, a hybrid's float16 cache and its float32
+        stream; their stores give them so only where kernels.pass_kernels takes the step): each
+        part's gate and up rows multiplied into every
         position (gather_mm), the activation, and its down rows summed into one host sum
         (gather_mm_cols, each part continuing the previous part's sums): every row converted once,
         in C, for every position, where the arena converted the layer for BLAS."""

@@ -222,8 +222,8 @@ def hold_at_16_bits(model, held, compute, skip=(), kernels=None):
     """Swap every nn.Linear / nn.Embedding of `model` (outside modules of the types
     `skip`) for its 16-bit held version; every other parameter goes to `compute`.
     kernels: the native module (CPU, float32 compute), whose gather_mv then multiplies a
-    decode step's 16-bit rows directly (gather_mm a batch's step). Returns the arena they share: ARENA_VALUES, or the largest
-    weight if smaller.
+    decode step's 16-bit rows directly (gather_mm a batch's step). Returns the arena they
+    share: ARENA_VALUES, or the largest weight if smaller.
 
     The weights must already be at `held` (the flash dtype): nothing is rounded here."""
     found = []  # (parent, (name, index in a list or None), module)

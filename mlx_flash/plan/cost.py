@@ -28,8 +28,9 @@
                that land during that compute slow it (the block layer's work for them, their
                checksums, their DMA into memory: the profile's read_steal, seconds a GB), for
                the share of the reads the compute spans (hideable / I/O, at most all): nothing
-               for a disk-bound token whose compute is short, ~0.25 s a step for a 4-bit
-               OPT-6.7B batch of 16 at 50 % that reads 1.2 GB while it computes for 1.5 s
+               for a disk-bound token whose compute is short; here 0.14 s a GB, ~0.17 s of a
+               4-bit OPT-6.7B batch step of 16 at 50 %, which reads 1.2 GB while it computes
+               for 1.5 s (a hybrid step took 0.25-0.3 s longer than a dense one)
 
 Weights consumed per token: every resident matrix a token multiplies by (attention,
 lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every
@@ -173,7 +174,8 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     holds read every token, as one contiguous stream per layer. packed: rows at their bits
     (form q<bits>-rows: the FFN's row kernels), else float32, and a float16-held cache's rows
     at float16 (form float16-rows: the kernels that read them in place, or float16's where the
-    profile has no such rate); streamed float rows of a 16-bit or quantized layout are converted on the way.
+    profile has no such rate); streamed float rows of a 16-bit or quantized layout are
+    converted on the way.
     attention_read: (bytes, layers) of attention read from flash every token (streamed layers).
     kv_read: (bytes, bytes per read, batches) of the KV cache on flash read back per token (at
     the decode's mean context: an input, like the prompt; its batches are its chunks, several a

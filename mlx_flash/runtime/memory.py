@@ -252,8 +252,9 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
         width = 2 * shape.n_heads * context
     per = 3 * shape.n_ff + 8 * shape.d_model + width
     step = 0
-    if sequences > SMALL_PASS:  # (and each kernel thread's column tile: 64 rows of d_model floats, kept)
-        step = sequences * (4 * shape.n_ff + 2 * shape.d_model) * 4 + default_threads() * 64 * -(-shape.d_model // 16) * 64
+    if sequences > SMALL_PASS:
+        tiles = default_threads() * 64 * -(-shape.d_model // 16) * 16 * 4  # (a thread's, kept by the pool)
+        step = sequences * (4 * shape.n_ff + 2 * shape.d_model) * 4 + tiles
     return max(chunk * per * itemsize, step) + max(2, SMALL_PASS) * sequences * shape.vocab * itemsize
 
 

@@ -151,7 +151,10 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
     alternating, the median kept; plus the checks' CPU time a GB (the reader checks every read
     on the CPU) over the cores, whose share of it the compute loses. Here 0.10-0.16 s a GB, the
     checks' 0.04 of it: a 4-bit OPT-6.7B batch of 16 at 50 % reads 1.2 GB during a 1.5 s step,
-    which took 0.25-0.3 s longer in hybrid than dense reading nothing (stop 46)."""
+    which took 0.25-0.3 s longer in hybrid than dense reading nothing (stop 46). Priced a GB at
+    256 KiB reads: reads of a few KiB (flash mode's rows) cost the block layer more a GB, and the
+    reader's conversion of rows into float32 (convert_ns) takes from the cores too; neither is in
+    it."""
     import threading
 
     from ..io import FlashReader
@@ -184,14 +187,17 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
             calls += 1
         return (time.perf_counter() - t0) / calls
 
-    read, stop = [0], threading.Event()
+    read, stop, failed = [0], threading.Event(), []
 
     def stream(r, fh):
-        c = min(256 * KiB, fh.size // (4 * KiB) * (4 * KiB))  # (a small file: reads of all of it)
-        while not stop.is_set():
-            offs = rng.integers(0, fh.size // c, LAYER_READS) * c
-            r.read_discard(fh, offs, np.full(offs.size, c))
-            read[0] += offs.size * c
+        try:
+            c = min(256 * KiB, fh.size // (4 * KiB) * (4 * KiB))  # (a small file: reads of all of it)
+            while not stop.is_set():
+                offs = rng.integers(0, fh.size // c, LAYER_READS) * c
+                r.read_discard(fh, offs, np.full(offs.size, c))
+                read[0] += offs.size * c
+        except Exception as e:  # (said by the caller, not lost in the thread)
+            failed.append(e)
 
     lost = []
     per_step(0.2)  # warm
@@ -202,19 +208,28 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
             stop.clear()
             t = threading.Thread(target=stream, args=(r, fh), daemon=True)
             t.start()
-            time.sleep(0.05)
-            b0, t0 = read[0], time.perf_counter()
-            busy = per_step(seconds / 2)
-            gb, dt = (read[0] - b0) / 1e9, time.perf_counter() - t0
-            stop.set()
-            t.join()
-            if gb > 0:
+            try:
+                time.sleep(0.05)
+                b0, t0 = read[0], time.perf_counter()
+                busy = per_step(seconds / 2)
+                gb, dt = (read[0] - b0) / 1e9, time.perf_counter() - t0
+            finally:  # (the thread done before the reader closes)
+                stop.set()
+                t.join()
+            if failed:
+                raise FlashError(f"the reads' cost to the compute: reading {file} failed: {failed[0]}")
+            if gb >= 0.05 * seconds / 2:  # (a stalled disk: too few bytes to divide by)
                 lost.append(max(0.0, (busy - alone) / alone * dt / gb))
-    buf = rng.integers(0, 256, 64 * MiB, dtype=np.uint8)
-    crc32c(buf[:MiB])
+    # the checks' CPU time a GB (the native CRC; the NumPy fallback's, on far fewer bytes, runs ~1000x
+    # slower and would take minutes over 64 MiB)
+    from ..io.checksum import _native
+
+    buf = rng.integers(0, 256, (64 if _native() is not None else 1) * MiB, dtype=np.uint8)
+    crc32c(buf[: 64 * KiB])
     t0 = time.perf_counter()
     crc32c(buf)
-    checks = (time.perf_counter() - t0) / (buf.nbytes / 1e9) / (os.cpu_count() or 1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    checks = (time.perf_counter() - t0) / (buf.nbytes / 1e9) / max(cpus, 1)
     return (float(np.median(lost)) if lost else 0.0) + checks
 
 
@@ -379,8 +394,8 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES, positions=1):
         fs = [HalfLinear(w16, None, arena, kernels) if on_cpu else (lambda x, w16=w16: x @ w16.T) for w16 in w16s]
         out[name] = rate(fs, w16s[0].nbytes)
         del fs, w16s
-        if on_cpu and kernels is not None:
-            out[f"{name}-rows"] = _half_rows_rate(kernels, rows, cols, name, repeat, copies, positions)
+        if on_cpu and kernels is not None and name == "float16":  # (held FFN rows are float16: as stored)
+            out["float16-rows"] = _half_rows_rate(kernels, rows, cols, name, repeat, copies, positions)
     for bits in (4, 8):
         ms = []
         for w in matrices(copies(rows * cols * bits // 8)):
@@ -613,6 +628,10 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
     compute = t_off - t_io - token_ms["naive"][width]
     hideable = min(t_io, compute) * (L - 1) / L
     saved = t_off - float(np.median(on))
+    # the run with prefetch also paid what its reads cost the compute they overlapped, which
+    # cost.predict adds apart (read_steal): added back, so that the share is not net of it twice
+    if t_io > 0 and compute > 0:
+        saved += 1e3 * rates.read_steal * (work.read_bytes + work.kv_read_bytes) / 1e9 * min(1.0, compute / t_io)
     overlap = float(np.clip(saved / hideable, 0.0, 1.0)) if hideable > 0 else 0.0
     if hideable <= 0:
         notes.append(f"overlap: not measurable (the probe without prefetch took {t_off:.1f} ms a token, its "

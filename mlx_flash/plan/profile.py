@@ -20,7 +20,7 @@
   a held dense or hybrid FFN's rows too) and 4-/8-bit quantized (the native kernels on the CPU, MLX's quantized matmul
   elsewhere: models/quantized.py); and on the CPU an FFN's packed rows (q4-rows, q8-rows:
   the row and column kernels models/ffn.py runs on them) and its rows held at 16 bits
-  (float16-rows, bfloat16-rows: gather_mv, then gather_axpy for the down rows);
+  (float16-rows: gather_mv, then gather_axpy for the down rows);
 - read_steal: the seconds of compute a GB read meanwhile costs: a batch step's FFN matrix
   through the pass kernels timed alone and while the reader streams uncached reads, plus the
   reads' CRC32C checks' CPU time spread over the cores (a profile measured before it: 0);

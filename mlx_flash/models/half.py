@@ -12,8 +12,8 @@ float32, and stay exact:
 - a batch's decode step (more than SMALL_PASS sequences, one position each) goes
   through the pass kernels' tiles (gather_mm): each 16-bit row converted once into
   a small float32 tile and multiplied into every sequence's position. A step of 16
-  sequences over a 16,384 x 4,096 float16 matrix: 16 ms here, against 104 ms
-  through the arena below and BLAS (stop 46);
+  sequences over a 16,384 x 4,096 float16 matrix: 16 ms here, against 49-104 ms
+  through the arena below and BLAS (stop 46, results/batch/stop46-f16/kernel16.py);
 - a prompt, or a CPU without the kernels: just before a weight is used, a chunk
   of its rows is converted (F16C, in C, ~15 GB/s of float32 out here) into a small
   float32 arena and multiplied there by BLAS while the chunk is still in the CPU's

@@ -561,7 +561,7 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
     import mlx_flash
 
     from ..io import device
-    from ..plan.cost import predict
+    from ..plan.cost import predict, read_steal_ms
     from .random_model import build_checkpoint
 
     layer_ms, token_ms = {}, {}
@@ -630,8 +630,7 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
     saved = t_off - float(np.median(on))
     # the run with prefetch also paid what its reads cost the compute they overlapped, which
     # cost.predict adds apart (read_steal): added back, so that the share is not net of it twice
-    if t_io > 0 and compute > 0:
-        saved += 1e3 * rates.read_steal * (work.read_bytes + work.kv_read_bytes) / 1e9 * min(1.0, compute / t_io)
+    saved += read_steal_ms(rates, work.read_bytes + work.kv_read_bytes, compute, t_io)
     overlap = float(np.clip(saved / hideable, 0.0, 1.0)) if hideable > 0 else 0.0
     if hideable <= 0:
         notes.append(f"overlap: not measurable (the probe without prefetch took {t_off:.1f} ms a token, its "

@@ -234,12 +234,12 @@ def gather_axpy(kernels, h, w, sel, out=None):
     return y
 
 
-def gather_mm(kernels, x, w, sel):
+def gather_mm(kernels, x, w, sel, code=None):
     """gather_mv for a pass of several positions (a batch's decode step): x float32 [pos, K] ->
     float32 [pos, len(sel)], each row of W (as gather_mv's) converted once, into a tile, for all
-    of them."""
+    of them. code: W's values' (row_code's guess from its dtype where None: uint16 as bfloat16)."""
     y = np.empty((x.shape[0], len(sel)), np.float32)
-    kernels.gather_mm(x, w, sel, y, w.shape[1], False, row_code(w))
+    kernels.gather_mm(x, w, sel, y, w.shape[1], False, row_code(w) if code is None else code)
     return y
 
 
@@ -247,9 +247,9 @@ def gather_mm_cols(kernels, h, w, sel, out=None):
     """gather_axpy for a pass of several positions: h float32 [pos, len(sel)] -> float32 [pos, K]
     = h @ W[sel], each row converted once for all positions. out: a float32 [pos, K] the sums are
     added to, term by term in the rows' order (a previous part's: the sums of one call over both)."""
-    y = np.empty((h.shape[0], w.shape[1]), np.float32) if out is None else out
     if len(sel) == 0:
-        return y if out is not None else np.zeros_like(y)
+        return np.zeros((h.shape[0], w.shape[1]), np.float32) if out is None else out
+    y = np.empty((h.shape[0], w.shape[1]), np.float32) if out is None else out
     kernels.gather_mm_cols(h, w, sel, y, w.shape[1], out is not None, row_code(w))
     return y
 

@@ -113,10 +113,6 @@ enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, 
 
 /* ---- one row */
 
-static void scales_f32(const uint8_t *p, int64_t code, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = load_scale(p + i * (code == F32 ? 4 : 2), code);
-}
-
 static float dot_portable(const float *a, const float *b, int64_t n) {
     float acc[8] = {0};
     int64_t i = 0;
@@ -232,14 +228,6 @@ AVX2 static int64_t convert16_blocks_avx2(const uint16_t *w, int64_t code, int64
         _mm256_storeu_ps(out + 8, load16_avx2(w + c + 8, bf16));
     }
     return c;
-}
-
-AVX2 static void scales_f32_avx2(const uint8_t *p, int64_t code, int64_t n, float *out) {
-    int64_t i = 0;
-    if (code == F16)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
-    for (; i < n; i++) out[i] = load_scale(p + i * (code == F32 ? 4 : 2), code);
 }
 
 /* 4 bits, 32 values (16 bytes) a step: byte i holds values 2i (low nibble) and 2i+1
@@ -405,6 +393,20 @@ static int cpu_simd(void) {
 #endif
 }
 
+/* n float32 or 16-bit values (code: a row, or a row's scales / biases) -> float32, exactly */
+static void values_f32(const uint8_t *w, int64_t code, int64_t n, int simd, float *out) {
+    if (code == F32) {
+        memcpy(out, w, sizeof(float) * (size_t)n);
+        return;
+    }
+    int64_t i = 0;
+#ifdef AVX2_PATH
+    if (simd >= 1) i = convert16_avx2((const uint16_t *)w, code, n, out);
+#endif
+    (void)simd;
+    for (; i < n; i++) out[i] = load_scale(w + 2 * i, code);
+}
+
 static int use_simd;
 
 /* one row's values, scale * q + bias as MLX's dequantize computes them (a float32
@@ -557,8 +559,8 @@ static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const 
     const int64_t ng = j->k / j->g;
 #ifdef AVX2_PATH
     if (j->simd && (j->bits == 4 || j->bits == 8)) {
-        scales_f32_avx2(sp, j->scode, ng, sc);
-        scales_f32_avx2(bp, j->scode, ng, bi);
+        values_f32(sp, j->scode, ng, j->simd, sc);
+        values_f32(bp, j->scode, ng, j->simd, bi);
 #ifdef BF16_PATH
         if (in->xb) return row4_bf16(w, sc, in->xb, j->k, j->g) + dot_avx2(bi, in->xsum, ng);
 #endif
@@ -566,8 +568,8 @@ static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const 
         return t + dot_avx2(bi, in->xsum, ng);
     }
 #endif
-    scales_f32(sp, j->scode, ng, sc);
-    scales_f32(bp, j->scode, ng, bi);
+    values_f32(sp, j->scode, ng, 0, sc);
+    values_f32(bp, j->scode, ng, 0, bi);
     return row_portable(j, w, sc, in->x) + dot_portable(bi, in->xsum, ng);
 }
 
@@ -576,8 +578,8 @@ static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const 
 static void dequantize_one(const job_t *j, int64_t rr, float *sc, float *bi, float *out) {
     const int64_t ng = j->k / j->g;
     const uint8_t *w = j->w + rr * j->row_bytes;
-    scales_f32(j->s + rr * j->s_stride, j->scode, ng, sc);
-    scales_f32(j->b + rr * j->b_stride, j->scode, ng, bi);
+    values_f32(j->s + rr * j->s_stride, j->scode, ng, j->simd, sc);
+    values_f32(j->b + rr * j->b_stride, j->scode, ng, j->simd, bi);
 #ifdef BF16_PATH
     if (j->simd >= 2 && j->bits == 4) {
         dequantize_row4_avx512(w, sc, bi, j->k, j->g, out);
@@ -668,20 +670,6 @@ static void qmm_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
     }
 }
 
-/* n values of a float32 or 16-bit row (code) -> float32 */
-static void convert_values(const uint8_t *w, int64_t code, int64_t n, int simd, float *out) {
-    if (code == F32) {
-        memcpy(out, w, sizeof(float) * (size_t)n);
-        return;
-    }
-    int64_t i = 0;
-#ifdef AVX2_PATH
-    if (simd >= 1) i = convert16_avx2((const uint16_t *)w, code, n, out);
-#endif
-    (void)simd;
-    for (; i < n; i++) out[i] = load_scale(w + 2 * i, code);
-}
-
 /* GATHER_MM, rows [r0, r1) of sel: y[b, i] = W[sel[i]] . x[b] (W float32 or 16-bit: scode),
  * MM16_ROWS rows at a time converted into `tile`, then multiplied into every position as
  * QMM_ROWS's dequantized rows */
@@ -690,7 +678,7 @@ static void gather_mm(const job_t *j, int64_t r0, int64_t r1, float *tile) {
     for (int64_t t0 = r0; t0 < r1; t0 += MM16_ROWS) {
         const int64_t nr = r1 - t0 < MM16_ROWS ? r1 - t0 : MM16_ROWS;
         for (int64_t i = 0; i < nr; i++)
-            convert_values(j->w + j->sel[t0 + i] * j->row_bytes, j->scode, j->k, j->simd, tile + i * kp);
+            values_f32(j->w + j->sel[t0 + i] * j->row_bytes, j->scode, j->k, j->simd, tile + i * kp);
         tile_rows_product(j, t0, nr, tile);
     }
 }
@@ -766,7 +754,7 @@ static void gather_mm_cols(const job_t *j, int64_t c0, int64_t c1, float *tile) 
             if (j->simd >= 1 && j->scode != F32) c = convert16_blocks_avx2((const uint16_t *)row, j->scode, w, tile + i * 16, bs);
 #endif
             for (; c < w; c += 16)
-                convert_values(row + c * vb, j->scode, w - c < 16 ? w - c : 16, j->simd, tile + c / 16 * bs + i * 16);
+                values_f32(row + c * vb, j->scode, w - c < 16 ? w - c : 16, j->simd, tile + c / 16 * bs + i * 16);
         }
         tile_cols_product(j, i0, nr, c0, w, j->accumulate || i0 > 0, tile, bs);
     }

@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..io import reader as _reader
-from ..kernels import SMALL_PASS, host_f32, pass_kernels
+from ..kernels import SMALL_PASS, gather_mm, host_f32, pass_kernels
 
 HELD_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 _CODES = {mx.float16: 1, mx.bfloat16: 2}  # the native converter's dtype codes
@@ -168,9 +168,7 @@ class _Held(nn.Module):
         """A batch's decode step, v [positions, k] -> [positions, n]: each 16-bit row converted
         once, into the pass kernels' tile, for every position (native_product's, where
         kernels.pass_kernels takes the step)."""
-        y = np.empty((v.shape[0], self.n), np.float32)
-        self._kernels.gather_mm(v, self._rows16, self._all, y, self.k, False, self._code)  # (uint16 bits: code)
-        return y
+        return gather_mm(self._kernels, v, self._rows16, self._all, self._code)  # (uint16 bits: its code)
 
     def _matmul(self, x, bias=None):
         if self._head:

@@ -101,10 +101,8 @@ def predict(work, profile):
     total = io + compute
     if work.overlapped:
         hideable = compute if work.hideable is None else of(work.hideable)
-        read = work.read_bytes + work.kv_read_bytes
-        if read and io > 0 and profile.read_steal:  # the reads landing during that compute slow it
-            steal = 1e3 * profile.read_steal * read / 1e9 * min(1.0, hideable / io)
-            compute, hideable, total = compute + steal, hideable + steal, total + steal
+        steal = read_steal_ms(profile, work.read_bytes + work.kv_read_bytes, hideable, io)
+        compute, hideable, total = compute + steal, hideable + steal, total + steal
         total -= profile.overlap * min(io, hideable) * (L - 1) / L
     # rows moved within a cache: a pass over their bytes at the float32 matrix rate (both stream
     # memory); never hidden (a layer's rows move before its reads start)
@@ -112,6 +110,14 @@ def predict(work, profile):
     once = profile.token_cost(work.mode, width)
     priced = all(profile.priced_step(f, work.positions) for f, b in work.computed.items() if b)
     return Prediction(io, compute + once, total + mem + once, mem, work.positions, priced)
+
+
+def read_steal_ms(profile, read_bytes, compute_ms, io_ms):
+    """ms the reads landing during `compute_ms` of overlapped compute take from it (the profile's
+    read_steal a GB, for the share of the reads the compute spans: compute / I/O, at most all)."""
+    if not (read_bytes and io_ms > 0 and compute_ms > 0 and profile.read_steal):
+        return 0.0
+    return 1e3 * profile.read_steal * read_bytes / 1e9 * min(1.0, compute_ms / io_ms)
 
 
 def predict_at_disk_rate(work, profile, disk_gbs):

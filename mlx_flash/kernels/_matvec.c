@@ -45,9 +45,15 @@
  * touches a Python object. Threads do not survive fork(): a child makes its own.
  */
 #define PY_SSIZE_T_CLEAN
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np: the workers' CPUs (pin_workers) */
+#endif
 #include <Python.h>
 
 #include <pthread.h>
+#ifdef __linux__
+#include <sched.h>
+#endif
 #include <stdatomic.h>
 #include <time.h>
 #include <stdint.h>
@@ -825,7 +831,54 @@ static struct {
     int64_t scratch_per;
     int scratch_n;
     int64_t spin_ns;
+    int pin;         /* pin_workers on (Linux; MLX_FLASH_KERNEL_PIN=0 or set_pinning(0): off) */
+    int caller_cpu;  /* the caller's CPU the workers were last placed around (-1: none yet) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+/* ---- where the workers run (Linux)
+ *
+ * A share is a fixed part of the rows: a job takes as long as its slowest thread. After the
+ * caller has slept (a layer's reads, ~50 ms in --mode naive), the scheduler of a virtual
+ * machine (a halted virtual CPU counts as busy there) often wakes the worker on the caller's
+ * own CPU and moves it only some milliseconds later: the job then runs two shares on one CPU,
+ * slower than one thread alone (naive's products 1.5-2.2x dense's in stop 47,
+ * results/naive-stop47/). So, when the pool has no more threads than the process has CPUs,
+ * each worker is pinned to a CPU of the process's mask other than the caller's current one,
+ * placed again when a call finds the caller on another CPU (sched_getcpu, a few ns; a move is
+ * a few syscalls, once after each such wake-up at most). The caller itself is never pinned.
+ * A failed placement turns pinning off (pinning() says so). Elsewhere: nothing. */
+
+static int pin_request = -1; /* set_pinning's (-1: never called: MLX_FLASH_KERNEL_PIN decides) */
+
+#ifdef __linux__
+static cpu_set_t pin_allowed; /* the process's CPUs when the workers started */
+
+static void pin_workers(void) {
+    const int c = sched_getcpu();
+    if (!pool.pin || c < 0 || c == pool.caller_cpu || pool.n > CPU_COUNT(&pin_allowed)) return;
+    int cpu = -1;
+    for (int i = 1; i < pool.n; i++) { /* worker i: the i-th allowed CPU that is not the caller's */
+        do cpu++; while (cpu < CPU_SETSIZE && (!CPU_ISSET(cpu, &pin_allowed) || cpu == c));
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu < CPU_SETSIZE ? cpu : c, &one);
+        if (pthread_setaffinity_np(pool.th[i], sizeof one, &one)) {
+            pool.pin = 0;
+            return;
+        }
+    }
+    pool.caller_cpu = c;
+}
+
+/* the workers free to run anywhere in the process's mask again (pinning turned off) */
+static void unpin_workers(void) {
+    for (int i = 1; i < pool.n; i++) pthread_setaffinity_np(pool.th[i], sizeof pin_allowed, &pin_allowed);
+    pool.caller_cpu = -1;
+}
+#else
+static void pin_workers(void) {}
+static void unpin_workers(void) {}
+#endif
 
 static void share(const job_t *j, int i, int n) {
     const int64_t r0 = j->n * i / n, r1 = j->n * (i + 1) / n;
@@ -880,6 +933,9 @@ static int spin_until(_Atomic uint64_t *v, uint64_t want, int is_equal) {
 
 static void *worker(void *arg) {
     const int i = (int)(intptr_t)arg;
+#ifdef __linux__
+    pthread_setname_np(pthread_self(), "mlxf-kernels"); /* (top -H, the pinning test) */
+#endif
     uint64_t seen = pool.start_gen; /* set before this thread started; no job runs meanwhile */
     for (;;) {
         if (!spin_until(&pool.gen, seen, 0)) {
@@ -925,6 +981,13 @@ static int pool_start(int64_t scratch_per) {
         pool.pid = getpid();
         const char *env = getenv("MLX_FLASH_KERNEL_SPIN_US");
         pool.spin_ns = env && *env ? (int64_t)(atof(env) * 1000) : SPIN_NS;
+        const char *pin = getenv("MLX_FLASH_KERNEL_PIN");
+#ifdef __linux__
+        pool.pin = pin_request >= 0 ? pin_request : !(pin && !strcmp(pin, "0"));
+#else
+        pool.pin = 0, (void)pin;
+#endif
+        pool.caller_cpu = -1;
     }
     const int want = pool.want > 0 ? pool.want : 1;
     if (pool.n != want) { /* stop the old workers, start the new */
@@ -933,6 +996,10 @@ static int pool_start(int64_t scratch_per) {
             for (int i = 1; i < pool.n; i++) pthread_join(pool.th[i], NULL);
         }
         pool.n = 1;
+        pool.caller_cpu = -1; /* new workers: placed by the next shared call */
+#ifdef __linux__
+        if (sched_getaffinity(0, sizeof pin_allowed, &pin_allowed)) pool.pin = 0;
+#endif
         pool.start_gen = atomic_load(&pool.gen); /* new workers wait for the next generation */
         for (int i = 1; i < want; i++) {
             if (pthread_create(&pool.th[i], NULL, worker, (void *)(intptr_t)i)) break;
@@ -956,7 +1023,10 @@ static void run_job(const job_t *j) {
     const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS || j->kind == QMM_COLS ||
                           j->kind == GATHER_MM_COLS ? j->m : j->n) * j->k * (pass ? j->pos : 1);
     const int par = pool.n > 1 && j->n >= 4 * pool.n && work >= PAR_MIN_WORK;
-    if (par) pool_publish(j);
+    if (par) {
+        pin_workers();
+        pool_publish(j);
+    }
     share(j, 0, par ? pool.n : 1); /* the caller's share: the first, or every row */
     if (par && !spin_until(&pool.pending, 0, 1)) {
         pthread_mutex_lock(&pool.mu);
@@ -1472,6 +1542,34 @@ static PyObject *py_set_threads(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_pinning(on) -> whether the workers are pinned from now on (Linux only: 0 elsewhere) */
+static PyObject *py_set_pinning(PyObject *mod, PyObject *args) {
+    int on;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls); /* no call runs meanwhile */
+#ifdef __linux__
+    pin_request = on;
+    if (pool.pid == getpid()) { /* (else the pool's start takes pin_request) */
+        if (pool.pin && !on) unpin_workers();
+        pool.pin = on;
+        pool.caller_cpu = -1;
+    }
+#endif
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(pin_request > 0);
+}
+
+/* pinning() -> whether the workers are pinned (set_pinning, MLX_FLASH_KERNEL_PIN; None: the pool
+ * has not started) */
+static PyObject *py_pinning(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    if (pool.pid != getpid()) Py_RETURN_NONE;
+    return PyBool_FromLong(pool.pin);
+}
+
 /* threads() -> the pool's size for the next call, as set_threads left it (0: never set, 1 used) */
 static PyObject *py_threads(PyObject *mod, PyObject *unused) {
     (void)mod, (void)unused;
@@ -1516,6 +1614,8 @@ static PyMethodDef methods[] = {
      "gather_mm_cols(h, W, sel, y, k, accumulate=0): y[b] = sum_i h[b, i] W[sel[i]], a pass h [pos, len(sel)]"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the pool's size (0: never set)"},
+    {"set_pinning", py_set_pinning, METH_VARARGS, "set_pinning(on) -> whether the workers are pinned (Linux)"},
+    {"pinning", py_pinning, METH_NOARGS, "pinning() -> whether the workers are pinned (None: no pool yet)"},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> the level in use: 0 portable, 1 AVX2, 2 AVX-512 BF16 (level < 0: ask)"},
     {NULL}};
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 
-def _doctor(*args, home=None):
-    env = os.environ | ({"MLX_FLASH_HOME": str(home)} if home else {})
+def _doctor(*args, home=None, env=None):
+    env = os.environ | ({"MLX_FLASH_HOME": str(home)} if home else {}) | (env or {})
     return subprocess.run([sys.executable, "-m", "mlx_flash", "doctor", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
@@ -23,6 +23,17 @@ def test_doctor_reports_the_machine(tmp_path):
     # a fresh home has no machine profile: said, with the command that measures one
     assert "warning: no current machine profile" in r.stdout and "mlx_flash.benchmark profile" in r.stdout
     assert not list(tmp_path.glob(".doctor-probe*"))  # (its probe file removed)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="the kernels' workers are pinned on Linux, with two CPUs or more")
+def test_doctor_says_where_the_kernels_workers_run(tmp_path):
+    def line(**env):
+        r = _doctor("--no-probe", home=tmp_path, env={"MLX_FLASH_KERNEL_THREADS": "2", **env})
+        return next(x for x in r.stdout.splitlines() if x.startswith("quantized kernels "))
+
+    assert "workers pinned, each to a CPU other than the caller's" in line()
+    assert "workers not pinned (MLX_FLASH_KERNEL_PIN=0" in line(MLX_FLASH_KERNEL_PIN="0")
 
 
 def test_doctor_json_and_the_read_probe(tmp_path):

@@ -123,7 +123,7 @@ def _blas(found, warnings, where, args):
 
 def _native(found, warnings, where, args):
     from ..io import native_available
-    from ..kernels import kernels_module, simd_name
+    from ..kernels import kernels_module, pinning_name, simd_name
 
     found["reader pool"] = "native (pthreads, GIL released)" if native_available() else "Python threads"
     if not native_available():
@@ -143,7 +143,8 @@ def _native(found, warnings, where, args):
         warnings.append(f"no native quantized kernels ({why}): 4-bit weights on the CPU go through MLX's quantized "
                         "matmul, 2x (decode) to 50x (prompt) slower than float32")
     else:
-        found["quantized kernels"] = f"native, {kernels.threads() or 'default'} threads, {simd_name(kernels)}"
+        found["quantized kernels"] = (f"native, {kernels.threads() or 'default'} threads, {simd_name(kernels)}; "
+                                      f"{pinning_name(kernels)}")
 
 
 def _storage(found, warnings, where, args):

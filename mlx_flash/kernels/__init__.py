@@ -8,6 +8,7 @@ They know arrays, not models: models/quantized.py and models/ffn.py decide where
 """
 
 import os
+import sys
 
 import numpy as np
 
@@ -45,6 +46,22 @@ SIMD_LEVELS = ("portable", "avx2", "avx512-bf16")  # _matvec.simd's levels 0, 1,
 def simd_name(module):
     """The loops the kernels run here, in words (doctor, --stats)."""
     return {0: "the portable loops", 1: "AVX2", 2: "AVX-512 BF16 for 4-bit products, AVX2 for the rest"}[module.simd(-1)]
+
+
+def pinning_name(module):
+    """Where the kernels' workers run, in words (doctor): pinned on Linux each to a CPU other than
+    the caller's (kernels/_matvec.c, pin_workers), unless MLX_FLASH_KERNEL_PIN=0 or the pool has
+    more threads than the process has CPUs; placed by the OS elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return "workers placed by the OS"
+    on = module.pinning()
+    if on is None:  # (the pool starts at the first shared product)
+        on = os.environ.get("MLX_FLASH_KERNEL_PIN") != "0"
+    if not on:
+        return "workers not pinned (MLX_FLASH_KERNEL_PIN=0 or set_pinning(False))"
+    if (module.threads() or default_threads()) > len(os.sched_getaffinity(0)):
+        return "workers not pinned (more threads than CPUs)"
+    return "workers pinned, each to a CPU other than the caller's"
 
 
 def default_threads():

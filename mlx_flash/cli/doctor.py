@@ -121,6 +121,11 @@ def _blas(found, warnings, where, args):
                         "(apt-get install libopenblas0-pthread) and run again")
 
 
+def _threads(kernels):
+    n = kernels.threads()
+    return "default threads" if not n else f"{n} thread" + ("s" if n != 1 else "")
+
+
 def _native(found, warnings, where, args):
     from ..io import native_available
     from ..kernels import kernels_module, pinning_name, simd_name
@@ -143,7 +148,7 @@ def _native(found, warnings, where, args):
         warnings.append(f"no native quantized kernels ({why}): 4-bit weights on the CPU go through MLX's quantized "
                         "matmul, 2x (decode) to 50x (prompt) slower than float32")
     else:
-        found["quantized kernels"] = (f"native, {kernels.threads() or 'default'} threads, {simd_name(kernels)}; "
+        found["quantized kernels"] = (f"native, {_threads(kernels)}, {simd_name(kernels)}; "
                                       f"{pinning_name(kernels)}")
 
 

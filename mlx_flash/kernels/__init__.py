@@ -49,17 +49,21 @@ def simd_name(module):
 
 
 def pinning_name(module):
-    """Where the kernels' workers run, in words (doctor): pinned on Linux each to a CPU other than
-    the caller's (kernels/_matvec.c, pin_workers), unless MLX_FLASH_KERNEL_PIN=0 or the pool has
-    more threads than the process has CPUs; placed by the OS elsewhere."""
+    """Where the kernels' workers run, in words (doctor): pinned on Linux each to a CPU of its own
+    other than the caller's (kernels/_matvec.c, pin_workers), unless MLX_FLASH_KERNEL_PIN=0,
+    set_pinning(False), a placement the system refused, or more threads than the process has
+    CPUs; placed by the OS elsewhere."""
+    threads = module.threads() or default_threads()
+    if threads <= 1:
+        return "one thread (no workers)"
     if not sys.platform.startswith("linux"):
         return "workers placed by the OS"
     on = module.pinning()
-    if on is None:  # (the pool starts at the first shared product)
+    if on is None:  # (the pool starts at the first shared product: set_pinning or the variable then)
         on = os.environ.get("MLX_FLASH_KERNEL_PIN") != "0"
     if not on:
-        return "workers not pinned (MLX_FLASH_KERNEL_PIN=0 or set_pinning(False))"
-    if (module.threads() or default_threads()) > len(os.sched_getaffinity(0)):
+        return "workers not pinned (MLX_FLASH_KERNEL_PIN=0, set_pinning(False) or a placement the system refused)"
+    if threads > len(os.sched_getaffinity(0)):
         return "workers not pinned (more threads than CPUs)"
     return "workers pinned, each to a CPU other than the caller's"
 

@@ -831,7 +831,7 @@ static struct {
     int64_t scratch_per;
     int scratch_n;
     int64_t spin_ns;
-    int pin;         /* pin_workers on (Linux; MLX_FLASH_KERNEL_PIN=0 or set_pinning(0): off) */
+    int pin;         /* pin_workers on (Linux; MLX_FLASH_KERNEL_PIN=0, set_pinning(0) or a refused placement: off) */
     int caller_cpu;  /* the caller's CPU the workers were last placed around (-1: none yet) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
@@ -841,43 +841,62 @@ static struct {
  * caller has slept (a layer's reads, ~50 ms in --mode naive), the scheduler of a virtual
  * machine (a halted virtual CPU counts as busy there) often wakes the worker on the caller's
  * own CPU and moves it only some milliseconds later: the job then runs two shares on one CPU,
- * slower than one thread alone (naive's products 1.5-2.2x dense's in stop 47,
- * results/naive-stop47/). So, when the pool has no more threads than the process has CPUs,
- * each worker is pinned to a CPU of the process's mask other than the caller's current one,
- * placed again when a call finds the caller on another CPU (sched_getcpu, a few ns; a move is
- * a few syscalls, once after each such wake-up at most). The caller itself is never pinned.
- * A failed placement turns pinning off (pinning() says so). Elsewhere: nothing. */
+ * slower than one thread alone (naive's attention and FFN-row products 1.4-2.2x dense's in
+ * stop 47, results/naive-stop47/kernel_calls.txt). So, when the pool has no more threads than
+ * the caller had CPUs when its workers started, each worker is pinned to a CPU of that mask of
+ * its own, not the caller's current one: the first placement takes the CPUs after the caller's
+ * (two processes' workers spread by their callers' CPUs); when a call finds the caller moved
+ * (sched_getcpu, a few ns), only the worker on the caller's new CPU moves, to the CPU the
+ * caller left where it is free (one syscall). The caller itself is never pinned. A placement
+ * the system refuses (a cpuset shrunk since) frees every worker and turns pinning off
+ * (pinning() says so). Elsewhere: nothing. */
 
 static int pin_request = -1; /* set_pinning's (-1: never called: MLX_FLASH_KERNEL_PIN decides) */
 
 #ifdef __linux__
-static cpu_set_t pin_allowed; /* the process's CPUs when the workers started */
+static cpu_set_t pin_allowed; /* the caller's CPUs when the workers started */
+static int worker_cpu[MAX_THREADS]; /* the CPU each worker is pinned to (-1: none) */
+
+/* cpu is in the mask, not the caller's (c) and not a worker's */
+static int cpu_free(int cpu, int c) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || cpu == c || !CPU_ISSET(cpu, &pin_allowed)) return 0;
+    for (int i = 1; i < pool.n; i++)
+        if (worker_cpu[i] == cpu) return 0;
+    return 1;
+}
+
+/* the workers free to run anywhere in that mask again */
+static void unpin_workers(void) {
+    for (int i = 1; i < pool.n; i++) {
+        pthread_setaffinity_np(pool.th[i], sizeof pin_allowed, &pin_allowed);
+        worker_cpu[i] = -1;
+    }
+    pool.caller_cpu = -1;
+}
 
 static void pin_workers(void) {
     const int c = sched_getcpu();
     if (!pool.pin || c < 0 || c == pool.caller_cpu || pool.n > CPU_COUNT(&pin_allowed)) return;
-    int cpu = -1;
-    for (int i = 1; i < pool.n; i++) { /* worker i: the i-th allowed CPU that is not the caller's */
-        do cpu++; while (cpu < CPU_SETSIZE && (!CPU_ISSET(cpu, &pin_allowed) || cpu == c));
+    for (int i = 1; i < pool.n; i++) {
+        if (worker_cpu[i] >= 0 && worker_cpu[i] != c) continue; /* placed, and not on the caller's CPU */
+        worker_cpu[i] = -1;
+        int cpu = cpu_free(pool.caller_cpu, c) ? pool.caller_cpu : -1; /* the CPU the caller left */
+        for (int s = 1; cpu < 0 && s <= CPU_SETSIZE; s++) /* else the next free one after the caller's */
+            if (cpu_free((c + s) % CPU_SETSIZE, c)) cpu = (c + s) % CPU_SETSIZE;
         cpu_set_t one;
         CPU_ZERO(&one);
-        CPU_SET(cpu < CPU_SETSIZE ? cpu : c, &one);
-        if (pthread_setaffinity_np(pool.th[i], sizeof one, &one)) {
+        if (cpu >= 0) CPU_SET(cpu, &one);
+        if (cpu < 0 || pthread_setaffinity_np(pool.th[i], sizeof one, &one)) {
+            unpin_workers();
             pool.pin = 0;
             return;
         }
+        worker_cpu[i] = cpu;
     }
     pool.caller_cpu = c;
 }
-
-/* the workers free to run anywhere in the process's mask again (pinning turned off) */
-static void unpin_workers(void) {
-    for (int i = 1; i < pool.n; i++) pthread_setaffinity_np(pool.th[i], sizeof pin_allowed, &pin_allowed);
-    pool.caller_cpu = -1;
-}
 #else
 static void pin_workers(void) {}
-static void unpin_workers(void) {}
 #endif
 
 static void share(const job_t *j, int i, int n) {
@@ -998,7 +1017,8 @@ static int pool_start(int64_t scratch_per) {
         pool.n = 1;
         pool.caller_cpu = -1; /* new workers: placed by the next shared call */
 #ifdef __linux__
-        if (sched_getaffinity(0, sizeof pin_allowed, &pin_allowed)) pool.pin = 0;
+        if (sched_getaffinity(0, sizeof pin_allowed, &pin_allowed)) pool.pin = 0; /* (this thread's) */
+        for (int i = 0; i < MAX_THREADS; i++) worker_cpu[i] = -1;
 #endif
         pool.start_gen = atomic_load(&pool.gen); /* new workers wait for the next generation */
         for (int i = 1; i < want; i++) {

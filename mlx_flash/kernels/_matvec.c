@@ -46,7 +46,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #if defined(__linux__) && !defined(_GNU_SOURCE)
-#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np: the workers' CPUs (pin_workers) */
+#define _GNU_SOURCE 1 /* sched_getcpu, pthread_setaffinity_np (pin_workers); 1 as pyconfig.h, which 3.10 defines unguarded */
 #endif
 #include <Python.h>
 

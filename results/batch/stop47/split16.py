@@ -6,9 +6,9 @@ alternating (cold in cache, as in a step), best of 5 rounds of 6 calls: ms and G
 usage: .venv/bin/python results/batch/stop47/split16.py
 """
 import time
+import mlx_flash
 import numpy as np
 import mlx.core as mx
-import mlx_flash
 from mlx_flash.bench.profile import ffn_rows
 from mlx_flash.kernels import QuantMatrix, kernels_module, qmm_cols, qmm_rows
 

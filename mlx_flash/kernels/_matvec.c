@@ -841,7 +841,7 @@ static struct {
  * caller has slept (a layer's reads, ~50 ms in --mode naive), the scheduler of a virtual
  * machine (a halted virtual CPU counts as busy there) often wakes the worker on the caller's
  * own CPU and moves it only some milliseconds later: the job then runs two shares on one CPU,
- * slower than one thread alone (naive's attention and FFN-row products 1.4-2.2x dense's in
+ * slower than one thread alone (naive's attention and FFN-row products 1.3-2.3x dense's in
  * stop 47, results/naive-stop47/kernel_calls.txt). So, when the pool has no more threads than
  * the caller had CPUs when its workers started, each worker is pinned to a CPU of that mask of
  * its own, not the caller's current one: the first placement takes the CPUs after the caller's

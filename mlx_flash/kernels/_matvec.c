@@ -839,8 +839,8 @@ static struct {
  *
  * A share is a fixed part of the rows: a job takes as long as its slowest thread. After the
  * caller has slept (a layer's reads, ~50 ms in --mode naive), the scheduler of a virtual
- * machine (a halted virtual CPU counts as busy there) often wakes the worker on the caller's
- * own CPU and moves it only some milliseconds later: the job then runs two shares on one CPU,
+ * machine often wakes the worker on the caller's own CPU (likely: Linux's idle-CPU test counts
+ * a virtual CPU its host descheduled as busy) and moves it only some milliseconds later: the job then runs two shares on one CPU,
  * slower than one thread alone (naive's attention and FFN-row products 1.3-2.3x dense's in
  * stop 47, results/naive-stop47/kernel_calls.txt). So, when the pool has no more threads than
  * the caller had CPUs when its workers started, each worker is pinned to a CPU of that mask of

@@ -395,7 +395,7 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES, positions=1):
         out[name] = rate(fs, w16s[0].nbytes)
         del fs, w16s
         if on_cpu and kernels is not None and name == "float16":  # (held FFN rows are float16: as stored)
-            out["float16-rows"] = _half_rows_rate(kernels, rows, cols, name, repeat, copies, positions)
+            out["float16-rows"] = _half_rows_rate(kernels, rows, cols, repeat, copies, positions)
     for bits in (4, 8):
         ms = []
         for w in matrices(copies(rows * cols * bits // 8)):
@@ -411,8 +411,8 @@ def _rates_at(rows, cols, repeat, streamed=STREAMED_BYTES, positions=1):
     return out
 
 
-def _half_rows_rate(kernels, n, d, dtype, repeat, copies, positions=1):
-    """GB/s of an FFN's rows held at 16 bits (a dense FFN or a hybrid's cache of a float16 model)
+def _half_rows_rate(kernels, n, d, repeat, copies, positions=1):
+    """GB/s of an FFN's rows held at float16 (a dense FFN or a hybrid's cache of a float16 model)
     consumed by one token's products, through the kernels FlashFFN runs on them in place
     (models/ffn.py FFNRows.select): n up rows -> gather_mv, then n down rows -> gather_axpy, whose
     sum over rows streams at about half gather_mv's rate here (16.5 against 29.6 GB/s for a
@@ -426,9 +426,8 @@ def _half_rows_rate(kernels, n, d, dtype, repeat, copies, positions=1):
     rng = np.random.default_rng(0)
     nbytes = 2 * n * d * 2
     base = (rng.standard_normal((n, d)) * 0.02).astype(np.float32)
-    code = 1 if dtype == "float16" else 2  # (bfloat16 as its uint16 bits, as models/half.py views it)
-    bits16 = (lambda a: a.astype(np.float16)) if code == 1 else (lambda a: (a.view(np.uint32) >> 16).astype(np.uint16))
-    layers = [(bits16(base * (1 + i / 64)), bits16(base * (1 - i / 64))) for i in range(copies(nbytes))]
+    layers = [((base * (1 + i / 64)).astype(np.float16), (base * (1 - i / 64)).astype(np.float16))
+              for i in range(copies(nbytes))]
     sel = np.arange(n, dtype=np.int64)
     x = rng.standard_normal((positions, d)).astype(np.float32)
     tiles = positions > 1 and pass_kernels(kernels, mx.zeros((positions, 1, d)))
@@ -441,7 +440,7 @@ def _half_rows_rate(kernels, n, d, dtype, repeat, copies, positions=1):
         elif tiles:
             gather_mm_cols(kernels, gather_mm(kernels, x, up, sel), down, sel)
         else:  # the dense store's fallback: the layer converted into a float32 arena for BLAS
-            w = arena.fill_rows({"up": up, "down": down}, code)
+            w = arena.fill_rows({"up": up, "down": down}, 1)  # (1: float16, models/half.py's code)
             mx.eval((mx.array(x) @ w["up"].T) @ w["down"])
 
     return _layers_rate(layer, len(layers), repeat, nbytes)

@@ -58,10 +58,7 @@ def pinning_name(module):
         return "one thread (no workers)"
     if not sys.platform.startswith("linux"):
         return "workers placed by the OS"
-    on = module.pinning()
-    if on is None:  # (the pool starts at the first shared product: set_pinning or the variable then)
-        on = os.environ.get("MLX_FLASH_KERNEL_PIN") != "0"
-    if not on:
+    if not module.pinning():
         return "workers not pinned (MLX_FLASH_KERNEL_PIN=0, set_pinning(False) or a placement the system refused)"
     if threads > len(os.sched_getaffinity(0)):
         return "workers not pinned (more threads than CPUs)"

@@ -851,7 +851,20 @@ static struct {
  * the system refuses (a cpuset shrunk since) frees every worker and turns pinning off
  * (pinning() says so). Elsewhere: nothing. */
 
+#ifdef __linux__
 static int pin_request = -1; /* set_pinning's (-1: never called: MLX_FLASH_KERNEL_PIN decides) */
+#endif
+
+/* whether a pool starting now pins its workers: set_pinning's word, else MLX_FLASH_KERNEL_PIN
+ * (only "0" turns it off); never off Linux */
+static int pin_wanted(void) {
+#ifdef __linux__
+    const char *env = getenv("MLX_FLASH_KERNEL_PIN");
+    return pin_request >= 0 ? pin_request : !(env && !strcmp(env, "0"));
+#else
+    return 0;
+#endif
+}
 
 #ifdef __linux__
 static cpu_set_t pin_allowed; /* the caller's CPUs when the workers started */
@@ -1000,12 +1013,7 @@ static int pool_start(int64_t scratch_per) {
         pool.pid = getpid();
         const char *env = getenv("MLX_FLASH_KERNEL_SPIN_US");
         pool.spin_ns = env && *env ? (int64_t)(atof(env) * 1000) : SPIN_NS;
-        const char *pin = getenv("MLX_FLASH_KERNEL_PIN");
-#ifdef __linux__
-        pool.pin = pin_request >= 0 ? pin_request : !(pin && !strcmp(pin, "0"));
-#else
-        pool.pin = 0, (void)pin;
-#endif
+        pool.pin = pin_wanted();
         pool.caller_cpu = -1;
     }
     const int want = pool.want > 0 ? pool.want : 1;
@@ -1579,15 +1587,14 @@ static PyObject *py_set_pinning(PyObject *mod, PyObject *args) {
 #endif
     pthread_mutex_unlock(&calls);
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(pin_request > 0);
+    return PyBool_FromLong(pin_wanted());
 }
 
-/* pinning() -> whether the workers are pinned (set_pinning, MLX_FLASH_KERNEL_PIN; None: the pool
- * has not started) */
+/* pinning() -> whether the workers are pinned (set_pinning, MLX_FLASH_KERNEL_PIN, a refused
+ * placement), or will be when the pool starts (at the first shared product) */
 static PyObject *py_pinning(PyObject *mod, PyObject *unused) {
     (void)mod, (void)unused;
-    if (pool.pid != getpid()) Py_RETURN_NONE;
-    return PyBool_FromLong(pool.pin);
+    return PyBool_FromLong(pool.pid == getpid() ? pool.pin : pin_wanted());
 }
 
 /* threads() -> the pool's size for the next call, as set_threads left it (0: never set, 1 used) */
@@ -1635,7 +1642,7 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the pool's size (0: never set)"},
     {"set_pinning", py_set_pinning, METH_VARARGS, "set_pinning(on) -> whether the workers are pinned (Linux)"},
-    {"pinning", py_pinning, METH_NOARGS, "pinning() -> whether the workers are pinned (None: no pool yet)"},
+    {"pinning", py_pinning, METH_NOARGS, "pinning() -> whether the workers are pinned (or will be)"},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> the level in use: 0 portable, 1 AVX2, 2 AVX-512 BF16 (level < 0: ask)"},
     {NULL}};
 

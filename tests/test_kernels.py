@@ -276,6 +276,73 @@ def test_workers_are_pinned_off_the_callers_cpu():
         assert r.returncode == 0, (mode, r.stderr[-2000:])
 
 
+def test_a_product_is_cut_into_parts_that_each_thread_takes():
+    """A shared product over rows is cut into 8 parts a thread (set_parts changes it), each of a
+    quarter-million weights or more; over columns into one a thread; each part runs once, on
+    whichever thread takes it (parts_taken)."""
+    from mlx_flash.bench.profile import ffn_rows
+    from mlx_flash.kernels import qaxpy_cols
+
+    wq, s, b = mx.quantize(mx.random.normal((4096, 1024), key=mx.random.key(1)), group_size=64, bits=4)
+    q = QuantMatrix(kernels, wq, s, b, 4, 64)
+    x = np.random.default_rng(0).standard_normal(1024).astype(np.float32)
+    f = ffn_rows(1024, 1024, 4, 1)
+    h = np.random.default_rng(1).standard_normal(1024).astype(np.float32)
+    small = QuantMatrix(kernels, *mx.quantize(mx.random.normal((512, 512), key=mx.random.key(2)), group_size=64,
+                                              bits=4), 4, 64)
+
+    def taken(fn):
+        before = kernels.parts_taken()
+        fn()
+        return sum(kernels.parts_taken()) - sum(before)
+    try:
+        kernels.set_threads(2)
+        assert taken(lambda: q.matvec(x)) == 16  # 4 M weights: 16 parts of 256 K
+        assert kernels.set_parts(1) == 1 and taken(lambda: q.matvec(x)) == 2
+        assert kernels.set_parts(64) == 64 and taken(lambda: q.matvec(x)) == 16  # parts of 256 K weights at the least
+        assert kernels.set_parts(0) == 8
+        assert taken(lambda: qaxpy_cols(kernels, h, f.layers[0][1], f.sel, f.trow, f.table, f.spec)) == 2
+        assert taken(lambda: small.matvec(x[:512])) == 0  # below a million weights: the caller alone, uncounted
+        kernels.set_threads(3)
+        q.matvec(x)
+        assert len(kernels.parts_taken()) == 3 and sum(kernels.parts_taken()) == 16  # a new pool, counted anew
+    finally:
+        kernels.set_parts(0)
+        kernels.set_threads(default_threads())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="a worker slowed on a CPU of its own: Linux, two CPUs or more")
+def test_a_slow_worker_takes_fewer_parts():
+    """A worker that runs less (SCHED_IDLE, on a CPU that a busy process holds) takes fewer of the
+    products' parts than the caller, which no longer waits for a fixed share of the worker's
+    (stop 48); the values are one thread's."""
+    code = (
+        "import os, subprocess, sys, time, numpy as np, mlx.core as mx\n"
+        "from mlx_flash.kernels import QuantMatrix, kernels_module\n"
+        "k, _ = kernels_module(); cpus = sorted(os.sched_getaffinity(0))\n"
+        "wq, s, b = mx.quantize(mx.random.normal((8192, 4096), key=mx.random.key(1)), group_size=64, bits=4)\n"
+        "q = QuantMatrix(k, wq, s, b, 4, 64); x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)\n"
+        "k.set_threads(1); want = q.matvec(x)\n"
+        "k.set_threads(2); k.set_pinning(True); q.matvec(x)\n"
+        "os.sched_setaffinity(0, {cpus[0]}); q.matvec(x)  # the caller (this thread); its worker elsewhere\n"
+        "tid = next(int(t) for t in os.listdir('/proc/self/task')\n"
+        "           if open(f'/proc/self/task/{t}/comm').read().strip() == 'mlxf-kernels')\n"
+        "(cpu,) = os.sched_getaffinity(tid); assert cpu != cpus[0]\n"
+        "os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # runs when nothing else would\n"
+        "hog = subprocess.Popen([sys.executable, '-c', f'import os; os.sched_setaffinity(0, {{{cpu}}})\\nwhile True: pass'])\n"
+        "try:\n"
+        "    time.sleep(0.3); before = k.parts_taken()\n"
+        "    for _ in range(20): assert np.array_equal(q.matvec(x), want)\n"
+        "    caller, worker = (a - b for a, b in zip(k.parts_taken(), before))\n"
+        "finally:\n"
+        "    hog.kill(); hog.wait()\n"
+        "assert caller + worker == 20 * 16 and caller > 2 * worker, (caller, worker)\n")
+    r = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True,
+                       env=os.environ | {"PYTHONWARNINGS": "ignore", "MLX_FLASH_KERNEL_PIN": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_gather_products_equal_numpy(simd_and_threads):
     from mlx_flash.kernels import gather_axpy, gather_mv
 
@@ -706,15 +773,16 @@ def test_a_16_bit_pass_equals_its_rows_times_x(code, positions, simd_and_threads
 
 
 def test_a_row_s_product_in_a_pass_does_not_depend_on_the_threads_or_the_split():
-    """qmm_rows / qmm: a row's sums are the same bits whichever share of the threads or part of the
-    rows holds it (a last tile of fewer rows runs the same tile, zero-padded), so hybrid's parts
-    give dense's values; and sizes that would overflow the checks are refused, not followed."""
+    """qmm_rows / qmm: a row's sums are the same bits whichever thread, or part of the rows the
+    pool cut (set_parts), holds it (a last tile of fewer rows runs the same tile, zero-padded), so
+    hybrid's parts give dense's values; and sizes that would overflow the checks are refused, not
+    followed."""
     from mlx_flash.kernels import qmm_rows
     from mlx_flash.layout.quant import QuantSpec
 
     rng = np.random.default_rng(5)
     spec = QuantSpec(4, 32, "float16")
-    n, d = 203, 256
+    n, d = 1203, 256  # 4.9 M multiply-adds at 16 positions: shared out, up to 18 parts
     soff, boff = d // 2, d // 2 + 2 * d // 32
     buf = rng.integers(0, 256, (n, boff + 2 * d // 32), dtype=np.uint8)
     buf[:, soff:] = (rng.standard_normal((n, 2 * d // 32)) * 0.1).astype(np.float16).view(np.uint8).reshape(n, -1)
@@ -727,13 +795,20 @@ def test_a_row_s_product_in_a_pass_does_not_depend_on_the_threads_or_the_split()
             whole = qmm_rows(kernels, x, buf, rows, spec, soff, boff)
             for threads in (2, 3, 5):
                 kernels.set_threads(threads)
-                assert np.array_equal(qmm_rows(kernels, x, buf, rows, spec, soff, boff), whole), (level, threads)
-            split = np.concatenate([qmm_rows(kernels, x, buf, rows[:101], spec, soff, boff),
-                                    qmm_rows(kernels, x, buf, rows[101:], spec, soff, boff)], axis=1)
+                for parts in (1, 3, 64):
+                    kernels.set_parts(parts)
+                    got = qmm_rows(kernels, x, buf, rows, spec, soff, boff)
+                    assert np.array_equal(got, whole), (level, threads, parts)
+            split = np.concatenate([qmm_rows(kernels, x, buf, rows[:601], spec, soff, boff),
+                                    qmm_rows(kernels, x, buf, rows[601:], spec, soff, boff)], axis=1)
             assert np.array_equal(split, whole), level
     finally:
         kernels.simd(SIMD_TOP)
         kernels.set_threads(default_threads())
+        kernels.set_parts(0)
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="parts a thread"):
+            kernels.set_parts(bad)
     y = np.empty((1, 4), np.float32)
     for k in (2**62, 2**62 + 32):
         with pytest.raises(ValueError, match="qmm: arguments"):

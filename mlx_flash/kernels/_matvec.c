@@ -41,7 +41,7 @@
  * second architecture's SIMD (NEON) lands.
  *
  * Rows are split over a small persistent pthread pool (the caller's thread
- * takes the first share); the GIL is released while it runs, and no worker
+ * takes parts too); the GIL is released while it runs, and no worker
  * touches a Python object. Threads do not survive fork(): a child makes its own.
  */
 #define PY_SSIZE_T_CLEAN
@@ -778,10 +778,10 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
     }
 
     if (j->kind == GATHER_AXPY) {
-        gather_axpy(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15); /* shares of whole 64-byte lines */
+        gather_axpy(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15); /* parts of whole 64-byte lines */
         return;
     }
-    if (j->kind == QAXPY_COLS) { /* shares of whole 32-value blocks: whole bytes at any width */
+    if (j->kind == QAXPY_COLS) { /* parts of whole 32-value blocks: whole bytes at any width */
         qaxpy_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
         return;
     }
@@ -805,15 +805,29 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
     }
 }
 
-/* ---- the pool: workers 1 .. n-1 wait for a new generation, run their share, report
+/* ---- the pool: workers 1 .. n-1 wait for a new generation, take parts of its job, report
  *
  * Waking a thread asleep on a condition variable costs 20-60 us on a virtual machine, as
  * long as a 768 x 2048 4-bit matvec on two threads: a decode of a mixture of experts makes
  * ~1,300 such calls a token, ~100 us apart. So a worker spins (pause) for SPIN_NS after its
- * last job before it sleeps, and the caller spins for its workers' shares before it waits:
- * calls in quick succession never touch the kernel's scheduler; a pool left idle sleeps. */
+ * last job before it sleeps, and the caller spins for the parts taken before it waits:
+ * calls in quick succession never touch the kernel's scheduler; a pool left idle sleeps.
+ *
+ * A job is cut into parts that the caller and the workers take from one counter until none is
+ * left: a thread that runs slower (a CPU shared with another process, a worker woken late, an
+ * efficiency core) takes fewer, and the caller never waits for a worker that has not started.
+ * Until stop 48 each thread ran a fixed share: beside a busy process a job took as long as the
+ * share on the shared CPU, as long as one thread alone or longer. A job over rows is cut into
+ * PARTS_PER_THREAD parts a thread (each of PART_MIN_WORK weights or more); a job over columns
+ * (*_COLS, GATHER_AXPY) into one a thread, since each part walks every row for its columns:
+ * more parts cost more than they save (results/split-stop48/split.txt). A row's or column's
+ * sum does not depend on the part that holds it: the values are the same whoever runs it.
+ * The counter holds the generation's low 32 bits above the next part, so a worker late for
+ * one job takes nothing of the next one's through it. */
 
 #define SPIN_NS 200000 /* 0.2 ms; MLX_FLASH_KERNEL_SPIN_US overrides (0: always sleep) */
+#define PARTS_PER_THREAD 8 /* a job over rows; set_parts overrides (the A/B scripts) */
+#define PART_MIN_WORK (1 << 18) /* weights a part touches at the least */
 
 static struct {
     pthread_mutex_t mu;
@@ -822,11 +836,16 @@ static struct {
     int n;        /* threads in all, the caller's included; 1: no workers */
     int want;     /* threads asked for (set_threads) */
     pid_t pid;    /* the process that started the workers */
-    _Atomic uint64_t gen;  /* a new job (or a stop) is a new generation; job and n are set before */
+    _Atomic uint64_t gen;  /* a new job (or a stop) is a new generation; job, parts and next are set before */
     uint64_t start_gen;
-    _Atomic uint64_t pending;  /* workers' shares not finished */
+    _Atomic uint64_t next;  /* (the generation's low 32 bits << 32) | the next part to take */
+    _Atomic uint64_t pending;  /* the job's parts not finished */
     int sleepers, waiting;  /* under mu: workers asleep on go; the caller asleep on done */
-    const job_t *job;
+    _Atomic(const job_t *) job;  /* read by a worker only between next's load and its claim */
+    _Atomic int64_t parts;  /* the job's parts */
+    _Atomic int stop;  /* the workers are to end (a new pool size, a fork's child) */
+    int parts_per;  /* parts a thread (set_parts; 0: PARTS_PER_THREAD) */
+    int64_t taken[MAX_THREADS];  /* parts each thread ran since the pool started (parts_taken) */
     float *scratch;  /* scratch_per floats for each of scratch_n threads (the most a job asked for) */
     int64_t scratch_per;
     int scratch_n;
@@ -837,11 +856,12 @@ static struct {
 
 /* ---- where the workers run (Linux)
  *
- * A share is a fixed part of the rows: a job takes as long as its slowest thread. After the
- * caller has slept (a layer's reads, ~50 ms in --mode naive), the scheduler of a virtual
- * machine often wakes the worker on the caller's own CPU (likely: Linux's idle-CPU test counts
- * a virtual CPU its host descheduled as busy) and moves it only some milliseconds later: the job then runs two shares on one CPU,
- * slower than one thread alone (naive's attention and FFN-row products 1.3-2.3x dense's in
+ * A job's parts run on two CPUs only if its threads do. After the caller has slept (a
+ * layer's reads, ~50 ms in --mode naive), the scheduler of a virtual machine often wakes the
+ * worker on the caller's own CPU (likely: Linux's idle-CPU test counts a virtual CPU its host
+ * descheduled as busy) and moves it only some milliseconds later: the two threads then share
+ * one CPU (with a fixed share each, as until stop 48, slower than one thread alone: naive's
+ * attention and FFN-row products 1.3-2.3x dense's in
  * stop 47, results/naive-stop47/kernel_calls.txt). So, when the pool has no more threads than
  * the caller had CPUs when its workers started, each worker is pinned to a CPU of that mask of
  * its own, not the caller's current one: the first placement takes the CPUs after the caller's
@@ -912,15 +932,16 @@ static void pin_workers(void) {
 static void pin_workers(void) {}
 #endif
 
-static void share(const job_t *j, int i, int n) {
-    const int64_t r0 = j->n * i / n, r1 = j->n * (i + 1) / n;
-    float *sc = pool.scratch + i * pool.scratch_per;
+/* part c of a job cut into `parts`, on thread t (its scratch) */
+static void run_part(const job_t *j, int t, int64_t c, int64_t parts) {
+    const int64_t r0 = j->n * c / parts, r1 = j->n * (c + 1) / parts;
+    float *sc = pool.scratch + t * pool.scratch_per;
     if (j->kind == QMM_ROWS) { /* scratch: scales, biases, then the tile (qmm_scratch) */
         const int64_t ng = j->k / j->g;
         qmm_rows(j, r0, r1, sc, sc + ng, sc + 2 * ng);
         return;
     }
-    if (j->kind == QMM_COLS) { /* shares of whole 32-value blocks, as QAXPY_COLS's */
+    if (j->kind == QMM_COLS) { /* parts of whole 32-value blocks, as QAXPY_COLS's */
         qmm_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
         return;
     }
@@ -928,7 +949,7 @@ static void share(const job_t *j, int i, int n) {
         gather_mm(j, r0, r1, sc);
         return;
     }
-    if (j->kind == GATHER_MM_COLS) { /* shares of whole 16-value blocks */
+    if (j->kind == GATHER_MM_COLS) { /* parts of whole 16-value blocks */
         gather_mm_cols(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15, sc);
         return;
     }
@@ -963,11 +984,31 @@ static int spin_until(_Atomic uint64_t *v, uint64_t want, int is_equal) {
     }
 }
 
+/* thread t takes parts of generation `tag`'s job and runs them until none is left; the thread
+ * that finishes the last part while the caller sleeps wakes it */
+static void take_parts(int t, uint32_t tag) {
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&pool.next, memory_order_acquire);
+        if ((uint32_t)(c >> 32) != tag) return; /* a later job's counter: this one's parts are taken */
+        /* job and parts are this generation's if the claim below succeeds: the next job is
+         * published only after every part of this one has finished, this one included */
+        const job_t *j = atomic_load_explicit(&pool.job, memory_order_relaxed);
+        const int64_t parts = atomic_load_explicit(&pool.parts, memory_order_relaxed), p = (int64_t)(uint32_t)c;
+        if (p >= parts) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.next, &c, c + 1, memory_order_acq_rel, memory_order_relaxed))
+            continue;
+        run_part(j, t, p, parts);
+        pool.taken[t]++; /* (read by parts_taken after the job, which this part's fetch_sub precedes) */
+        if (atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel) == 1 && t) {
+            pthread_mutex_lock(&pool.mu); /* the last part: wake the caller if it sleeps */
+            if (pool.waiting) pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
+        }
+    }
+}
+
 static void *worker(void *arg) {
     const int i = (int)(intptr_t)arg;
-#ifdef __linux__
-    pthread_setname_np(pthread_self(), "mlxf-kernels"); /* (top -H, the pinning test) */
-#endif
     uint64_t seen = pool.start_gen; /* set before this thread started; no job runs meanwhile */
     for (;;) {
         if (!spin_until(&pool.gen, seen, 0)) {
@@ -978,26 +1019,25 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&pool.mu);
         }
         seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
-        const job_t *j = pool.job;
-        if (!j) break; /* stop */
-        share(j, i, pool.n);
-        if (atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel) == 1) {
-            pthread_mutex_lock(&pool.mu); /* the last share: wake the caller if it sleeps */
-            if (pool.waiting) pthread_cond_signal(&pool.done);
-            pthread_mutex_unlock(&pool.mu);
-        }
+        if (atomic_load_explicit(&pool.stop, memory_order_relaxed)) break;
+        take_parts(i, (uint32_t)seen);
     }
     return NULL;
 }
 
-/* a new generation: job (NULL: stop) for every worker */
-static void pool_publish(const job_t *j) {
-    pool.job = j;
-    atomic_store_explicit(&pool.pending, (uint64_t)(pool.n - 1), memory_order_relaxed);
-    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_acq_rel);
+/* a new generation: a job cut into `parts` (j NULL: the workers stop) -> its tag */
+static uint32_t pool_publish(const job_t *j, int64_t parts) {
+    const uint64_t g = atomic_load_explicit(&pool.gen, memory_order_relaxed) + 1; /* (only the caller publishes) */
+    atomic_store_explicit(&pool.stop, j == NULL, memory_order_relaxed);
+    atomic_store_explicit(&pool.job, j, memory_order_relaxed);
+    atomic_store_explicit(&pool.parts, parts, memory_order_relaxed);
+    atomic_store_explicit(&pool.pending, (uint64_t)parts, memory_order_relaxed);
+    atomic_store_explicit(&pool.next, (uint64_t)(uint32_t)g << 32, memory_order_release);
+    atomic_store_explicit(&pool.gen, g, memory_order_release);
     pthread_mutex_lock(&pool.mu); /* a worker checks gen under mu before it sleeps: none is missed */
     if (pool.sleepers) pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
+    return (uint32_t)g;
 }
 
 /* the caller holds no lock; -> 0, or -1 (no memory: run on one thread) */
@@ -1009,6 +1049,7 @@ static int pool_start(int64_t scratch_per) {
         pool.n = 1, pool.scratch = NULL, pool.scratch_per = 0, pool.scratch_n = 0;
         pool.sleepers = 0, pool.waiting = 0;
         atomic_store(&pool.gen, 0);
+        atomic_store(&pool.next, 0);
         atomic_store(&pool.pending, 0);
         pool.pid = getpid();
         const char *env = getenv("MLX_FLASH_KERNEL_SPIN_US");
@@ -1019,7 +1060,7 @@ static int pool_start(int64_t scratch_per) {
     const int want = pool.want > 0 ? pool.want : 1;
     if (pool.n != want) { /* stop the old workers, start the new */
         if (pool.n > 1) {
-            pool_publish(NULL);
+            pool_publish(NULL, 0);
             for (int i = 1; i < pool.n; i++) pthread_join(pool.th[i], NULL);
         }
         pool.n = 1;
@@ -1028,9 +1069,15 @@ static int pool_start(int64_t scratch_per) {
         if (sched_getaffinity(0, sizeof pin_allowed, &pin_allowed)) pool.pin = 0; /* (this thread's) */
         for (int i = 0; i < MAX_THREADS; i++) worker_cpu[i] = -1;
 #endif
+        atomic_store(&pool.stop, 0);
+        memset(pool.taken, 0, sizeof pool.taken);
         pool.start_gen = atomic_load(&pool.gen); /* new workers wait for the next generation */
         for (int i = 1; i < want; i++) {
             if (pthread_create(&pool.th[i], NULL, worker, (void *)(intptr_t)i)) break;
+#ifdef __linux__
+            /* named here, not by the worker: a call may finish before a new worker has run */
+            pthread_setname_np(pool.th[i], "mlxf-kernels"); /* (top -H, the pinning test) */
+#endif
             pool.n = i + 1;
         }
     }
@@ -1044,19 +1091,30 @@ static int pool_start(int64_t scratch_per) {
     return 0;
 }
 
+/* the parts a shared job is cut into: over columns one a thread; over rows parts_per a thread,
+ * each of PART_MIN_WORK weights or more, at least one a thread, no more than its rows */
+static int64_t job_parts(const job_t *j, int64_t work, int cols) {
+    if (cols) return pool.n;
+    int64_t parts = (int64_t)pool.n * (pool.parts_per > 0 ? pool.parts_per : PARTS_PER_THREAD);
+    if (parts > work / PART_MIN_WORK) parts = work / PART_MIN_WORK;
+    if (parts > j->n) parts = j->n;
+    return parts > pool.n ? parts : pool.n;
+}
+
 static void run_job(const job_t *j) {
     /* sharing out costs a few microseconds with the workers spinning (more when they sleep):
      * worth it from ~1M weights (a 576 x 576 matvec runs faster on the caller's thread alone) */
     const int pass = j->kind == QMM_ROWS || j->kind == QMM_COLS || j->kind == GATHER_MM || j->kind == GATHER_MM_COLS;
-    const int64_t work = (j->kind == GATHER_AXPY || j->kind == QAXPY_COLS || j->kind == QMM_COLS ||
-                          j->kind == GATHER_MM_COLS ? j->m : j->n) * j->k * (pass ? j->pos : 1);
+    const int cols = j->kind == GATHER_AXPY || j->kind == QAXPY_COLS || j->kind == QMM_COLS || j->kind == GATHER_MM_COLS;
+    const int64_t work = (cols ? j->m : j->n) * j->k * (pass ? j->pos : 1);
     const int par = pool.n > 1 && j->n >= 4 * pool.n && work >= PAR_MIN_WORK;
-    if (par) {
-        pin_workers();
-        pool_publish(j);
+    if (!par) {
+        run_part(j, 0, 0, 1); /* every row on the caller's thread */
+        return;
     }
-    share(j, 0, par ? pool.n : 1); /* the caller's share: the first, or every row */
-    if (par && !spin_until(&pool.pending, 0, 1)) {
+    pin_workers();
+    take_parts(0, pool_publish(j, job_parts(j, work, cols)));
+    if (!spin_until(&pool.pending, 0, 1)) {
         pthread_mutex_lock(&pool.mu);
         pool.waiting = 1;
         while (atomic_load_explicit(&pool.pending, memory_order_acquire)) pthread_cond_wait(&pool.done, &pool.mu);
@@ -1101,7 +1159,7 @@ static float *transpose_x(const float *x, int64_t pos, int64_t k) {
     return xt;
 }
 
-/* the floats each thread's share of a QMM_* job needs: QMM_ROWS a row's scales and biases and
+/* the floats each thread's part of a QMM_* job needs: QMM_ROWS a row's scales and biases and
  * MM16_ROWS dequantized rows; QMM_COLS MM16_KBLOCK columns' values (at most every output: k, a
  * multiple of 32) */
 static int64_t qmm_scratch(const job_t *j) {
@@ -1340,7 +1398,7 @@ static PyObject *table_cols(PyObject *args, int kind) {
     memset(&j, 0, sizeof j);
     j.w = w.buf, j.row_bytes = stride, j.sel = ids, j.trow = tr, j.m = m, j.h = h.buf, j.y = y.buf;
     j.ts = ts.buf, j.tb = tb.buf, j.t_stride = k * ssz, j.scode = sc, j.bits = bits, j.k = k, j.kind = kind;
-    j.n = kind == DEQUANT_COLS ? m : k, j.simd = use_simd; /* QAXPY_COLS, QMM_COLS share out columns */
+    j.n = kind == DEQUANT_COLS ? m : k, j.simd = use_simd; /* QAXPY_COLS, QMM_COLS cut columns into parts */
     j.accumulate = kind != DEQUANT_COLS && accumulate;
     if (kind == QMM_COLS) {
         if (m == 0) { /* no columns: y is zeros, or as it was */
@@ -1590,6 +1648,47 @@ static PyObject *py_set_pinning(PyObject *mod, PyObject *args) {
     return PyBool_FromLong(pin_wanted());
 }
 
+/* set_parts(n) -> n: the parts a thread a shared job over rows is cut into from now on (1 .. 64;
+ * 0: the default, PARTS_PER_THREAD), each still of PART_MIN_WORK weights or more (the A/B
+ * scripts); a job over columns keeps one a thread */
+static PyObject *py_set_parts(PyObject *mod, PyObject *args) {
+    int n;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    if (n < 0 || n > 64) {
+        PyErr_SetString(PyExc_ValueError, "parts a thread must be 0 (the default) .. 64");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls); /* no call runs meanwhile */
+    pool.parts_per = n;
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n ? n : PARTS_PER_THREAD);
+}
+
+/* parts_taken() -> the parts each thread of the pool ran since it started (the caller's first;
+ * products run on the caller alone are not counted): the tests see the parts go to the thread
+ * that runs */
+static PyObject *py_parts_taken(PyObject *mod, PyObject *unused) {
+    (void)mod, (void)unused;
+    int64_t taken[MAX_THREADS];
+    int n = 1;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls); /* no call runs meanwhile */
+    memset(taken, 0, sizeof taken);
+    if (pool.pid == getpid()) n = pool.n, memcpy(taken, pool.taken, sizeof taken);
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyTuple_New(n);
+    for (int i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(taken[i]);
+        if (!v) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 /* pinning() -> whether the workers are pinned (set_pinning, MLX_FLASH_KERNEL_PIN, a refused
  * placement), or will be when the pool starts (at the first shared product) */
 static PyObject *py_pinning(PyObject *mod, PyObject *unused) {
@@ -1642,6 +1741,8 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n)"},
     {"threads", py_threads, METH_NOARGS, "threads() -> the pool's size (0: never set)"},
     {"set_pinning", py_set_pinning, METH_VARARGS, "set_pinning(on) -> whether the workers are pinned (Linux)"},
+    {"set_parts", py_set_parts, METH_VARARGS, "set_parts(n) -> the parts a thread a shared job over rows is cut into (0: the default)"},
+    {"parts_taken", py_parts_taken, METH_NOARGS, "parts_taken() -> the parts each thread ran since the pool started"},
     {"pinning", py_pinning, METH_NOARGS, "pinning() -> whether the workers are pinned (or will be)"},
     {"simd", py_simd, METH_VARARGS, "simd(level) -> the level in use: 0 portable, 1 AVX2, 2 AVX-512 BF16 (level < 0: ask)"},
     {NULL}};

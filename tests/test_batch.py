@@ -71,6 +71,46 @@ def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_
         model.runtime.close()
 
 
+@pytest.mark.parametrize("mode, budget", [("dense", None), ("hybrid", "300MB")])
+def test_a_prompt_goes_through_the_pass_kernels_only_when_asked(smollm2, mode, budget, monkeypatch):
+    """A prompt's chunk goes through dequantized chunks + BLAS (the parity rule); with
+    kernels.PROMPT_PASS set, a chunk of more than SMALL_PASS and up to that many positions
+    multiplies each packed row into every position at once (qmm_rows / qmm_cols) where the CPU runs
+    the tiles: its logits those of BLAS to float32 summation order, the greedy tokens the same; a
+    longer chunk goes through BLAS."""
+    import mlx.core as mx
+
+    from mlx_flash import kernels as K
+
+    module, why = K.kernels_module()
+    if module is None or not K.batched(module):
+        pytest.skip(f"the pass kernels' tiles do not run here ({why or 'SIMD level 0'})")
+    calls = []
+    for name in ("qmm_rows", "qmm_cols"):
+        real = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    model, tok = mlx_flash.load(smollm2, mode=mode, memory_budget=budget, progress=False)
+    try:
+        ids = tok.encode("The history of the printing press begins in the fifteenth century, when")
+        x = mx.array([ids])
+        assert K.PROMPT_PASS == 0
+        blas = model(x)
+        want = greedy(model, ids, 6)
+        assert not calls
+        monkeypatch.setattr(K, "PROMPT_PASS", len(ids))
+        tiles = model(x)
+        assert calls  # (the FFN's rows: through the tiles)
+        # the logits (magnitude ~20-30) move by float32 summation order alone (tests/test_quant.py)
+        assert mx.abs(tiles - blas).max().item() < 1e-4 * max(1.0, mx.abs(blas).max().item())
+        assert greedy(model, ids, 6) == want
+        monkeypatch.setattr(K, "PROMPT_PASS", len(ids) - 1)  # a chunk one longer than it: BLAS
+        calls.clear()
+        model(x)
+        assert not calls
+    finally:
+        model.runtime.close()
+
+
 def test_the_profile_s_timing_of_large_batches_leaves_the_fallback_note_to_the_user_s_batches(monkeypatch, caplog):
     """The machine profile times batch steps through BLAS on purpose where the pass kernels do not
     run (SIMD level 0): said nothing then, and said at the user's first such batch."""

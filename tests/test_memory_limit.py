@@ -49,6 +49,17 @@ def test_plan_takes_every_part_off_the_limit(monkeypatch):
     for sequences in (memory.SMALL_PASS + 1, 256):
         step = sequences * (4 * SHAPE.n_ff + 2 * SHAPE.d_model) * 4
         assert memory.activation_bytes(narrow, sequences, 64, 2, sequences=sequences) >= step + tiles
+    # so does a prompt chunk of more than SMALL_PASS and up to kernels.PROMPT_PASS positions, when
+    # set (stop 48; 0, its default: every prompt chunk through BLAS)
+    chunk = memory.SMALL_PASS + 1
+    step = chunk * (4 * SHAPE.n_ff + 2 * SHAPE.d_model) * 4
+    assert memory.activation_bytes(narrow, chunk, 64, 2) < step + tiles
+    monkeypatch.setattr(memory.kernels, "PROMPT_PASS", 256)
+    for chunk in (memory.SMALL_PASS + 1, 256):
+        step = chunk * (4 * SHAPE.n_ff + 2 * SHAPE.d_model) * 4
+        assert memory.activation_bytes(narrow, chunk, 64, 2) >= step + tiles
+    small = memory.SMALL_PASS * (4 * SHAPE.n_ff + 2 * SHAPE.d_model) * 4
+    assert memory.activation_bytes(narrow, memory.SMALL_PASS, 64, 2) < small + tiles  # (one-position kernels)
 
 
 def test_plan_errors_name_the_parts(monkeypatch):

@@ -118,14 +118,27 @@ class pass_notes_off:
         _QUIET.remove(self)
 
 
+PROMPT_PASS = 0  # set it to up to BATCH_PASS, and a prompt's chunk of more than SMALL_PASS and up to that many
+# positions goes through the pass kernels' tiles too, where batched(). Off by default: the parity rule (a
+# prompt's logits within 1e-4 of mlx_lm's on the same weights; tests/test_quant.py's Q4_1 SmolLM2) holds
+# through dequantized chunks + BLAS (1.6e-5) but not through the tiles (8.9e-4; MLX's own quantized
+# kernel is 6.7e-4 away, the decode's one-token kernels 5.9e-4). At 256, a 4-bit OPT-6.7B prompt in
+# --mode dense reached its first token in 2.5 s at 16 tokens, 10.2 at 128 and 20.5 at 256, against 6.5,
+# 15.1 and 23.5 through BLAS (results/prompt-tiles-stop48/). Read when a chunk runs, and by a
+# --memory-limit plan at load (runtime/memory.py activation_bytes)
+
+
 def pass_kernels(module, x):
     """Whether the pass kernels take x (an MLX activation [..., positions, d]): one position a
     sequence (a batch's decode step, or a prefill chunk one position wide) for more than
-    SMALL_PASS and at most BATCH_PASS sequences, where batched(module). A batch's step they do
-    not take says why, once."""
+    SMALL_PASS and at most BATCH_PASS sequences, or a prompt's chunk of more than SMALL_PASS and
+    at most PROMPT_PASS positions, where batched(module). A batch's step they do not take says
+    why, once."""
     positions = x.size // x.shape[-1]
-    if not (positions > SMALL_PASS and x.ndim >= 2 and x.shape[-2] == 1):
+    if not (positions > SMALL_PASS and x.ndim >= 2):
         return False
+    if x.shape[-2] > 1:  # a prompt's chunk
+        return positions <= PROMPT_PASS and batched(module)
     why = (f"{positions} sequences, more than the {BATCH_PASS} they take" if positions > BATCH_PASS else
            None if batched(module) else "the pass kernels run on x86 with AVX2 or AVX-512 only (SIMD level "
            f"{module.simd(-1) if module is not None else 0} here)")

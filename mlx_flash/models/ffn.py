@@ -316,9 +316,9 @@ class FlashFFN(nn.Module):
 
     def _packed_parts(self, x, parts):
         """Several positions over rows the kernels read in place: float or 16-bit rows
-        (FFNRows.select) through _selected_pass; packed rows in a batch's decode step that
-        kernels.pass_kernels takes (no mask) through _packed_pass, else (a prompt's chunk, a
-        larger batch) dequantized chunks through BLAS."""
+        (FFNRows.select) through _selected_pass; packed rows in a batch's decode step or a prompt's
+        chunk that kernels.pass_kernels takes (no mask) through _packed_pass, else (a prompt's
+        chunk, unless kernels.PROMPT_PASS; a larger batch) dequantized chunks through BLAS."""
         selected = [r for r in parts if r.packed is None]
         if selected:
             y = self._selected_pass(x, selected)

@@ -119,9 +119,9 @@ def head_product(x, eager, n, k, arena, rows, bias=None):
 def native_product(q, arena, x, bias=None):
     """x @ W.T (+ bias) of a matrix the kernels multiply (a QuantMatrix, a 16-bit _Held: its n,
     k, matvec(v, out) and dequantize(start, stop, out)): the native matvec for each position of
-    a pass of up to kernels.SMALL_PASS positions; a batch's decode step through W's matmul where
-    it has one and kernels.pass_kernels takes x (each row dequantized once for every sequence);
-    else dequantized chunks + BLAS. Eager: W's memory is not read once this returns."""
+    a pass of up to kernels.SMALL_PASS positions; a batch's decode step or a prompt's chunk through
+    W's matmul where it has one and kernels.pass_kernels takes x (each row dequantized once for
+    every position); else dequantized chunks + BLAS. Eager: W's memory is not read once this returns."""
     positions = x.size // x.shape[-1]
     if positions > SMALL_PASS and not (hasattr(q, "matmul") and pass_kernels(q.kernels, x)):
         return chunked_matmul(x, q.n, q.k, q.dequantize, arena, bias)

@@ -4,7 +4,8 @@ unpinned: the scheduler places it).
 
 Variants, each in its own process (the same data, built from fixed seeds): the fixed shares of
 the kernels built from commit 6cd7761 (--old-so, a _matvec .so built from that commit), this
-build with 1, 2, 4 and 8 parts a thread (set_parts), and one thread alone. Rounds alternate the
+build with 1, 2, 4 and 8 parts a thread (set_parts: jobs over rows; a job over columns is cut
+into one part a thread, split-columns-cut.txt shows why), and one thread alone. Rounds alternate the
 load and flip the variants' order; each kernel is timed for ~0.4 s a variant and round (the
 mean call), the table gives the median of the rounds, ms a call.
 

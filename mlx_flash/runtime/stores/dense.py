@@ -82,7 +82,8 @@ class DenseStore(Store):
             return self.layers[layer]
         if self.kernels is not None and (x.size // x.shape[-1] <= SMALL_PASS or pass_kernels(self.kernels, x)):
             # the rows as held: each position through the one-token kernels (a verify pass's values
-            # are a decode step's), or a batch's decode step through the pass kernels' tiles
+            # are a decode step's), or a batch's decode step or a prompt's chunk through the pass
+            # kernels' tiles
             return FFNRows(up=None, down=None, ids=self._all_mx, select=(self.layers[layer], self._all, self.kernels))
         mx.eval(x)  # every earlier reader of the arena is an ancestor of x
         return FFNRows(**self.arena.fill_rows(self.layers[layer]))

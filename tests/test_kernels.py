@@ -277,9 +277,9 @@ def test_workers_are_pinned_off_the_callers_cpu():
 
 
 def test_a_product_is_cut_into_parts_that_each_thread_takes():
-    """A shared product over rows is cut into 8 parts a thread (set_parts changes it), each of a
-    quarter-million weights or more; over columns into one a thread; each part runs once, on
-    whichever thread takes it (parts_taken)."""
+    """A shared product over rows is cut into up to 8 parts a thread (set_parts changes it), each
+    of a quarter-million weights or more; over columns into one a thread; each part runs once, on
+    whichever thread takes it, the workers too (parts_taken)."""
     from mlx_flash.bench.profile import ffn_rows
     from mlx_flash.kernels import qaxpy_cols
 
@@ -303,6 +303,11 @@ def test_a_product_is_cut_into_parts_that_each_thread_takes():
         assert kernels.set_parts(0) == 8
         assert taken(lambda: qaxpy_cols(kernels, h, f.layers[0][1], f.sel, f.trow, f.table, f.spec)) == 2
         assert taken(lambda: small.matvec(x[:512])) == 0  # below a million weights: the caller alone, uncounted
+        if len(os.sched_getaffinity(0)) >= 2:  # the workers take parts too (they spin between products)
+            before = kernels.parts_taken()
+            for _ in range(200):
+                q.matvec(x)
+            assert sum(kernels.parts_taken()[1:]) > sum(before[1:])
         kernels.set_threads(3)
         q.matvec(x)
         assert len(kernels.parts_taken()) == 3 and sum(kernels.parts_taken()) == 16  # a new pool, counted anew
@@ -330,9 +335,10 @@ def test_a_slow_worker_takes_fewer_parts():
         "           if open(f'/proc/self/task/{t}/comm').read().strip() == 'mlxf-kernels')\n"
         "(cpu,) = os.sched_getaffinity(tid); assert cpu != cpus[0]\n"
         "os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # runs when nothing else would\n"
-        "hog = subprocess.Popen([sys.executable, '-c', f'import os; os.sched_setaffinity(0, {{{cpu}}})\\nwhile True: pass'])\n"
+        "spin = f'import os, time; os.sched_setaffinity(0, {{{cpu}}}); print(1, flush=True); end = time.monotonic() + 60\\n'\n"
+        "hog = subprocess.Popen([sys.executable, '-c', spin + 'while time.monotonic() < end: pass'], stdout=subprocess.PIPE)\n"
         "try:\n"
-        "    time.sleep(0.3); before = k.parts_taken()\n"
+        "    hog.stdout.readline(); before = k.parts_taken()  # (the hog pinned and running; it ends itself in 60 s)\n"
         "    for _ in range(20): assert np.array_equal(q.matvec(x), want)\n"
         "    caller, worker = (a - b for a, b in zip(k.parts_taken(), before))\n"
         "finally:\n"

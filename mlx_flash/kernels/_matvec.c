@@ -89,7 +89,7 @@ typedef struct {
     int64_t n, k, g, bits, scode, row_bytes;
     int simd, kind;
     /* GATHER_*: float32 rows W [*, k] (w, row_bytes apart), the m rows `sel` of it,
-     * and h [m] (GATHER_AXPY: y = sum_i h[i] * W[sel[i]], n = k columns to share out).
+     * and h [m] (GATHER_AXPY: y = sum_i h[i] * W[sel[i]], n = k columns to cut into parts).
      * QMV: sel (if not NULL) picks the rows; scales / biases of row r at s / b + r * stride
      * (a cache row holding its packed values, scales and biases back to back) */
     const int64_t *sel;
@@ -638,7 +638,7 @@ static void dequant_cols(const job_t *j, int64_t r0, int64_t r1) {
 /* a pass's results for the nr (<= MM16_ROWS) rows in `tile` (rows k + MM16_PAD floats apart),
  * rows t0 .. t0 + nr - 1 of the job's output: y[b, t0 + i] = tile row i . x[b] for every
  * position b. AVX-512 or AVX2: the tile for every tile, a last one of fewer rows zero-padded (a
- * row's sum is then the same whichever share or part holds it); else the portable loop. */
+ * row's sum is then the same whichever part holds it); else the portable loop. */
 static void tile_rows_product(const job_t *j, int64_t t0, int64_t nr, float *tile) {
     const int64_t k = j->k, kp = k + MM16_PAD;
     for (int64_t p0 = 0; p0 < j->pos; p0 += 16) {
@@ -818,16 +818,20 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
  * efficiency core) takes fewer, and the caller never waits for a worker that has not started.
  * Until stop 48 each thread ran a fixed share: beside a busy process a job took as long as the
  * share on the shared CPU, as long as one thread alone or longer. A job over rows is cut into
- * PARTS_PER_THREAD parts a thread (each of PART_MIN_WORK weights or more); a job over columns
- * (*_COLS, GATHER_AXPY) into one a thread, since each part walks every row for its columns:
- * more parts cost more than they save (results/split-stop48/split.txt). A row's or column's
+ * up to PARTS_PER_THREAD parts a thread, each of PART_MIN_WORK multiply-adds or more (a tile
+ * kind's parts whole tiles); a job over columns (QAXPY_COLS, QMM_COLS, GATHER_AXPY,
+ * GATHER_MM_COLS) into one a thread, since each part walks every row for its columns: more
+ * parts cost more than they save (results/split-stop48/split-columns-cut.txt). A row's or column's
  * sum does not depend on the part that holds it: the values are the same whoever runs it.
- * The counter holds the generation's low 32 bits above the next part, so a worker late for
- * one job takes nothing of the next one's through it. */
+ * The counter holds the generation's low 32 bits and the job's part count above the next
+ * part, so that one compare-and-swap checks all three: a worker late for one job takes
+ * nothing of the next one's, nor a part past the next one's count (as it could when the count
+ * was a field of its own, read apart from the counter: stop 48's review). */
 
 #define SPIN_NS 200000 /* 0.2 ms; MLX_FLASH_KERNEL_SPIN_US overrides (0: always sleep) */
 #define PARTS_PER_THREAD 8 /* a job over rows; set_parts overrides (the A/B scripts) */
-#define PART_MIN_WORK (1 << 18) /* weights a part touches at the least */
+#define MAX_PARTS 0xFFFF /* the counter's 16 bits for a job's parts (MAX_THREADS x set_parts' 64 at most) */
+#define PART_MIN_WORK (1 << 18) /* multiply-adds a part makes at the least (a pass: weights x positions) */
 
 static struct {
     pthread_mutex_t mu;
@@ -838,11 +842,10 @@ static struct {
     pid_t pid;    /* the process that started the workers */
     _Atomic uint64_t gen;  /* a new job (or a stop) is a new generation; job, parts and next are set before */
     uint64_t start_gen;
-    _Atomic uint64_t next;  /* (the generation's low 32 bits << 32) | the next part to take */
+    _Atomic uint64_t next;  /* the generation's low 32 bits << 32 | the job's parts << 16 | the next part to take */
     _Atomic uint64_t pending;  /* the job's parts not finished */
     int sleepers, waiting;  /* under mu: workers asleep on go; the caller asleep on done */
-    _Atomic(const job_t *) job;  /* read by a worker only between next's load and its claim */
-    _Atomic int64_t parts;  /* the job's parts */
+    _Atomic(const job_t *) job;  /* read by a worker only after it has claimed a part of it */
     _Atomic int stop;  /* the workers are to end (a new pool size, a fork's child) */
     int parts_per;  /* parts a thread (set_parts; 0: PARTS_PER_THREAD) */
     int64_t taken[MAX_THREADS];  /* parts each thread ran since the pool started (parts_taken) */
@@ -936,17 +939,18 @@ static void pin_workers(void) {}
 static void run_part(const job_t *j, int t, int64_t c, int64_t parts) {
     const int64_t r0 = j->n * c / parts, r1 = j->n * (c + 1) / parts;
     float *sc = pool.scratch + t * pool.scratch_per;
-    if (j->kind == QMM_ROWS) { /* scratch: scales, biases, then the tile (qmm_scratch) */
+    if (j->kind == QMM_ROWS) { /* scratch: scales, biases, then the tile (qmm_scratch); parts of whole tiles */
         const int64_t ng = j->k / j->g;
-        qmm_rows(j, r0, r1, sc, sc + ng, sc + 2 * ng);
+        qmm_rows(j, r0 & ~(int64_t)(MM16_ROWS - 1), r1 == j->n ? r1 : r1 & ~(int64_t)(MM16_ROWS - 1), sc, sc + ng,
+                 sc + 2 * ng);
         return;
     }
     if (j->kind == QMM_COLS) { /* parts of whole 32-value blocks, as QAXPY_COLS's */
         qmm_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
         return;
     }
-    if (j->kind == GATHER_MM) { /* scratch: the tile */
-        gather_mm(j, r0, r1, sc);
+    if (j->kind == GATHER_MM) { /* scratch: the tile; parts of whole tiles */
+        gather_mm(j, r0 & ~(int64_t)(MM16_ROWS - 1), r1 == j->n ? r1 : r1 & ~(int64_t)(MM16_ROWS - 1), sc);
         return;
     }
     if (j->kind == GATHER_MM_COLS) { /* parts of whole 16-value blocks */
@@ -989,15 +993,14 @@ static int spin_until(_Atomic uint64_t *v, uint64_t want, int is_equal) {
 static void take_parts(int t, uint32_t tag) {
     for (;;) {
         uint64_t c = atomic_load_explicit(&pool.next, memory_order_acquire);
-        if ((uint32_t)(c >> 32) != tag) return; /* a later job's counter: this one's parts are taken */
-        /* job and parts are this generation's if the claim below succeeds: the next job is
-         * published only after every part of this one has finished, this one included */
-        const job_t *j = atomic_load_explicit(&pool.job, memory_order_relaxed);
-        const int64_t parts = atomic_load_explicit(&pool.parts, memory_order_relaxed), p = (int64_t)(uint32_t)c;
-        if (p >= parts) return;
+        const int64_t p = (int64_t)(c & 0xFFFF), parts = (int64_t)((c >> 16) & 0xFFFF);
+        if ((uint32_t)(c >> 32) != tag || p >= parts) return; /* a later job's counter, or this one's parts all taken */
         if (!atomic_compare_exchange_weak_explicit(&pool.next, &c, c + 1, memory_order_acq_rel, memory_order_relaxed))
             continue;
-        run_part(j, t, p, parts);
+        /* part p is this thread's: the job cannot finish, nor the next be published, before this
+         * part's fetch_sub below, so pool.job is still this generation's (stored before the
+         * release of next that the claim read) */
+        run_part(atomic_load_explicit(&pool.job, memory_order_relaxed), t, p, parts);
         pool.taken[t]++; /* (read by parts_taken after the job, which this part's fetch_sub precedes) */
         if (atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel) == 1 && t) {
             pthread_mutex_lock(&pool.mu); /* the last part: wake the caller if it sleeps */
@@ -1025,14 +1028,13 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* a new generation: a job cut into `parts` (j NULL: the workers stop) -> its tag */
+/* a new generation: a job cut into `parts` (at most MAX_PARTS; j NULL: the workers stop) -> its tag */
 static uint32_t pool_publish(const job_t *j, int64_t parts) {
     const uint64_t g = atomic_load_explicit(&pool.gen, memory_order_relaxed) + 1; /* (only the caller publishes) */
     atomic_store_explicit(&pool.stop, j == NULL, memory_order_relaxed);
     atomic_store_explicit(&pool.job, j, memory_order_relaxed);
-    atomic_store_explicit(&pool.parts, parts, memory_order_relaxed);
     atomic_store_explicit(&pool.pending, (uint64_t)parts, memory_order_relaxed);
-    atomic_store_explicit(&pool.next, (uint64_t)(uint32_t)g << 32, memory_order_release);
+    atomic_store_explicit(&pool.next, (uint64_t)(uint32_t)g << 32 | (uint64_t)parts << 16, memory_order_release);
     atomic_store_explicit(&pool.gen, g, memory_order_release);
     pthread_mutex_lock(&pool.mu); /* a worker checks gen under mu before it sleeps: none is missed */
     if (pool.sleepers) pthread_cond_broadcast(&pool.go);
@@ -1051,6 +1053,7 @@ static int pool_start(int64_t scratch_per) {
         atomic_store(&pool.gen, 0);
         atomic_store(&pool.next, 0);
         atomic_store(&pool.pending, 0);
+        memset(pool.taken, 0, sizeof pool.taken);
         pool.pid = getpid();
         const char *env = getenv("MLX_FLASH_KERNEL_SPIN_US");
         pool.spin_ns = env && *env ? (int64_t)(atof(env) * 1000) : SPIN_NS;
@@ -1098,6 +1101,7 @@ static int64_t job_parts(const job_t *j, int64_t work, int cols) {
     int64_t parts = (int64_t)pool.n * (pool.parts_per > 0 ? pool.parts_per : PARTS_PER_THREAD);
     if (parts > work / PART_MIN_WORK) parts = work / PART_MIN_WORK;
     if (parts > j->n) parts = j->n;
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
     return parts > pool.n ? parts : pool.n;
 }
 

@@ -38,7 +38,7 @@
 #define MM16_RUN 64 /* values a row's sum takes into a register of its own before its total */
 #define MM16_PAD 16 /* floats between a dequantized tile's rows beyond their length: rows a power of
                      * two apart share the L1 cache's sets and evict each other */
-#define MM16_KBLOCK 64 /* columns a pass of mm16_cols over the outputs (a tile of 64 x the share's outputs) */
+#define MM16_KBLOCK 64 /* columns a pass of mm16_cols over the outputs (a tile of 64 x the part's outputs) */
 
 /* one row r of a, every position b < m: y[b * ldy] (+)= sum_kk a[kk * ks] * xt[kk * 16 + b], in runs of
  * `run` values (mm16_tile's MM16_RUN; 0: one run over all of k, added to y at the end, where

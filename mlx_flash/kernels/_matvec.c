@@ -840,13 +840,13 @@ static struct {
     int n;        /* threads in all, the caller's included; 1: no workers */
     int want;     /* threads asked for (set_threads) */
     pid_t pid;    /* the process that started the workers */
-    _Atomic uint64_t gen;  /* a new job (or a stop) is a new generation; job, parts and next are set before */
+    _Atomic uint64_t gen;  /* a new job (or a stop) is a new generation; job, pending and next are set before */
     uint64_t start_gen;
     _Atomic uint64_t next;  /* the generation's low 32 bits << 32 | the job's parts << 16 | the next part to take */
     _Atomic uint64_t pending;  /* the job's parts not finished */
     int sleepers, waiting;  /* under mu: workers asleep on go; the caller asleep on done */
     _Atomic(const job_t *) job;  /* read by a worker only after it has claimed a part of it */
-    _Atomic int stop;  /* the workers are to end (a new pool size, a fork's child) */
+    _Atomic int stop;  /* the workers are to end (a new pool size) */
     int parts_per;  /* parts a thread (set_parts; 0: PARTS_PER_THREAD) */
     int64_t taken[MAX_THREADS];  /* parts each thread ran since the pool started (parts_taken) */
     float *scratch;  /* scratch_per floats for each of scratch_n threads (the most a job asked for) */
@@ -1095,7 +1095,7 @@ static int pool_start(int64_t scratch_per) {
 }
 
 /* the parts a shared job is cut into: over columns one a thread; over rows parts_per a thread,
- * each of PART_MIN_WORK weights or more, at least one a thread, no more than its rows */
+ * each of PART_MIN_WORK multiply-adds or more, at least one a thread, no more than its rows */
 static int64_t job_parts(const job_t *j, int64_t work, int cols) {
     if (cols) return pool.n;
     int64_t parts = (int64_t)pool.n * (pool.parts_per > 0 ? pool.parts_per : PARTS_PER_THREAD);
@@ -1653,7 +1653,7 @@ static PyObject *py_set_pinning(PyObject *mod, PyObject *args) {
 }
 
 /* set_parts(n) -> n: the parts a thread a shared job over rows is cut into from now on (1 .. 64;
- * 0: the default, PARTS_PER_THREAD), each still of PART_MIN_WORK weights or more (the A/B
+ * 0: the default, PARTS_PER_THREAD), each still of PART_MIN_WORK multiply-adds or more (the A/B
  * scripts); a job over columns keeps one a thread */
 static PyObject *py_set_parts(PyObject *mod, PyObject *args) {
     int n;

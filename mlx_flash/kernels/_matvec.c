@@ -778,11 +778,11 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
     }
 
     if (j->kind == GATHER_AXPY) {
-        gather_axpy(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15); /* parts of whole 64-byte lines */
+        gather_axpy(j, r0, r1);
         return;
     }
-    if (j->kind == QAXPY_COLS) { /* parts of whole 32-value blocks: whole bytes at any width */
-        qaxpy_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
+    if (j->kind == QAXPY_COLS) {
+        qaxpy_cols(j, r0, r1, sc);
         return;
     }
     if (j->kind == QMV_MANY) {
@@ -935,26 +935,45 @@ static void pin_workers(void) {
 static void pin_workers(void) {}
 #endif
 
+/* what a part's boundaries are multiples of (but the job's end), by kind: whole 32-value
+ * blocks of packed columns (whole bytes at any width), whole 64-byte lines of float columns,
+ * whole tiles of rows (a tile kind's rows then each in one part's tiles) */
+static int64_t part_unit(int kind) {
+    switch (kind) {
+    case QAXPY_COLS:
+    case QMM_COLS:
+        return 32;
+    case GATHER_AXPY:
+    case GATHER_MM_COLS:
+        return 16;
+    case QMM_ROWS:
+    case GATHER_MM:
+        return MM16_ROWS;
+    default:
+        return 1;
+    }
+}
+
 /* part c of a job cut into `parts`, on thread t (its scratch) */
 static void run_part(const job_t *j, int t, int64_t c, int64_t parts) {
-    const int64_t r0 = j->n * c / parts, r1 = j->n * (c + 1) / parts;
+    const int64_t u = part_unit(j->kind), end = j->n * (c + 1) / parts;
+    const int64_t r0 = (j->n * c / parts) & ~(u - 1), r1 = end == j->n ? end : end & ~(u - 1);
     float *sc = pool.scratch + t * pool.scratch_per;
-    if (j->kind == QMM_ROWS) { /* scratch: scales, biases, then the tile (qmm_scratch); parts of whole tiles */
+    if (j->kind == QMM_ROWS) { /* scratch: scales, biases, then the tile (qmm_scratch) */
         const int64_t ng = j->k / j->g;
-        qmm_rows(j, r0 & ~(int64_t)(MM16_ROWS - 1), r1 == j->n ? r1 : r1 & ~(int64_t)(MM16_ROWS - 1), sc, sc + ng,
-                 sc + 2 * ng);
+        qmm_rows(j, r0, r1, sc, sc + ng, sc + 2 * ng);
         return;
     }
-    if (j->kind == QMM_COLS) { /* parts of whole 32-value blocks, as QAXPY_COLS's */
-        qmm_cols(j, r0 & ~(int64_t)31, r1 == j->n ? r1 : r1 & ~(int64_t)31, sc);
+    if (j->kind == QMM_COLS) {
+        qmm_cols(j, r0, r1, sc);
         return;
     }
-    if (j->kind == GATHER_MM) { /* scratch: the tile; parts of whole tiles */
-        gather_mm(j, r0 & ~(int64_t)(MM16_ROWS - 1), r1 == j->n ? r1 : r1 & ~(int64_t)(MM16_ROWS - 1), sc);
+    if (j->kind == GATHER_MM) { /* scratch: the tile */
+        gather_mm(j, r0, r1, sc);
         return;
     }
-    if (j->kind == GATHER_MM_COLS) { /* parts of whole 16-value blocks */
-        gather_mm_cols(j, r0 & ~(int64_t)15, r1 == j->n ? r1 : r1 & ~(int64_t)15, sc);
+    if (j->kind == GATHER_MM_COLS) {
+        gather_mm_cols(j, r0, r1, sc);
         return;
     }
     run_rows(j, r0, r1, sc, sc + pool.scratch_per / 2);

@@ -336,11 +336,17 @@ def test_a_limit_too_small_is_a_clear_error_not_a_kill(smollm2, limit_mb):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_rss is the peak RSS off Linux")
 def test_a_second_load_does_not_count_the_first_models_leftovers(smollm2):
     # a process that loads a model, closes it and loads another (a server, a script) measures
-    # its runtime again at the second load: what the first left in MLX's buffer cache and the
-    # C heap is given back first (before: 119 then 165 MB measured, now ~119 then ~131)
+    # its runtime again at the next load: what the last left in MLX's buffer cache and the
+    # C heap is given back first (before: 119 then 165 MB measured). Loads 2 and 3 are compared,
+    # not 1 and 2: the first load makes what a process makes once (its threads' stacks, BLAS's
+    # buffers, code pages first run), which the next loads measure as runtime: 110 -> 130 MB
+    # here, 122 -> 149 on CI's machine (stop 48). After that, ~8-14 MB a load that glibc's
+    # malloc_trim cannot give back (the heap's fragments: 130, 138, 151, 157, 158, 159 MB at
+    # loads 2-7). Without the release at load, the second load measures 183 MB and the third
+    # does not fit the limit.
     code = f"""
 import gc, mlx_flash
-for _ in range(2):
+for _ in range(3):
     m, t = mlx_flash.load({str(smollm2)!r}, memory_limit="350MB")
     print("runtime", m.runtime.memory.baseline)
     m.runtime.close()
@@ -349,8 +355,8 @@ for _ in range(2):
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    first, second = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("runtime")]
-    assert second - first < 25 * MB, (first / MB, second / MB)
+    runtimes = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("runtime")]
+    assert runtimes[2] - runtimes[1] < 25 * MB and runtimes[1] - runtimes[0] < 60 * MB, [m / MB for m in runtimes]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_rss is the peak RSS off Linux")

@@ -217,6 +217,40 @@ def test_a_forked_child_gets_its_own_threads():
     assert r.returncode == 0
 
 
+def test_a_fork_while_another_thread_multiplies_leaves_the_child_a_working_pool():
+    """A fork while another thread's product runs (its GIL released, the pool's call lock held):
+    the child keeps only the forking thread, so a lock held then stayed held in the child, and
+    its first product waited forever. The fork now waits for the product in flight. 30 forks
+    beside a thread that multiplies without pause; each child multiplies once and must finish."""
+    code = (
+        "import os, threading, time, numpy as np, mlx.core as mx\n"
+        "from mlx_flash.kernels import QuantMatrix, kernels_module\n"
+        "k, _ = kernels_module(); k.set_threads(2)\n"
+        "wq, s, b = mx.quantize(mx.random.normal((2048, 2048), key=mx.random.key(1)), group_size=64, bits=4)\n"
+        "q = QuantMatrix(k, wq, s, b, 4, 64); x = np.random.default_rng(0).standard_normal(2048).astype(np.float32)\n"
+        "want = q.matvec(x); stop = False\n"
+        "def spin():\n"
+        "    while not stop: q.matvec(x)\n"
+        "t = threading.Thread(target=spin); t.start()\n"
+        "hung = bad = 0\n"
+        "for i in range(30):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(0 if np.array_equal(q.matvec(x), want) else 3)\n"
+        "    end = time.monotonic() + 10\n"
+        "    while True:\n"
+        "        done, st = os.waitpid(pid, os.WNOHANG)\n"
+        "        if done: bad += os.waitstatus_to_exitcode(st) != 0; break\n"
+        "        if time.monotonic() > end: os.kill(pid, 9); os.waitpid(pid, 0); hung += 1; break\n"
+        "        time.sleep(0.01)\n"
+        "stop = True; t.join()\n"
+        "print('hung', hung, 'bad', bad)\n"
+        "raise SystemExit(1 if hung or bad else 0)\n")
+    r = subprocess.run([sys.executable, "-c", code], timeout=400, capture_output=True, text=True,
+                       env=os.environ | {"PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("spin_us", ["0", "200"])
 def test_shared_jobs_wake_workers_that_spin_or_sleep(spin_us):
     """Workers spin for MLX_FLASH_KERNEL_SPIN_US after a job, then sleep: jobs that come at once,

@@ -42,7 +42,8 @@
  *
  * Rows are split over a small persistent pthread pool (the caller's thread
  * takes parts too); the GIL is released while it runs, and no worker
- * touches a Python object. Threads do not survive fork(): a child makes its own.
+ * touches a Python object. Threads do not survive fork(): a child makes its own, and a fork
+ * waits for the product in flight (pthread_atfork).
  */
 #define PY_SSIZE_T_CLEAN
 #if defined(__linux__) && !defined(_GNU_SOURCE)
@@ -338,16 +339,25 @@ AVX2 static void dequantize_row_avx2(const job_t *j, const uint8_t *w, const flo
 AVX2 static void dequant_cols_avx2(const uint8_t *const *p, const uint8_t *const *sr, const uint8_t *const *br,
                                    int64_t nr, int64_t bits, int64_t n, int64_t code, float *out, int64_t bs) {
     const int64_t ssz = code == F32 ? 4 : 2;
-    __m256 v[4];
-    for (int64_t c = 0; c < n; c += 32)
+    __m256 v[4], s[4], b[4];
+    for (int l = 0; l < 4; l++) s[l] = b[l] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c += 32) {
+        const uint8_t *held_s = NULL, *held_b = NULL; /* (a table row's scales loaded once: dequant_cols4_tile) */
         for (int64_t i = 0; i < nr; i++) {
+            if (sr[i] != held_s || br[i] != held_b) {
+                held_s = sr[i], held_b = br[i];
+                for (int l = 0; l < 4; l++) {
+                    s[l] = load8_scales(held_s + (c + 8 * l) * ssz, code);
+                    b[l] = load8_scales(held_b + (c + 8 * l) * ssz, code);
+                }
+            }
             unpack32_avx2(p[i], bits, c, v);
             for (int l = 0; l < 4; l++) {
                 const int64_t at = c + 8 * l;
-                const __m256 t = _mm256_mul_ps(load8_scales(sr[i] + at * ssz, code), v[l]);
-                _mm256_storeu_ps(out + at / 16 * bs + i * 16 + at % 16, _mm256_add_ps(t, load8_scales(br[i] + at * ssz, code)));
+                _mm256_storeu_ps(out + at / 16 * bs + i * 16 + at % 16, _mm256_add_ps(_mm256_mul_ps(s[l], v[l]), b[l]));
             }
         }
+    }
 }
 
 /* qaxpy_cols's row step over a few rows at once (at most 4), 32 values at a time: acc[c] += h[0] *
@@ -1150,6 +1160,13 @@ static void run_job(const job_t *j) {
 
 static pthread_mutex_t calls = PTHREAD_MUTEX_INITIALIZER;
 
+/* fork() keeps only the forking thread. Were `calls` held then by another thread's product (its
+ * GIL released), the child's first product would wait on it forever; so a fork waits for the
+ * product in flight (pthread_atfork: `calls` taken before, let go after on both sides). The
+ * pool's own lock and threads the child makes anew (pool_start). */
+static void fork_prepare(void) { pthread_mutex_lock(&calls); }
+static void fork_release(void) { pthread_mutex_unlock(&calls); }
+
 /* run a job on the pool (scratch: floats per thread), the GIL released; one job at a time:
  * callers on two Python threads take turns. -> 0, or -1 with MemoryError set */
 static int dispatch(const job_t *j, int64_t scratch) {
@@ -1647,7 +1664,11 @@ static PyObject *py_set_threads(PyObject *mod, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "threads must be 1 .. %d", MAX_THREADS);
         return NULL;
     }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls); /* (pool_start reads it under this lock) */
     pool.want = n;
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -1716,13 +1737,25 @@ static PyObject *py_parts_taken(PyObject *mod, PyObject *unused) {
  * placement), or will be when the pool starts (at the first shared product) */
 static PyObject *py_pinning(PyObject *mod, PyObject *unused) {
     (void)mod, (void)unused;
-    return PyBool_FromLong(pool.pid == getpid() ? pool.pin : pin_wanted());
+    int on;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls); /* (a call may be starting the pool) */
+    on = pool.pid == getpid() ? pool.pin : pin_wanted();
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(on);
 }
 
 /* threads() -> the pool's size for the next call, as set_threads left it (0: never set, 1 used) */
 static PyObject *py_threads(PyObject *mod, PyObject *unused) {
     (void)mod, (void)unused;
-    return PyLong_FromLong(pool.want);
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&calls);
+    n = pool.want;
+    pthread_mutex_unlock(&calls);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(n);
 }
 
 /* simd(level) -> the level in use: 0 the portable loops, 1 AVX2, 2 AVX-512 BF16 for 4-bit
@@ -1774,6 +1807,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_matvec", "matrix-ve
 
 PyMODINIT_FUNC PyInit__matvec(void) {
     use_simd = cpu_simd();
+    static int at_fork; /* (once a process: twice, prepare would take `calls` twice) */
+    if (!at_fork++ && pthread_atfork(fork_prepare, fork_release, fork_release)) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "MAX_MANY", MAX_MANY) < 0) {
         Py_DECREF(m);

@@ -113,21 +113,31 @@ TARGET_AVX512_BF16 static void dequantize_row4_avx512(const uint8_t *w, const fl
 }
 
 /* dequant_cols_avx2 (_matvec.c) for 4-bit columns in 512-bit registers: the same values (a
- * multiply, then an add) in the same places (one column with bs = 16: in order) */
+ * multiply, then an add) in the same places (one column with bs = 16: in order). Columns of
+ * one table row (a group's: MM16_KBLOCK columns of a group of 64 all share it) take its 32
+ * scales and biases loaded and converted once: a third less of this loop's time (stop 49) */
 TARGET_AVX512_BF16 static void dequant_cols4_tile(const uint8_t *const *p, const uint8_t *const *sr,
                                                  const uint8_t *const *br, int64_t nr, int64_t n, int64_t code,
                                                  float *out, int64_t bs) {
     const int64_t ssz = code == F32 ? 4 : 2;
-    __m512 v[2];
-    for (int64_t c = 0; c < n; c += 32)
+    __m512 v[2], s[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < n; c += 32) {
+        const uint8_t *held_s = NULL, *held_b = NULL;
         for (int64_t i = 0; i < nr; i++) {
+            if (sr[i] != held_s || br[i] != held_b) {
+                held_s = sr[i], held_b = br[i];
+                for (int l = 0; l < 2; l++) {
+                    s[l] = load16_scales(held_s + (c + 16 * l) * ssz, code);
+                    b[l] = load16_scales(held_b + (c + 16 * l) * ssz, code);
+                }
+            }
             unpack4_avx512(p[i] + c / 2, v);
             for (int l = 0; l < 2; l++) {
                 const int64_t at = c + 16 * l;
-                const __m512 t = _mm512_mul_ps(load16_scales(sr[i] + at * ssz, code), v[l]);
-                _mm512_storeu_ps(out + at / 16 * bs + i * 16, _mm512_add_ps(t, load16_scales(br[i] + at * ssz, code)));
+                _mm512_storeu_ps(out + at / 16 * bs + i * 16, _mm512_add_ps(_mm512_mul_ps(s[l], v[l]), b[l]));
             }
         }
+    }
 }
 
 

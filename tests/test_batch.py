@@ -281,8 +281,12 @@ def test_benchmark_batch_writes_its_table(tmp_path):
     p = five["predicted"]
     assert p["positions"] == 5 and p["batch_priced"] and p["compute_ms"] > one["predicted"]["compute_ms"]
     assert five["measured_over_predicted"] == pytest.approx(five["step_ms"] / p["total_ms"])
+    # and again at the disk probed on the checkpoint at the start of each round (the median)
+    assert len(res["disk_curves_gbs"]) == 2 and all(c and min(c.values()) > 0 for c in res["disk_curves_gbs"])
+    for row in res["rows"]:
+        assert row["measured_over_predicted_run_curve"] == pytest.approx(row["step_ms"] / row["predicted_run_curve_ms"])
     table = (tmp_path / "out" / "batch-tiny-llama-q4-hybrid.md").read_text()
-    assert "| 5 |" in table and "measured ÷ predicted" in table
+    assert "| 5 |" in table and "measured ÷ predicted" in table and "measured ÷ predicted at the run's disk" in table
 
 
 def test_benchmark_batch_under_a_memory_limit_plans_each_size(tmp_path):

@@ -24,15 +24,18 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
+from ..layout.format import read_manifest
 
 EXACT_MODES = ("naive", "hybrid", "dense")
 
 
 def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", batches=(1, 16), tokens=4,
                     prompt_tokens=16, rounds=2, seed=0, progress=True, memory_limit=None, profile=None,
-                    resident_dtype=None):
-    """profile: the machine's (plan/profile.py), to predict each batch size's step. resident_dtype:
-    mlx_flash.load's (float16: a float16 checkpoint's weights held as stored)."""
+                    resident_dtype=None, disk_seconds=1.0):
+    """profile: the machine's (plan/profile.py), to predict each batch size's step, from its rates and
+    again from the disk probed at the start of each round (`disk_seconds` a read size, as the
+    profile probes it, on the checkpoint's files). resident_dtype: mlx_flash.load's (float16: a
+    float16 checkpoint's weights held as stored)."""
     import dataclasses
     import gc
 
@@ -41,6 +44,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     import mlx_flash
     from ..loader import release_heap
     from ..plan.cost import predict
+    from .profile import CHUNKS, LAYER_READS, disk_curve
     from .random_model import build_checkpoint, shape_config
 
     if mode not in EXACT_MODES:
@@ -79,8 +83,16 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     vocab = shape_config(shape)["vocab_size"]
     rng = np.random.default_rng(seed)
     runs = {b: [] for b in batches}
+    curves = []  # each round's disk, probed as the profile probes it (for the prediction at it)
+    files = [folder / e["file"] for e in read_manifest(folder).ffn_files]
     try:
         for r in range(rounds):
+            if profile is not None:
+                curves.append(disk_curve(files, CHUNKS, profile.threads, seconds=disk_seconds, rounds=3,
+                                         batch=LAYER_READS))
+                if progress:
+                    print(f"round {r + 1} disk: " + ", ".join(f"{c // 1024} KiB {v:.2f}" for c, v in curves[-1].items())
+                          + " GB/s", flush=True)
             order = list(batches) if r % 2 == 0 else list(reversed(batches))
             for b in order:
                 prompts = [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(b)]
@@ -114,16 +126,24 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
         key = row["batch"] if memory_limit is not None else 1
         row["budget_bytes"], row["weights_bytes"] = plans[key]
         if profile is not None and works.get(key) is not None:
+            work = dataclasses.replace(works[key], positions=row["batch"])
             try:
-                pred = predict(dataclasses.replace(works[key], positions=row["batch"]), profile)
+                pred = predict(work, profile)
             except FlashError:  # (a profile without one of the plan's weight forms: no prediction)
                 continue
             row["predicted"] = pred.as_dict() | {"batch_priced": pred.batch_priced}
             row["measured_over_predicted"] = row["step_ms"] / pred.total_ms
+            # again at each round's disk (the median): the model's error apart from the disk's drift
+            # since the profile, as `benchmark paper` gives it
+            at = [predict(work, dataclasses.replace(profile, disk=dict(c))).total_ms for c in curves if c]
+            if at:  # (none: files smaller than every probe size)
+                row["predicted_run_curve_ms"] = float(np.median(at))
+                row["measured_over_predicted_run_curve"] = row["step_ms"] / row["predicted_run_curve_ms"]
     return {"shape": shape, "dtype": dtype, "mode": mode, "resident_dtype": resident_dtype,
             "memory_budget": memory_budget if memory_limit is None else None, "memory_limit": memory_limit,
             "budget_bytes": rows[0]["budget_bytes"], "weights_bytes": rows[0]["weights_bytes"],
-            "tokens": tokens, "prompt_tokens": prompt_tokens, "rounds": rounds, "rows": rows}
+            "tokens": tokens, "prompt_tokens": prompt_tokens, "rounds": rounds, "rows": rows,
+            "disk_curves_gbs": [{str(c): v for c, v in curve.items()} for curve in curves]}
 
 
 def read_size(row):
@@ -145,10 +165,13 @@ def report(res, profile=None):
              + (" Under the limit each batch size has a plan of its own (its KV caches off the limit): the "
                 "weights it holds in DRAM are in the last column." if limited else "")
              + (" Predicted: the cost model's step (I/O, compute) from the profile's rates for a step of that many "
-                "sequences; measured ÷ predicted beside it." if profile else ""),
+                "sequences; measured ÷ predicted beside it. Then again with the disk probed at the start of each "
+                "round as the profile probes it (on the checkpoint's files; the median of the rounds): the disk's "
+                "drift since the profile set apart." if profile else ""),
              "", "| batch | decode tok/s | vs one-by-one | ms per step | read per step (GB) | floor per step (ms) |"
-             " predicted ms per step (I/O, compute) | measured ÷ predicted |" + (" weights in DRAM (GB) |" if limited else ""),
-             "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else "")]
+             " predicted ms per step (I/O, compute) | measured ÷ predicted | predicted at the run's disk (ms) |"
+             " measured ÷ predicted at the run's disk |" + (" weights in DRAM (GB) |" if limited else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else "")]
     for r in res["rows"]:
         floor = ""
         if profile is not None and r["bytes_per_step"]:
@@ -161,8 +184,11 @@ def report(res, profile=None):
             if not p.get("batch_priced", True):
                 pred += " as one-position steps: the profile has no batch rates"
             ratio = f"{r['measured_over_predicted']:.2f}"
+        at, at_ratio = "–", "–"
+        if r.get("predicted_run_curve_ms"):
+            at, at_ratio = f"{r['predicted_run_curve_ms']:.0f}", f"{r['measured_over_predicted_run_curve']:.2f}"
         lines.append(f"| {r['batch']} | {r['decode_tps']:.3f} | {r['vs_one_by_one']:.2f}x | {r['step_ms']:.0f} | "
-                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} | {pred} | {ratio} |" + held)
+                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} | {pred} | {ratio} | {at} | {at_ratio} |" + held)
     return "\n".join(lines) + "\n"
 
 

@@ -83,13 +83,19 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     vocab = shape_config(shape)["vocab_size"]
     rng = np.random.default_rng(seed)
     runs = {b: [] for b in batches}
-    curves = []  # each round's disk, probed as the profile probes it (for the prediction at it)
+    # each round's disk, probed as the profile probes it (for the prediction at it); not under a
+    # memory limit: the probe's reader threads would leave what a load then measures as its runtime
+    curves = []
+    probe = profile is not None and memory_limit is None
+    if profile is not None and not probe and progress:
+        print("under --memory-limit the disk is not probed each round (its threads would count in the "
+              "plan's measured runtime): no prediction at the run's disk", flush=True)
     files = [folder / e["file"] for e in read_manifest(folder).ffn_files]
     try:
         for r in range(rounds):
-            if profile is not None:
-                curves.append(disk_curve(files, CHUNKS, profile.threads, seconds=disk_seconds, rounds=3,
-                                         batch=LAYER_READS))
+            if probe:  # (other offsets each round: a cache below the guest's would serve a repeat)
+                curves.append(disk_curve(files, CHUNKS, profile.threads, seconds=disk_seconds, seed=seed + r,
+                                         rounds=3, batch=LAYER_READS))
                 if progress:
                     print(f"round {r + 1} disk: " + ", ".join(f"{c // 1024} KiB {v:.2f}" for c, v in curves[-1].items())
                           + " GB/s", flush=True)
@@ -135,8 +141,11 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
             row["measured_over_predicted"] = row["step_ms"] / pred.total_ms
             # again at each round's disk (the median): the model's error apart from the disk's drift
             # since the profile, as `benchmark paper` gives it
-            at = [predict(work, dataclasses.replace(profile, disk=dict(c))).total_ms for c in curves if c]
-            if at:  # (none: files smaller than every probe size)
+            # (a curve whose sizes stop below the step's reads, the files being smaller, held flat past
+            # its last size: none)
+            at = [predict(work, dataclasses.replace(profile, disk=dict(c))).total_ms for c in curves
+                  if c and max(c) >= work.read_size]
+            if at:
                 row["predicted_run_curve_ms"] = float(np.median(at))
                 row["measured_over_predicted_run_curve"] = row["step_ms"] / row["predicted_run_curve_ms"]
     return {"shape": shape, "dtype": dtype, "mode": mode, "resident_dtype": resident_dtype,

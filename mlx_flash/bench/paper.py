@@ -392,15 +392,17 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     per = {row_name(c, s.dtype, dtypes): [] for c, s in names}
     curves, best_bw, layer_curves = [curve], mem_bw, []
     for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
-        if rnd:  # the disk again: the floor takes the best the device showed in the run
-            curves.append(disk_curve(files, chunks, seconds=disk_seconds))
+        if rnd:  # the disk again: the floor takes the best the device showed in the run (other offsets
+            # each probe: a cache below the guest's, a VM host's or the drive's, would serve a repeat)
+            curves.append(disk_curve(files, chunks, seconds=disk_seconds, seed=rnd))
             curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
             log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
         # and as the profile measures it (a layer's reads at a time, the sizes in turn three times,
         # medians: a short stall of the disk then spoils one pass, not a size), for the prediction
         # at this round's disk: the disk's drift since the profile set apart from the model's error
         if profile is not None:
-            layer_curves.append(disk_curve(files, chunks, seconds=disk_seconds, rounds=3, batch=LAYER_READS))
+            layer_curves.append(disk_curve(files, chunks, seconds=disk_seconds, seed=100 + rnd, rounds=3,
+                                            batch=LAYER_READS))
         for config, sub in names:
             name = row_name(config, sub.dtype, dtypes)
             for other in subjects:

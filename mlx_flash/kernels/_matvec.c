@@ -1808,9 +1808,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_matvec", "matrix-ve
 PyMODINIT_FUNC PyInit__matvec(void) {
     use_simd = cpu_simd();
     static int at_fork; /* (once a process: twice, prepare would take `calls` twice) */
-    if (!at_fork++ && pthread_atfork(fork_prepare, fork_release, fork_release)) {
-        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
-        return NULL;
+    if (!at_fork) {
+        if (pthread_atfork(fork_prepare, fork_release, fork_release)) {
+            PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+            return NULL;
+        }
+        at_fork = 1;
     }
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "MAX_MANY", MAX_MANY) < 0) {

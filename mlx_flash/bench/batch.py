@@ -140,9 +140,8 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
             row["predicted"] = pred.as_dict() | {"batch_priced": pred.batch_priced}
             row["measured_over_predicted"] = row["step_ms"] / pred.total_ms
             # again at each round's disk (the median): the model's error apart from the disk's drift
-            # since the profile, as `benchmark paper` gives it
-            # (a curve whose sizes stop below the step's reads, the files being smaller, held flat past
-            # its last size: none)
+            # since the profile, as `benchmark paper` gives it; none from a curve whose sizes stop
+            # below the step's reads (files smaller than them: the curve held flat past its last size)
             at = [predict(work, dataclasses.replace(profile, disk=dict(c))).total_ms for c in curves
                   if c and max(c) >= work.read_size]
             if at:

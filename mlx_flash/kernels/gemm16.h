@@ -80,12 +80,19 @@ TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t lda, const floa
     for (int r = 0; r < MM16_ROWS; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 }
 
-/* 32 4-bit values (16 bytes: byte i holds value 2i low, 2i + 1 high) -> 2 x 16 floats in order */
-TARGET_AVX512_BF16 static inline void unpack4_avx512(const uint8_t *p, __m512 v[2]) {
+/* 32 4-bit values (16 bytes: byte i holds value 2i low, 2i + 1 high) -> 2 x 16 int32 in order */
+TARGET_AVX512_BF16 static inline void nibbles4_avx512(const uint8_t *p, __m512i q[2]) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))); /* values 0-15 */
-    v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))); /* 16-31 */
+    q[0] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)); /* values 0-15 */
+    q[1] = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)); /* 16-31 */
+}
+
+/* the same 32 values as floats */
+TARGET_AVX512_BF16 static inline void unpack4_avx512(const uint8_t *p, __m512 v[2]) {
+    __m512i q[2];
+    nibbles4_avx512(p, q);
+    v[0] = _mm512_cvtepi32_ps(q[0]), v[1] = _mm512_cvtepi32_ps(q[1]);
 }
 
 /* 16 scales or biases at code -> floats */
@@ -105,14 +112,13 @@ TARGET_AVX512_BF16 static inline __m512 load16_scales(const uint8_t *p, int64_t 
 TARGET_AVX512_BF16 static void dequantize_row4_avx512(const uint8_t *w, const float *sc, const float *bi, int64_t k,
                                                      int64_t g, float *out) {
     const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m128i m = _mm_set1_epi8(15);
+    __m512i q[2];
     for (int64_t k0 = 0; k0 < k; k0 += g) {
         const __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sc[k0 / g]), q16), _mm512_set1_ps(bi[k0 / g]));
         for (int64_t i = k0; i < k0 + g; i += 32) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(w + i / 2));
-            const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-            _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table));
-            _mm512_storeu_ps(out + i + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table));
+            nibbles4_avx512(w + i / 2, q);
+            _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(q[0], table));
+            _mm512_storeu_ps(out + i + 16, _mm512_permutexvar_ps(q[1], table));
         }
     }
 }

@@ -191,6 +191,20 @@ AVX2 static inline __m256 load16_avx2(const uint16_t *w, int bf16) {
     return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
 }
 
+/* dot_avx2 over a row's biases where they lie (p at code: float32, float16 or bfloat16): the
+ * values values_f32 gives, summed in dot_avx2's order, so the same bits */
+AVX2 static float dot_scales_avx2(const uint8_t *p, int64_t code, const float *x, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = code == F32 ? _mm256_loadu_ps((const float *)p + i) : load16_avx2((const uint16_t *)p + i, code == BF16);
+        acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + i), acc);
+    }
+    float t = hsum(acc);
+    for (; i < n; i++) t += load_scale(p + (code == F32 ? 4 : 2) * i, code) * x[i];
+    return t;
+}
+
 AVX2 static float dot16_avx2(const uint16_t *w, const float *x, int64_t n, int64_t code) {
     const int bf16 = code == BF16;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -575,11 +589,12 @@ static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const 
     const int64_t ng = j->k / j->g;
 #ifdef AVX2_PATH
     if (j->simd && (j->bits == 4 || j->bits == 8)) {
+#ifdef BF16_PATH
+        if (in->xb) /* (its scales and biases read where they lie) */
+            return row4_bf16(w, sp, j->scode, in->xb, j->k, j->g) + dot_scales_avx2(bp, j->scode, in->xsum, ng);
+#endif
         values_f32(sp, j->scode, ng, j->simd, sc);
         values_f32(bp, j->scode, ng, j->simd, bi);
-#ifdef BF16_PATH
-        if (in->xb) return row4_bf16(w, sc, in->xb, j->k, j->g) + dot_avx2(bi, in->xsum, ng);
-#endif
         const float t = j->bits == 4 ? row4_avx2(j, w, sc, in->xp) : row8_avx2(j, w, sc, in->x);
         return t + dot_avx2(bi, in->xsum, ng);
     }

@@ -82,8 +82,24 @@ TARGET_AVX512_BF16 static void split_x_bf16(const float *x, int64_t k, uint16_t 
     }
 }
 
-/* one 4-bit row . x: sum over 64-value steps of scale(group) * (q . x), in float32 lanes */
-TARGET_AVX512_BF16 static float row4_bf16(const uint8_t *w, const float *sc, const uint16_t *xb, int64_t k, int64_t g) {
+/* scale i of a row's scales at code (float32, float16 or bfloat16), exactly: the value
+ * values_f32 gives (float16 through the same hardware conversion) */
+TARGET_AVX512_BF16 static inline float scale_at(const uint8_t *p, int64_t i, int64_t code) {
+    if (code == F32) {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    return code == F16 ? _cvtsh_ss(h) : f32_from_bits((uint32_t)h << 16);
+}
+
+/* one 4-bit row . x: sum over 64-value steps of scale(group) * (q . x), in float32 lanes; the
+ * row's scales read where they lie (sp at scode), not converted into a scratch row first: that
+ * conversion, a call a row, took a fifth of this loop's time (stop 49) */
+TARGET_AVX512_BF16 static float row4_bf16(const uint8_t *w, const uint8_t *sp, int64_t scode, const uint16_t *xb,
+                                          int64_t k, int64_t g) {
     /* word i -> bfloat16 of (i & 15): vpermw reads an index's low 5 bits, so a byte's high
      * nibble's low bit does not disturb its low nibble's lookup */
     static const uint16_t table[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
@@ -108,7 +124,7 @@ TARGET_AVX512_BF16 static float row4_bf16(const uint8_t *w, const float *sc, con
         a2 = _mm512_dpbf16_ps(a2, hi, XPART(2, 32));
 #undef XPART
         const __m512 a = _mm512_add_ps(a0, _mm512_add_ps(a1, a2));
-        const __m128 s2 = _mm_setr_ps(sc[c / g], sc[(c + 32) / g], 0, 0);
+        const __m128 s2 = _mm_setr_ps(scale_at(sp, c / g, scode), scale_at(sp, (c + 32) / g, scode), 0, 0);
         const __m512 s = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(s2));
         if ((c / 64) & 1)
             tot1 = _mm512_fmadd_ps(s, a, tot1);

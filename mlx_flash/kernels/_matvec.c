@@ -191,6 +191,7 @@ AVX2 static inline __m256 load16_avx2(const uint16_t *w, int bf16) {
     return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
 }
 
+#ifdef BF16_PATH /* (its one caller: qmv_row's AVX-512 BF16 path) */
 /* dot_avx2 over a row's biases where they lie (p at code: float32, float16 or bfloat16): the
  * values values_f32 gives, summed in dot_avx2's order, so the same bits */
 AVX2 static float dot_scales_avx2(const uint8_t *p, int64_t code, const float *x, int64_t n) {
@@ -204,6 +205,7 @@ AVX2 static float dot_scales_avx2(const uint8_t *p, int64_t code, const float *x
     for (; i < n; i++) t += load_scale(p + (code == F32 ? 4 : 2) * i, code) * x[i];
     return t;
 }
+#endif
 
 AVX2 static float dot16_avx2(const uint16_t *w, const float *x, int64_t n, int64_t code) {
     const int bf16 = code == BF16;
@@ -583,7 +585,8 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
     }
 }
 
-/* one row (packed values w, scales sp, biases bp) . x; sc, bi: scratch for its K / g scales and biases */
+/* one row (packed values w, scales sp, biases bp) . x; sc, bi: scratch for its K / g scales and biases (the
+ * AVX-512 BF16 path reads them where they lie) */
 static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const uint8_t *bp, const xprep_t *in,
                      float *sc, float *bi) {
     const int64_t ng = j->k / j->g;

@@ -83,7 +83,7 @@ TARGET_AVX512_BF16 static void split_x_bf16(const float *x, int64_t k, uint16_t 
 }
 
 /* scale i of a row's scales at code (float32, float16 or bfloat16), exactly: the value
- * values_f32 gives (float16 through the same hardware conversion) */
+ * values_f32 gives (its hardware and software float16 conversions agree on every input) */
 TARGET_AVX512_BF16 static inline float scale_at(const uint8_t *p, int64_t i, int64_t code) {
     if (code == F32) {
         float f;

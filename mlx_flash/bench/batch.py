@@ -44,7 +44,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     import mlx_flash
     from ..loader import release_heap
     from ..plan.cost import predict
-    from .profile import CHUNKS, LAYER_READS, disk_curve
+    from .profile import model_disk_curve
     from .random_model import build_checkpoint, shape_config
 
     if mode not in EXACT_MODES:
@@ -90,12 +90,11 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     if profile is not None and not probe and progress:
         print("under --memory-limit the disk is not probed each round (its threads would count in the "
               "plan's measured runtime): no prediction at the run's disk", flush=True)
-    files = [folder / e["file"] for e in read_manifest(folder).ffn_files]
+    files = [folder / e["file"] for e in read_manifest(folder).ffn_files] if probe else []
     try:
         for r in range(rounds):
             if probe:  # (other offsets each round: a cache below the guest's would serve a repeat)
-                curves.append(disk_curve(files, CHUNKS, profile.threads, seconds=disk_seconds, seed=seed + r,
-                                         rounds=3, batch=LAYER_READS))
+                curves.append(model_disk_curve(files, threads=profile.threads, seconds=disk_seconds, seed=seed + r))
                 if progress:
                     print(f"round {r + 1} disk: " + ", ".join(f"{c // 1024} KiB {v:.2f}" for c, v in curves[-1].items())
                           + " GB/s", flush=True)

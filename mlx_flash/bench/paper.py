@@ -47,7 +47,7 @@ import mlx.core as mx
 from ..errors import FlashError
 from ..io import READ_THREADS
 from ..plan.profile import curve_gbs
-from .profile import LAYER_READS, disk_curve
+from .profile import disk_curve, model_disk_curve
 from .random_model import build_checkpoint
 from .trace import TraceModel, TraceSource
 
@@ -401,8 +401,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         # medians: a short stall of the disk then spoils one pass, not a size), for the prediction
         # at this round's disk: the disk's drift since the profile set apart from the model's error
         if profile is not None:
-            layer_curves.append(disk_curve(files, chunks, seconds=disk_seconds, seed=100 + rnd, rounds=3,
-                                            batch=LAYER_READS))
+            layer_curves.append(model_disk_curve(files, chunks, seconds=disk_seconds, seed=100 + rnd))
         for config, sub in names:
             name = row_name(config, sub.dtype, dtypes)
             for other in subjects:

@@ -59,7 +59,7 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     if file is None:
         file = probe_file()
     say(f"disk: uncached random reads of {file}, {threads} threads")
-    disk = disk_curve([file], CHUNKS, threads, seconds, rounds=1 if quick else 3, batch=LAYER_READS)
+    disk = model_disk_curve([file], CHUNKS, threads, seconds, rounds=1 if quick else 3)
     batch_ms = batch_latency(file, disk, threads, batches=30 if quick else 150)
     say("compute: one decode step's matrix-vector products, by weight form")
     compute = compute_rates(repeat=3 if quick else 10, streamed=STREAMED_BYTES // 4 if quick else STREAMED_BYTES)
@@ -102,6 +102,13 @@ def probe_file():
 
 
 LAYER_READS = 512  # reads the disk probe issues at once for the cost model: about what a layer's store asks
+
+
+def model_disk_curve(files, chunks=CHUNKS, threads=None, seconds=1.0, seed=0, rounds=3):
+    """The disk as the profile measures it for the cost model (`measure`): LAYER_READS reads at a
+    time, the sizes in turn `rounds` times, medians. `benchmark paper` and `benchmark batch`
+    probe each round's disk the same way, to predict their rows at it."""
+    return disk_curve(files, chunks, threads, seconds, seed=seed, rounds=rounds, batch=LAYER_READS)
 
 
 def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch=None, contiguous=False):

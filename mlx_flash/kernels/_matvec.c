@@ -160,15 +160,6 @@ AVX2 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2 static float dot_avx2(const float *a, const float *b, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float t = hsum(acc);
-    for (; i < n; i++) t += a[i] * b[i];
-    return t;
-}
-
 /* four independent sums: a float32 row streams at the memory's speed, not the FMA's latency */
 AVX2 static float dot4_avx2(const float *a, const float *b, int64_t n) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -191,9 +182,8 @@ AVX2 static inline __m256 load16_avx2(const uint16_t *w, int bf16) {
     return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
 }
 
-#ifdef BF16_PATH /* (its one caller: qmv_row's AVX-512 BF16 path) */
-/* dot_avx2 over a row's biases where they lie (p at code: float32, float16 or bfloat16): the
- * values values_f32 gives, summed in dot_avx2's order, so the same bits */
+/* a row's biases where they lie (p at code: float32, float16 or bfloat16) . x, 8 at a time into
+ * one sum, then the tail: the values values_f32 gives, so the same bits as converting them first */
 AVX2 static float dot_scales_avx2(const uint8_t *p, int64_t code, const float *x, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -205,7 +195,6 @@ AVX2 static float dot_scales_avx2(const uint8_t *p, int64_t code, const float *x
     for (; i < n; i++) t += load_scale(p + (code == F32 ? 4 : 2) * i, code) * x[i];
     return t;
 }
-#endif
 
 AVX2 static float dot16_avx2(const uint16_t *w, const float *x, int64_t n, int64_t code) {
     const int bf16 = code == BF16;
@@ -586,20 +575,19 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
 }
 
 /* one row (packed values w, scales sp, biases bp) . x; sc, bi: scratch for its K / g scales and biases (the
- * AVX-512 BF16 path reads them where they lie) */
+ * SIMD paths read the biases, and the AVX-512 BF16 path the scales too, where they lie) */
 static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const uint8_t *bp, const xprep_t *in,
                      float *sc, float *bi) {
     const int64_t ng = j->k / j->g;
 #ifdef AVX2_PATH
     if (j->simd && (j->bits == 4 || j->bits == 8)) {
+        const float b = dot_scales_avx2(bp, j->scode, in->xsum, ng);
 #ifdef BF16_PATH
-        if (in->xb) /* (its scales and biases read where they lie) */
-            return row4_bf16(w, sp, j->scode, in->xb, j->k, j->g) + dot_scales_avx2(bp, j->scode, in->xsum, ng);
+        if (in->xb) return row4_bf16(w, sp, j->scode, in->xb, j->k, j->g) + b; /* (its scales where they lie) */
 #endif
         values_f32(sp, j->scode, ng, j->simd, sc);
-        values_f32(bp, j->scode, ng, j->simd, bi);
         const float t = j->bits == 4 ? row4_avx2(j, w, sc, in->xp) : row8_avx2(j, w, sc, in->x);
-        return t + dot_avx2(bi, in->xsum, ng);
+        return t + b;
     }
 #endif
     values_f32(sp, j->scode, ng, 0, sc);

@@ -132,6 +132,29 @@ def test_reads_landing_during_the_compute_they_overlap_slow_it():
     assert Profile.from_dict(p.as_dict()).read_steal == 0.25
 
 
+def test_compute_beside_the_reads_slows_them():
+    """The reads that land during a layer's compute keep only read_busy of their rate alone: the
+    compute hides at most read_busy x its time of I/O. A token whose reads outlast its compute
+    takes I/O + (1 - read_busy) x compute (but for a layer's share); one whose compute spans its
+    reads even at that rate, the same as before; nothing changes without prefetch, nor for a
+    profile measured before it (1.0)."""
+    from dataclasses import replace
+
+    p = _profile(read_busy=0.5)
+    w = Work(read_bytes=200 * MB, read_size=262144, computed={"float32": 300 * MB}, overlapped=True, n_layers=10,
+             mode="hybrid")  # I/O 100, compute 30 + 20 layers = 50
+    alone = predict(w, replace(p, read_busy=1.0))
+    assert alone.total_ms == pytest.approx(100.0 + 50.0 - 50.0 * 9 / 10)
+    assert predict(w, p).total_ms == pytest.approx(100.0 + 50.0 - 0.5 * 50.0 * 9 / 10)
+    assert predict(w, p).io_ms == alone.io_ms and predict(w, p).compute_ms == alone.compute_ms
+    long = replace(w, computed={"float32": 3000 * MB})  # compute 320: it spans the 100 ms of reads at half the rate
+    assert predict(long, p).total_ms == pytest.approx(predict(long, replace(p, read_busy=1.0)).total_ms)
+    off = replace(w, overlapped=False)
+    assert predict(off, p).total_ms == predict(off, replace(p, read_busy=1.0)).total_ms
+    assert Profile.from_dict({k: v for k, v in p.as_dict().items() if k != "read_busy"}).read_busy == 1.0
+    assert Profile.from_dict(p.as_dict()).read_busy == 0.5
+
+
 def test_a_batch_step_is_priced_from_the_profile_s_rates_for_a_step_of_that_many_sequences():
     """A decode step of B sequences reads what one token reads and multiplies every weight into
     B positions: up to SMALL_PASS as B one-position products (what the runtime runs), beyond at
@@ -367,6 +390,8 @@ def _check_quick_profile(p):
     assert 0.0 <= p.convert_ns < 100.0  # (0.25-0.4 ns a value here; 0 where the reads alone took longer)
     # the checks' share of the cores at least, the reads' cost to the compute beside it (~0.1-0.2 s a GB here)
     assert 0.0 < p.read_steal < 5.0
+    # and the compute's cost to the reads beside it: a share of their rate alone (0.7-0.8 here)
+    assert 0.0 < p.read_busy <= 1.0
     # a batch's decode step, every form at a 7B FFN matrix's size (the quick probe's one), 16 and 32 sequences
     assert set(p.compute) == set(p.pass_compute)
     assert all(list(r) == [11008 * 4096] and set(r[11008 * 4096]) == {16, 32} and min(r[11008 * 4096].values()) > 0

@@ -77,8 +77,8 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     p.pass_compute = passes
     p.convert_ns = convert_cost(threads, rounds=5 if quick else 15)
     p.batch_ms = batch_ms  # (before runtime_costs: its probes' batches are then not a per-layer cost)
-    say("the reads' cost to the compute they overlap: a batch step's compute alone and while reading")
-    p.read_steal = read_steal(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
+    say("reads and compute beside each other: a batch step's compute alone and while reading, the reads alone")
+    p.read_steal, p.read_busy = contention(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
                                                       rounds=1 if quick else 3)
     return p
@@ -148,8 +148,9 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch
     return {c: float(np.median(v)) for c, v in rates.items()}
 
 
-def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
-    """Seconds of compute lost a GB read meanwhile. Prefetch reads the next layer while this one
+def contention(file, threads=None, seconds=1.5, rounds=3, seed=3):
+    """Reads and compute on the same cores, each slowed by the other. read_steal: seconds of
+    compute lost a GB read meanwhile. Prefetch reads the next layer while this one
     computes: the reads' block-layer work, their DMA into memory and the checks of their CRC32C
     take from that compute. Measured: a batch step's compute (an FFN layer of 8,192 4-bit neurons
     of width 4,096 times 16 positions through the pass kernels where the CPU has them, else a
@@ -161,7 +162,15 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
     which took 0.25-0.3 s longer in hybrid than dense reading nothing (stop 46). Priced a GB at
     256 KiB reads: reads of a few KiB (flash mode's rows) cost the block layer more a GB, and the
     reader's conversion of rows into float32 (convert_ns) takes from the cores too; neither is in
-    it."""
+    it.
+
+    -> (read_steal, read_busy): read_busy, the other way round, is the rate of the reads beside
+    that compute over their rate alone (timed alone in the same rounds, between the two): the
+    compute's threads hold the cores that the reads' block-layer work, completions and checks
+    need. Here 0.7-0.8: a hybrid layer's reads of 4-bit OPT-6.7B ran 1.3-1.4x as long beside
+    busy kernels as alone (results/cost-stop50/read_paths.txt), and its one-at-a-time decode,
+    I/O-bound, 1.2-1.5x the prediction that hid all of the compute behind reads at their rate
+    alone (stop 49)."""
     import threading
 
     from ..io import FlashReader
@@ -206,27 +215,34 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
         except Exception as e:  # (said by the caller, not lost in the thread)
             failed.append(e)
 
-    lost = []
+    def reading(r, fh, during):
+        """-> (during()'s result, GB read, seconds) with the reads streaming meanwhile."""
+        stop.clear()
+        t = threading.Thread(target=stream, args=(r, fh), daemon=True)
+        t.start()
+        try:
+            time.sleep(0.05)
+            b0, t0 = read[0], time.perf_counter()
+            out = during()
+            gb, dt = (read[0] - b0) / 1e9, time.perf_counter() - t0
+        finally:  # (the thread done before the reader closes)
+            stop.set()
+            t.join()
+        if failed:
+            raise FlashError(f"the reads' cost to the compute: reading {file} failed: {failed[0]}")
+        return out, gb, dt
+
+    lost, kept = [], []
     per_step(0.2)  # warm
     with FlashReader(threads=threads or READ_THREADS, direct=True, coalesce_gap=-1) as r:
         fh = r.open(file)
         for _ in range(rounds if fh.size >= 4 * KiB else 0):
             alone = per_step(seconds / 2)
-            stop.clear()
-            t = threading.Thread(target=stream, args=(r, fh), daemon=True)
-            t.start()
-            try:
-                time.sleep(0.05)
-                b0, t0 = read[0], time.perf_counter()
-                busy = per_step(seconds / 2)
-                gb, dt = (read[0] - b0) / 1e9, time.perf_counter() - t0
-            finally:  # (the thread done before the reader closes)
-                stop.set()
-                t.join()
-            if failed:
-                raise FlashError(f"the reads' cost to the compute: reading {file} failed: {failed[0]}")
-            if gb >= 0.05 * seconds / 2:  # (a stalled disk: too few bytes to divide by)
+            _, gb_alone, dt_alone = reading(r, fh, lambda: time.sleep(seconds / 2))
+            busy, gb, dt = reading(r, fh, lambda: per_step(seconds / 2))
+            if min(gb, gb_alone) >= 0.05 * seconds / 2:  # (a stalled disk: too few bytes to divide by)
                 lost.append(max(0.0, (busy - alone) / alone * dt / gb))
+                kept.append(min(1.0, (gb / dt) / (gb_alone / dt_alone)))
     # the checks' CPU time a GB (the native CRC; the NumPy fallback's, on far fewer bytes, runs ~1000x
     # slower and would take minutes over 64 MiB)
     from ..io.checksum import _native
@@ -237,7 +253,7 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
     crc32c(buf)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     checks = (time.perf_counter() - t0) / (buf.nbytes / 1e9) / max(cpus, 1)
-    return (float(np.median(lost)) if lost else 0.0) + checks
+    return (float(np.median(lost)) if lost else 0.0) + checks, float(np.median(kept)) if kept else 1.0
 
 
 BATCHES = ((1, 4 * KiB), (3, 256 * KiB), (32, 4 * KiB))  # reads x size: a layer's few reads
@@ -632,7 +648,8 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
     # SmolLM2 naive rows ran 1.2-1.45x slower than predicted; measured so, 0.75-1.0.
     t_off, t_io, L = float(np.median(off)), float(np.median(io)), work.n_layers
     compute = t_off - t_io - token_ms["naive"][width]
-    hideable = min(t_io, compute) * (L - 1) / L
+    # (the reads beside compute at their share of the rate alone, as cost.predict hides them)
+    hideable = min(t_io, rates.read_busy * compute) * (L - 1) / L
     saved = t_off - float(np.median(on))
     # the run with prefetch also paid what its reads cost the compute they overlapped, which
     # cost.predict adds apart (read_steal): added back, so that the share is not net of it twice

@@ -372,7 +372,8 @@ def profile_main(args):
     print(f"prefetch hides {p.overlap:.0%} of min(I/O, compute)")
     print(f"the reader spends {p.convert_ns:.2f} ns a value it dequantizes or converts into float32 rows")
     print(f"a batch of reads costs {p.batch_ms:.2f} ms beyond its bytes (a layer's reads wait that long at least)")
-    print(f"reads landing during a layer's compute (prefetch) cost it {p.read_steal:.3f} s a GB")
+    print(f"reads landing during a layer's compute (prefetch) cost it {p.read_steal:.3f} s a GB, and run at "
+          f"{100 * p.read_busy:.0f}% of their rate alone")
     for note in p.notes:
         print(f"note: {note}")
     print(f"wrote {path}")

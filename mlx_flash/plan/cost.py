@@ -22,7 +22,8 @@
     total    = I/O + compute + layers + mem, less with prefetch (the next layer read while this one
                computes) the share of min(I/O, compute + layers) the profile measured it to
                hide here, over all layers but one (the first layer's read, or the last
-               layer's compute, that nothing hides): overlap 1 gives max(I/O, C) + min/L;
+               layer's compute, that nothing hides): overlap 1 and reads that run beside
+               compute as fast as alone give max(I/O, C) + min/L;
                flash mode's overlap (a layer's missing rows read while its cached rows
                compute) hides reads behind those rows' compute only (Work.hideable); the reads
                that land during that compute slow it (the block layer's work for them, their
@@ -30,7 +31,14 @@
                the share of the reads the compute spans (hideable / I/O, at most all): nothing
                for a disk-bound token whose compute is short; here 0.14 s a GB, ~0.17 s of a
                4-bit OPT-6.7B batch step of 16 at 50 %, which reads 1.2 GB while it computes
-               for 1.5 s (a hybrid step took 0.25-0.3 s longer than a dense one)
+               for 1.5 s (a hybrid step took 0.25-0.3 s longer than a dense one); and the
+               compute slows the reads that land during it: they keep only the share
+               read_busy of their rate alone (the profile's; 0.7-0.8 here), so the reads a
+               layer's compute hides are at most those it spans at that rate: min(I/O,
+               read_busy x compute) hidden, not min(I/O, compute). A token whose reads
+               outlast its compute then takes I/O + (1 - read_busy) x compute, not about I/O
+               (a hybrid 4-bit OPT-6.7B token at 50 %: 641-672 ms measured, 575 predicted
+               before, 1.24 to 1.51x in stop 49's runs; results/cost-stop50)
 
 Weights consumed per token: every resident matrix a token multiplies by (attention,
 lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every
@@ -103,7 +111,7 @@ def predict(work, profile):
         hideable = compute if work.hideable is None else of(work.hideable)
         steal = read_steal_ms(profile, work.read_bytes + work.kv_read_bytes, hideable, io)
         compute, hideable, total = compute + steal, hideable + steal, total + steal
-        total -= profile.overlap * min(io, hideable) * (L - 1) / L
+        total -= profile.overlap * min(io, profile.read_busy * hideable) * (L - 1) / L
     # rows moved within a cache: a pass over their bytes at the float32 matrix rate (both stream
     # memory); never hidden (a layer's rows move before its reads start)
     mem = 1e3 * work.moved_bytes / (profile.compute_gbs("float32", size) * 1e9) if work.moved_bytes else 0.0

@@ -24,6 +24,9 @@
 - read_steal: the seconds of compute a GB read meanwhile costs: a batch step's FFN matrix
   through the pass kernels timed alone and while the reader streams uncached reads, plus the
   reads' CRC32C checks' CPU time spread over the cores (a profile measured before it: 0);
+- read_busy: the share of their rate alone that the same reads keep while that compute runs
+  beside them (the other way round: the compute's threads take the cores the reads' block-layer
+  work, completions and checks need; 0.7-0.8 here, on two cores; a profile measured before it: 1);
 - pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
   position each: the pass kernels, or dequantized chunks + BLAS where those do not run; the
   quick probe: 16 and 32, at a 7B matrix only); a profile measured before them prices a
@@ -51,12 +54,12 @@ from ..errors import FlashError
 from ..home import default_home
 from ..kernels import SMALL_PASS
 
-VERSION = 7  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
+VERSION = 8  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
 # 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
 # 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound); 6: the FFN's packed
 # row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost;
 # 7: what a batch of reads costs beyond its bytes (version 6's per-layer costs held it); 16-bit
-# weights through the native kernels (float16)
+# weights through the native kernels (float16); 8: the reads' rate beside compute (read_busy)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Profile:
     # weight form -> {matrix elements: {sequences: GB/s consumed by a batch's decode step}}
     pass_compute: dict = field(default_factory=dict)
     read_steal: float = 0.0  # s of compute lost a GB read meanwhile (prefetch's reads during a layer's compute)
+    read_busy: float = 1.0  # the share of their rate alone the reads keep while compute runs beside them
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""

@@ -77,8 +77,10 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     p.pass_compute = passes
     p.convert_ns = convert_cost(threads, rounds=5 if quick else 15)
     p.batch_ms = batch_ms  # (before runtime_costs: its probes' batches are then not a per-layer cost)
-    say("reads and compute beside each other: a batch step's compute alone and while reading, the reads alone")
-    p.read_steal, p.read_busy = contention(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
+    say("the reads' cost to the compute they overlap: a batch step's compute alone and while reading")
+    p.read_steal = read_steal(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
+    say("the compute's cost to the reads beside it: reads alone and beside one-position products")
+    p.read_busy = read_busy(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
                                                       rounds=1 if quick else 3)
     return p
@@ -148,9 +150,8 @@ def disk_curve(files, chunks, threads=None, seconds=1.0, seed=0, rounds=1, batch
     return {c: float(np.median(v)) for c, v in rates.items()}
 
 
-def contention(file, threads=None, seconds=1.5, rounds=3, seed=3):
-    """Reads and compute on the same cores, each slowed by the other. read_steal: seconds of
-    compute lost a GB read meanwhile. Prefetch reads the next layer while this one
+def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
+    """Seconds of compute lost a GB read meanwhile. Prefetch reads the next layer while this one
     computes: the reads' block-layer work, their DMA into memory and the checks of their CRC32C
     take from that compute. Measured: a batch step's compute (an FFN layer of 8,192 4-bit neurons
     of width 4,096 times 16 positions through the pass kernels where the CPU has them, else a
@@ -162,17 +163,7 @@ def contention(file, threads=None, seconds=1.5, rounds=3, seed=3):
     which took 0.25-0.3 s longer in hybrid than dense reading nothing (stop 46). Priced a GB at
     256 KiB reads: reads of a few KiB (flash mode's rows) cost the block layer more a GB, and the
     reader's conversion of rows into float32 (convert_ns) takes from the cores too; neither is in
-    it.
-
-    -> (read_steal, read_busy): read_busy, the other way round, is the rate of the reads beside
-    that compute over their rate alone (timed alone in the same rounds, between the two): the
-    compute's threads hold the cores that the reads' block-layer work, completions and checks
-    need. Here 0.7-0.8: a hybrid layer's reads of 4-bit OPT-6.7B ran 1.3-1.4x as long beside
-    busy kernels as alone (results/cost-stop50/read_paths.txt), and its one-at-a-time decode,
-    I/O-bound, 1.2-1.5x the prediction that hid all of the compute behind reads at their rate
-    alone (stop 49)."""
-    import threading
-
+    it."""
     from ..io import FlashReader
     from ..io.checksum import crc32c
     from ..io.reader import READ_THREADS
@@ -203,46 +194,15 @@ def contention(file, threads=None, seconds=1.5, rounds=3, seed=3):
             calls += 1
         return (time.perf_counter() - t0) / calls
 
-    read, stop, failed = [0], threading.Event(), []
-
-    def stream(r, fh):
-        try:
-            c = min(256 * KiB, fh.size // (4 * KiB) * (4 * KiB))  # (a small file: reads of all of it)
-            while not stop.is_set():
-                offs = rng.integers(0, fh.size // c, LAYER_READS) * c
-                r.read_discard(fh, offs, np.full(offs.size, c))
-                read[0] += offs.size * c
-        except Exception as e:  # (said by the caller, not lost in the thread)
-            failed.append(e)
-
-    def reading(r, fh, during):
-        """-> (during()'s result, GB read, seconds) with the reads streaming meanwhile."""
-        stop.clear()
-        t = threading.Thread(target=stream, args=(r, fh), daemon=True)
-        t.start()
-        try:
-            time.sleep(0.05)
-            b0, t0 = read[0], time.perf_counter()
-            out = during()
-            gb, dt = (read[0] - b0) / 1e9, time.perf_counter() - t0
-        finally:  # (the thread done before the reader closes)
-            stop.set()
-            t.join()
-        if failed:
-            raise FlashError(f"the reads' cost to the compute: reading {file} failed: {failed[0]}")
-        return out, gb, dt
-
-    lost, kept = [], []
+    lost = []
     per_step(0.2)  # warm
     with FlashReader(threads=threads or READ_THREADS, direct=True, coalesce_gap=-1) as r:
         fh = r.open(file)
         for _ in range(rounds if fh.size >= 4 * KiB else 0):
             alone = per_step(seconds / 2)
-            _, gb_alone, dt_alone = reading(r, fh, lambda: time.sleep(seconds / 2))
-            busy, gb, dt = reading(r, fh, lambda: per_step(seconds / 2))
-            if min(gb, gb_alone) >= 0.05 * seconds / 2:  # (a stalled disk: too few bytes to divide by)
+            busy, gb, dt = _beside_reads(r, fh, rng, lambda: per_step(seconds / 2))
+            if gb >= 0.05 * seconds / 2:  # (a stalled disk: too few bytes to divide by)
                 lost.append(max(0.0, (busy - alone) / alone * dt / gb))
-                kept.append(min(1.0, (gb / dt) / (gb_alone / dt_alone)))
     # the checks' CPU time a GB (the native CRC; the NumPy fallback's, on far fewer bytes, runs ~1000x
     # slower and would take minutes over 64 MiB)
     from ..io.checksum import _native
@@ -253,7 +213,113 @@ def contention(file, threads=None, seconds=1.5, rounds=3, seed=3):
     crc32c(buf)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     checks = (time.perf_counter() - t0) / (buf.nbytes / 1e9) / max(cpus, 1)
-    return (float(np.median(lost)) if lost else 0.0) + checks, float(np.median(kept)) if kept else 1.0
+    return (float(np.median(lost)) if lost else 0.0) + checks
+
+
+def _probe_reads(r, fh, rng):
+    """-> bytes read: one batch of the disk probe's reads of `fh` (256 KiB, LAYER_READS at a time)."""
+    c = min(256 * KiB, fh.size // (4 * KiB) * (4 * KiB))  # (a small file: reads of all of it)
+    offs = rng.integers(0, fh.size // c, LAYER_READS) * c
+    r.read_discard(fh, offs, np.full(offs.size, c))
+    return offs.size * c
+
+
+def _beside_reads(r, fh, rng, during, batch=_probe_reads):
+    """-> (during()'s result, GB read meanwhile, its seconds): batches of uncached reads of `fh`
+    through reader `r` (batch(r, fh, rng) -> bytes: by default the disk probe's) streamed by
+    another thread while during() runs."""
+    import threading
+
+    read, stop, failed = [0], threading.Event(), []
+
+    def stream():
+        try:
+            while not stop.is_set():
+                read[0] += batch(r, fh, rng)
+        except Exception as e:  # (said by the caller, not lost in the thread)
+            failed.append(e)
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.05)
+        b0, t0 = read[0], time.perf_counter()
+        out = during()
+        gb, dt = (read[0] - b0) / 1e9, time.perf_counter() - t0
+    finally:  # (the thread done before the reader closes)
+        stop.set()
+        t.join()
+    if failed:
+        raise FlashError(f"reading {fh.path} beside the compute failed: {failed[0]}")
+    return out, gb, dt
+
+
+BUSY_BUNDLES = 8192  # read_busy's batch: a hybrid layer's streamed neurons of a 7B at 50 %
+BUSY_BUNDLE_BYTES = 4608  # ... each a 4-bit neuron's up and down rows of 4096 values, scales inline
+
+
+def read_busy(file, threads=None, seconds=1.5, rounds=3, seed=4):
+    """The share of their rate alone that uncached reads keep while a decode token's compute
+    runs beside them (the other way round from read_steal): the compute's threads hold the
+    cores, and its products stream their weights through memory, which the reads' block-layer
+    work, completions, checks and DMA need too. Measured: uncached reads alone and beside
+    one-position 4-bit products (a 16384 x 4096 matrix, past the CPU's caches, through
+    the native kernels where the CPU has them, else a float32 product through MLX) without
+    pause, in turn `rounds` times, the median of the rounds' ratios kept. The reads are a layer's
+    as a store makes them: BUSY_BUNDLES consecutive bundles of a 4-bit 7B's neurons, placed into
+    rows (read_bundles: its plan, coalescing and copies, whose CPU the products take most: the
+    probe's 256 KiB reads thrown away kept 0.91-0.95 of their rate beside them, such a layer's
+    0.77; results/cost-stop50). Its one-at-a-time decode of 4-bit OPT-6.7B at 50 %, I/O-bound,
+    took 1.2-1.5x the prediction that hid all of its compute behind reads at their rate alone
+    (stop 49)."""
+    from ..io import FlashReader
+    from ..io.reader import READ_THREADS
+    from ..kernels import QuantMatrix, kernels_module
+
+    kernels, _ = kernels_module()
+    n, d, group = 16384, 4096, 64
+    rng = np.random.default_rng(seed)
+    if kernels is not None:
+        m = QuantMatrix.of_host(kernels, rng.integers(0, 2**32, (n, d // 8), dtype=np.uint32),
+                                rng.random((n, d // group), dtype=np.float32).astype(np.float16),
+                                rng.random((n, d // group), dtype=np.float32).astype(np.float16), 4, group)
+        x, y = rng.random(d, dtype=np.float32), np.empty(n, np.float32)
+
+        def product():
+            m.matvec(x, y)
+    else:
+        w, xm = mx.random.normal((n, d // 8)), mx.random.normal((d // 8,))
+
+        def product():
+            mx.eval(w @ xm)
+
+    def compute(s):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < s:
+            product()
+
+    stride, n_bundles = BUSY_BUNDLE_BYTES, BUSY_BUNDLES
+    dst = np.zeros((n_bundles, stride // 4), np.float32)  # (its pages mapped now)
+    rows = np.arange(n_bundles, dtype=np.int64)
+
+    def layer(r, fh, rng):
+        first = rng.integers(0, fh.size // stride - n_bundles + 1)
+        r.read_bundles(fh, first + rows, stride, [(0, stride // 4, "float32", dst)], rows)
+        return n_bundles * stride
+
+    kept = []
+    compute(0.1)  # warm
+    with FlashReader(threads=threads or READ_THREADS, direct=True) as r:
+        fh = r.open(file)
+        for i in range(rounds if fh.size >= n_bundles * stride else 0):
+            rate = {}
+            for what in (("alone", "busy") if i % 2 == 0 else ("busy", "alone")):
+                _, gb, dt = _beside_reads(r, fh, rng, (lambda: time.sleep(seconds / 2)) if what == "alone"
+                                          else (lambda: compute(seconds / 2)), layer)
+                rate[what] = gb / dt
+            if min(rate.values()) >= 0.1:  # GB/s (a stalled disk: too few bytes to divide by)
+                kept.append(min(1.0, rate["busy"] / rate["alone"]))
+    return float(np.median(kept)) if kept else 1.0
 
 
 BATCHES = ((1, 4 * KiB), (3, 256 * KiB), (32, 4 * KiB))  # reads x size: a layer's few reads

@@ -290,6 +290,35 @@ def test_benchmark_batch_writes_its_table(tmp_path):
         assert row["measured_over_predicted_run_curve"] == pytest.approx(row["step_ms"] / row["predicted_run_curve_ms"])
     table = (tmp_path / "out" / "batch-tiny-llama-q4-hybrid.md").read_text()
     assert "| 5 |" in table and "measured ÷ predicted" in table and "measured ÷ predicted at the run's disk" in table
+    assert "disk during the decode" in table and all("disk_gbs" in x for row in res["rows"] for x in row["runs"])
+
+
+def test_benchmark_batch_predicts_again_at_the_disk_the_decode_got(tmp_path, monkeypatch):
+    """The device's counters around each run give the rate the disk delivered while it read
+    (io/device.py); each row is predicted again at the median of its runs' rates. Here the
+    counters say 0.04 GB/s, ten times the profile's disk at 256 KiB: less I/O predicted."""
+    from mlx_flash.bench import batch
+    from mlx_flash.io import device
+    from mlx_flash.plan.cost import predict_at_disk_rate
+    from test_plan import _profile
+
+    ticks = iter(range(10**6))
+
+    def counters(path):  # every call 64 MB more read in 1.6 s more busy: 0.04 GB/s between two
+        i = next(ticks)
+        return i * 64 * 10**6, i * 1.6, 0
+
+    monkeypatch.setattr(device, "counters", counters)
+    monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path))
+    profile = _profile(pass_compute={"q4": {10**6: {16: 2.0}}, "float32": {10**6: {16: 1.0}}},
+                       disk={4096: 0.001, 262144: 0.004})
+    res = batch.run_batch_bench("tiny-llama", "q4", batches=(1, 3), tokens=2, prompt_tokens=4, rounds=1,
+                                progress=False, profile=profile)
+    for row in res["rows"]:
+        assert row["decode_disk_gbs"] == pytest.approx(0.04)
+        assert row["predicted_run_disk_ms"] < row["predicted"]["total_ms"] - 0.5 * row["predicted"]["io_ms"]
+        assert row["measured_over_predicted_run_disk"] == pytest.approx(row["step_ms"] / row["predicted_run_disk_ms"])
+    assert "| 0.04 |" in batch.report(res, profile)
 
 
 def test_benchmark_batch_under_a_memory_limit_plans_each_size(tmp_path):

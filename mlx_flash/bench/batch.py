@@ -42,8 +42,9 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     import mlx.core as mx
 
     import mlx_flash
+    from ..io import device
     from ..loader import release_heap
-    from ..plan.cost import predict
+    from ..plan.cost import predict, predict_at_disk_rate
     from .profile import model_disk_curve
     from .random_model import build_checkpoint, shape_config
 
@@ -102,13 +103,15 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
             for b in order:
                 prompts = [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(b)]
                 model_and_tokenizer = model_for(b)
-                t = time.perf_counter()
+                t, before = time.perf_counter(), device.counters(folder)
                 res = mlx_flash.batch_generate(*model_and_tokenizer, prompts, max_tokens=tokens, stop=False)
                 del model_and_tokenizer
                 runs[b].append({"decode_s": res.decode_seconds, "steps": res.steps,
                                 "generated": res.generation_tokens, "prompt_s": res.prompt_seconds,
                                 "wall_s": time.perf_counter() - t, "bytes_per_step": res.bytes_per_step,
-                                "reads_per_step": res.reads_per_step})
+                                "reads_per_step": res.reads_per_step,
+                                # what the disk delivered during the run (its prompt's reads too: the same rows)
+                                "disk_gbs": device.rate(before, device.counters(folder))})
                 if progress:
                     x = runs[b][-1]
                     print(f"round {r + 1} batch {b}: {x['generated']} tokens in {x['steps']} steps, "
@@ -146,6 +149,15 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
             if at:
                 row["predicted_run_curve_ms"] = float(np.median(at))
                 row["measured_over_predicted_run_curve"] = row["step_ms"] / row["predicted_run_curve_ms"]
+            # and at the rate the device's counters gave while the row's runs read (io/device.py; the
+            # median of its runs'), as `benchmark paper` gives it: the probe a minute before can be far
+            # from the disk the decode got (stop 49's 1.42 at the probed disk)
+            rates = [x["disk_gbs"] for x in row["runs"] if x.get("disk_gbs")]
+            got = predict_at_disk_rate(work, profile, float(np.median(rates))) if rates else None
+            if got is not None and work.read_bytes:
+                row["decode_disk_gbs"] = float(np.median(rates))
+                row["predicted_run_disk_ms"] = got.total_ms
+                row["measured_over_predicted_run_disk"] = row["step_ms"] / got.total_ms
     return {"shape": shape, "dtype": dtype, "mode": mode, "resident_dtype": resident_dtype,
             "memory_budget": memory_budget if memory_limit is None else None, "memory_limit": memory_limit,
             "budget_bytes": rows[0]["budget_bytes"], "weights_bytes": rows[0]["weights_bytes"],
@@ -174,11 +186,14 @@ def report(res, profile=None):
              + (" Predicted: the cost model's step (I/O, compute) from the profile's rates for a step of that many "
                 "sequences; measured ÷ predicted beside it. Then again with the disk probed at the start of each "
                 "round as the profile probes it (on the checkpoint's files; the median of the rounds): the disk's "
-                "drift since the profile set apart." if profile else ""),
+                "drift since the profile set apart; and at the rate the disk's own counters gave while the row's "
+                "runs read (the median of its runs; Linux block devices only)." if profile else ""),
              "", "| batch | decode tok/s | vs one-by-one | ms per step | read per step (GB) | floor per step (ms) |"
              " predicted ms per step (I/O, compute) | measured ÷ predicted | predicted at the run's disk (ms) |"
-             " measured ÷ predicted at the run's disk |" + (" weights in DRAM (GB) |" if limited else ""),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else "")]
+             " measured ÷ predicted at the run's disk | disk during the decode (GB/s) | predicted at it (ms) |"
+             " measured ÷ predicted at it |" + (" weights in DRAM (GB) |" if limited else ""),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+             + (" --- |" if limited else "")]
     for r in res["rows"]:
         floor = ""
         if profile is not None and r["bytes_per_step"]:
@@ -194,8 +209,13 @@ def report(res, profile=None):
         at, at_ratio = "–", "–"
         if r.get("predicted_run_curve_ms"):
             at, at_ratio = f"{r['predicted_run_curve_ms']:.0f}", f"{r['measured_over_predicted_run_curve']:.2f}"
+        dev = "– | – | –"
+        if r.get("predicted_run_disk_ms"):
+            dev = (f"{r['decode_disk_gbs']:.2f} | {r['predicted_run_disk_ms']:.0f} | "
+                   f"{r['measured_over_predicted_run_disk']:.2f}")
         lines.append(f"| {r['batch']} | {r['decode_tps']:.3f} | {r['vs_one_by_one']:.2f}x | {r['step_ms']:.0f} | "
-                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} | {pred} | {ratio} | {at} | {at_ratio} |" + held)
+                     f"{r['bytes_per_step'] / 1e9:.3f} | {floor} | {pred} | {ratio} | {at} | {at_ratio} | {dev} |"
+                     + held)
     return "\n".join(lines) + "\n"
 
 

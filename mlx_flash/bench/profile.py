@@ -80,7 +80,8 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     say("the reads' cost to the compute they overlap: a batch step's compute alone and while reading")
     p.read_steal = read_steal(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
     say("the compute's cost to the reads beside it: reads alone and beside one-position products")
-    p.read_busy = read_busy(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
+    # (short turns, many: the effect, 5-15 %, is the size of this disk's drift over a few seconds)
+    p.read_busy = read_busy(file, threads, seconds=1.0 if quick else 6.0, rounds=1 if quick else 8)
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
                                                       rounds=1 if quick else 3)
     return p

@@ -268,11 +268,10 @@ def read_busy(file, threads=None, seconds=1.5, rounds=3, seed=4):
     the native kernels where the CPU has them, else a float32 product through MLX) without
     pause, in turn `rounds` times, the median of the rounds' ratios kept. The reads are a layer's
     as a store makes them: BUSY_BUNDLES consecutive bundles of a 4-bit 7B's neurons, placed into
-    rows (read_bundles: its plan, coalescing and copies, whose CPU the products take most: the
-    probe's 256 KiB reads thrown away kept 0.91-0.95 of their rate beside them, such a layer's
-    0.77; results/cost-stop50). Its one-at-a-time decode of 4-bit OPT-6.7B at 50 %, I/O-bound,
-    took 1.2-1.5x the prediction that hid all of its compute behind reads at their rate alone
-    (stop 49)."""
+    rows (read_bundles: its plan, coalescing and copies, whose CPU the products take too). Here
+    0.92-0.95; the reads of a hybrid layer of 4-bit OPT-6.7B, placed and checked as its decode
+    places them, kept 0.84 of their rate alone beside the same products, the disk probe's 256
+    KiB reads 0.91 (results/cost-stop50: read_paths.txt, read_contention.txt)."""
     from ..io import FlashReader
     from ..io.reader import READ_THREADS
     from ..kernels import QuantMatrix, kernels_module

@@ -33,12 +33,12 @@
                4-bit OPT-6.7B batch step of 16 at 50 %, which reads 1.2 GB while it computes
                for 1.5 s (a hybrid step took 0.25-0.3 s longer than a dense one); and the
                compute slows the reads that land during it: they keep only the share
-               read_busy of their rate alone (the profile's; 0.7-0.8 here), so the reads a
+               read_busy of their rate alone (the profile's; 0.84-0.95 here), so the reads a
                layer's compute hides are at most those it spans at that rate: min(I/O,
                read_busy x compute) hidden, not min(I/O, compute). A token whose reads
                outlast its compute then takes I/O + (1 - read_busy) x compute, not about I/O
-               (a hybrid 4-bit OPT-6.7B token at 50 %: 641-672 ms measured, 575 predicted
-               before, 1.24 to 1.51x in stop 49's runs; results/cost-stop50)
+               (a hybrid 4-bit OPT-6.7B token at 50 %: ~25 ms more of ~600 at read_busy 0.92;
+               results/cost-stop50)
 
 Weights consumed per token: every resident matrix a token multiplies by (attention,
 lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every

@@ -27,7 +27,7 @@
 - read_busy: the other way round, the share of their rate alone that the same reads keep
   beside a decode token's compute (4-bit one-position products past the CPU's caches, without
   pause): its threads hold the cores and its weights the memory bus that the reads' block-layer
-  work, completions, checks and DMA need (0.75-0.9 here; a profile measured before it: 1);
+  work, completions, checks and DMA need (0.84-0.95 here; a profile measured before it: 1);
 - pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
   position each: the pass kernels, or dequantized chunks + BLAS where those do not run; the
   quick probe: 16 and 32, at a 7B matrix only); a profile measured before them prices a

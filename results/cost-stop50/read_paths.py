@@ -10,10 +10,11 @@ after layer, through the store's own reader, three ways in alternating order eac
   placed    read into the store's buffer as a decode does, CRC32C unchecked
   checked   read into the buffer with the checks (what a decode does: store._fill)
 
-and prints GB/s and ms a token (its 32 layers) for each, idle and (--busy) beside a thread
-running the kernels without pause (as read_contention.py).
+and prints GB/s and ms a token (its 32 layers) for each, idle and beside a thread running the
+kernels without pause (as read_contention.py): six kinds in alternating order each round, so
+that the disk's drift over minutes stays out of the ratios.
 
-  .venv/bin/python results/cost-stop50/read_paths.py --rounds 6 [--busy]
+  .venv/bin/python results/cost-stop50/read_paths.py --rounds 6
 """
 
 import argparse
@@ -37,7 +38,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--folder", type=Path, default=FOLDER)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--busy", action="store_true")
     a = ap.parse_args()
     model, _ = mlx_flash.load(a.folder, mode="hybrid", memory_budget="50%", progress=False)
     st = model.runtime.store
@@ -59,22 +59,22 @@ def main():
                           st.crcs[layer] if kind == "checked" else None, f"layer {layer}", None)
         return time.perf_counter() - t
 
-    kinds = ["discard", "placed", "checked"]
+    kinds = [f"{k}{b}" for b in ("", "+busy") for k in ("discard", "placed", "checked")]
     out = {k: [] for k in kinds}
-    busy = Busy(*busy_matrix()) if a.busy else None
+    busy = Busy(*busy_matrix())
     token("checked")  # warm
     for i in range(a.rounds):
         for kind in (kinds if i % 2 == 0 else kinds[::-1]):
-            if busy is not None:
+            if kind.endswith("+busy"):
                 with busy:
-                    s = token(kind)
+                    s = token(kind[: -len("+busy")])
             else:
                 s = token(kind)
             out[kind].append(s)
-            print(f"round {i + 1} {kind:8s} {1e3 * s:.0f} ms ({nbytes / s / 1e9:.2f} GB/s)", flush=True)
+            print(f"round {i + 1} {kind:14s} {1e3 * s:.0f} ms ({nbytes / s / 1e9:.2f} GB/s)", flush=True)
     model.runtime.close()
-    print(f"\n{'beside busy kernels' if a.busy else 'idle'}: medians of {a.rounds} rounds")
-    print("| reads | ms a token | GB/s | ÷ discard's time (median of the rounds' ratios) |")
+    print(f"\nmedians of {a.rounds} rounds")
+    print("| reads | ms a token | GB/s | ÷ discard's time idle (median of the rounds' ratios) |")
     print("| --- | --- | --- | --- |")
     for kind in kinds:
         ratio = statistics.median(x / y for x, y in zip(out[kind], out["discard"]))

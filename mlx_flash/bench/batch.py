@@ -149,13 +149,13 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
             if at:
                 row["predicted_run_curve_ms"] = float(np.median(at))
                 row["measured_over_predicted_run_curve"] = row["step_ms"] / row["predicted_run_curve_ms"]
-            # and at the rate the device's counters gave while the row's runs read (io/device.py; the
-            # median of its runs'), as `benchmark paper` gives it: the probe a minute before can be far
-            # from the disk the decode got (stop 49's 1.42 at the probed disk)
+            # and at the rate the device's counters gave while the row's runs read, prompt and decode
+            # (io/device.py; the median of its runs'), as `benchmark paper` gives it: the probe a
+            # minute before can be far from the disk the decode got (stop 49's 1.42 at the probed disk)
             rates = [x["disk_gbs"] for x in row["runs"] if x.get("disk_gbs")]
-            got = predict_at_disk_rate(work, profile, float(np.median(rates))) if rates else None
-            if got is not None and work.read_bytes:
+            if rates and work.read_bytes:
                 row["decode_disk_gbs"] = float(np.median(rates))
+                got = predict_at_disk_rate(work, profile, row["decode_disk_gbs"])
                 row["predicted_run_disk_ms"] = got.total_ms
                 row["measured_over_predicted_run_disk"] = row["step_ms"] / got.total_ms
     return {"shape": shape, "dtype": dtype, "mode": mode, "resident_dtype": resident_dtype,
@@ -187,10 +187,12 @@ def report(res, profile=None):
                 "sequences; measured ÷ predicted beside it. Then again with the disk probed at the start of each "
                 "round as the profile probes it (on the checkpoint's files; the median of the rounds): the disk's "
                 "drift since the profile set apart; and at the rate the disk's own counters gave while the row's "
-                "runs read (the median of its runs; Linux block devices only)." if profile else ""),
+                "runs read, prompt and decode (the median of its runs; Linux block devices only; what the reads "
+                "beside the compute and their placing cost is in that rate, so not added again)."
+                if profile else ""),
              "", "| batch | decode tok/s | vs one-by-one | ms per step | read per step (GB) | floor per step (ms) |"
              " predicted ms per step (I/O, compute) | measured ÷ predicted | predicted at the run's disk (ms) |"
-             " measured ÷ predicted at the run's disk | disk during the decode (GB/s) | predicted at it (ms) |"
+             " measured ÷ predicted at the run's disk | disk during the runs (GB/s) | predicted at it (ms) |"
              " measured ÷ predicted at it |" + (" weights in DRAM (GB) |" if limited else ""),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
              + (" --- |" if limited else "")]

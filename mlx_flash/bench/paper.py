@@ -229,6 +229,8 @@ def add_prediction(row, runtime, store, profile, disk_gbs=None, run_curve=None):
                     overlaps, plan.n_layers, "naive", lay.d_model * lay.n_neurons, lay.d_model,
                     converted_values=read_rows * len(lay.kinds) * lay.d_model
                     if converts(lay, getattr(store, "packed", False)) else 0,
+                    placed_bytes=0 if converts(lay, getattr(store, "packed", False))
+                    else int(row["flash_to_dram_gb"] * 1e9),
                     hideable={form: rows * row["hit_rate"]},
                     moved_bytes=read_rows * plan.neuron_bytes if overlaps else 0,
                     # a layer's missing rows: one batch, or one a weight kind unbundled

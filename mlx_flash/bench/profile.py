@@ -79,9 +79,13 @@ def measure(quick=False, file=None, threads=None, seconds=None, progress=None):
     p.batch_ms = batch_ms  # (before runtime_costs: its probes' batches are then not a per-layer cost)
     say("the reads' cost to the compute they overlap: a batch step's compute alone and while reading")
     p.read_steal = read_steal(file, threads, seconds=1.0 if quick else 3.0, rounds=1 if quick else 3)
-    say("the compute's cost to the reads beside it: reads alone and beside one-position products")
-    # (short turns, many: the effect, 5-15 %, is the size of this disk's drift over a few seconds)
-    p.read_busy = read_busy(file, threads, seconds=1.0 if quick else 6.0, rounds=1 if quick else 8)
+    say("a layer's reads placed into rows: against the reads thrown away, and beside one-position products")
+    # (short turns, many, 0.375 s: the effects, 5-15 %, are the size of this disk's drift over seconds)
+    placed = placed_reads(file, threads, seconds=1.5 if quick else 9.0, rounds=1 if quick else 8)
+    p.read_busy, p.place_s = placed.busy, placed.place_s
+    if not placed.rounds:
+        notes.append(f"the reads beside compute and their placing: not measured ({file} is smaller than a "
+                     "layer's batch, or the disk stalled): taken as 1.0 and 0")
     p.layer_ms, p.token_ms, p.overlap = runtime_costs(p, notes, tokens=8 if quick else 32,
                                                       rounds=1 if quick else 3)
     return p
@@ -228,7 +232,7 @@ def _probe_reads(r, fh, rng):
 def _beside_reads(r, fh, rng, during, batch=_probe_reads):
     """-> (during()'s result, GB read meanwhile, its seconds): batches of uncached reads of `fh`
     through reader `r` (batch(r, fh, rng) -> bytes: by default the disk probe's) streamed by
-    another thread while during() runs."""
+    another thread while during() runs (which must not use `rng`: the thread draws from it)."""
     import threading
 
     read, stop, failed = [0], threading.Event(), []
@@ -255,23 +259,36 @@ def _beside_reads(r, fh, rng, during, batch=_probe_reads):
     return out, gb, dt
 
 
-BUSY_BUNDLES = 8192  # read_busy's batch: a hybrid layer's streamed neurons of a 7B at 50 %
-BUSY_BUNDLE_BYTES = 4608  # ... each a 4-bit neuron's up and down rows of 4096 values, scales inline
+LAYER_BUNDLES = 8192  # placed_reads' batch: a hybrid layer's streamed neurons of a 7B at 50 %
+LAYER_BUNDLE_BYTES = 4608  # ... each a 4-bit neuron's up and down rows of 4096 values, scales inline
 
 
-def read_busy(file, threads=None, seconds=1.5, rounds=3, seed=4):
-    """The share of their rate alone that uncached reads keep while a decode token's compute
-    runs beside them (the other way round from read_steal): the compute's threads hold the
-    cores, and its products stream their weights through memory, which the reads' block-layer
-    work, completions, checks and DMA need too. Measured: uncached reads alone and beside
-    one-position 4-bit products (a 16384 x 4096 matrix, past the CPU's caches, through
-    the native kernels where the CPU has them, else a float32 product through MLX) without
-    pause, in turn `rounds` times, the median of the rounds' ratios kept. The reads are a layer's
-    as a store makes them: BUSY_BUNDLES consecutive bundles of a 4-bit 7B's neurons, placed into
-    rows (read_bundles: its plan, coalescing and copies, whose CPU the products take too). Here
-    0.92-0.95; the reads of a hybrid layer of 4-bit OPT-6.7B, placed and checked as its decode
-    places them, kept 0.84 of their rate alone beside the same products, the disk probe's 256
-    KiB reads 0.91 (results/cost-stop50: read_paths.txt, read_contention.txt)."""
+class PlacedReads(NamedTuple):
+    busy: float  # the share of their rate alone the reads keep beside a decode's compute (read_busy)
+    place_s: float  # s a GB placing them into rows adds to the same reads thrown away (place_s)
+    rounds: int  # rounds measured (0: neither measured)
+
+
+def placed_reads(file, threads=None, seconds=1.5, rounds=3, seed=4):
+    """-> PlacedReads: what a layer's uncached reads cost beyond the disk probe's, measured on
+    the reads as a store makes them: LAYER_BUNDLES consecutive bundles of a 4-bit 7B's neurons,
+    placed into rows (read_bundles: its plan, coalescing, and the copy of each read out of its
+    thread's staging slot). Three kinds in turn, `rounds` times (the order turned each round),
+    `seconds` in all, the median of the rounds kept:
+    - the same byte ranges thrown away (read_discard, as the disk probe reads): place_s is the
+      time a GB the placing adds to them. Here ~0.04 s: 1.08x their time at 2.2 GB/s, 1.13x at
+      3.4 (results/cost-stop50/read_paths.txt);
+    - placed, alone;
+    - placed beside one-position 4-bit products without pause (a 16384 x 4096 matrix, past the
+      CPU's caches, through the native kernels where the CPU has them, else a float32 matrix
+      of the same bytes, 16384 x 512, through MLX: on a GPU, what its products leave the
+      reads): busy is their rate over the rate alone. The compute's threads hold the cores
+      and its products the memory bus, which the reads' block-layer work, completions, copies
+      and DMA need too (the other way round from read_steal). Here 0.92-0.95; a hybrid layer's
+      reads of 4-bit OPT-6.7B, placed and checked as its decode places them, kept 0.84 beside
+      the same products (read_paths.txt).
+    rounds: the rounds measured; none (a file too small for a layer's batch, a stalled disk):
+    busy 1.0 and place_s 0, which measure() notes."""
     from ..io import FlashReader
     from ..io.reader import READ_THREADS
     from ..kernels import QuantMatrix, kernels_module
@@ -298,28 +315,42 @@ def read_busy(file, threads=None, seconds=1.5, rounds=3, seed=4):
         while time.perf_counter() - t0 < s:
             product()
 
-    stride, n_bundles = BUSY_BUNDLE_BYTES, BUSY_BUNDLES
+    stride, n_bundles = LAYER_BUNDLE_BYTES, LAYER_BUNDLES
     dst = np.zeros((n_bundles, stride // 4), np.float32)  # (its pages mapped now)
     rows = np.arange(n_bundles, dtype=np.int64)
 
-    def layer(r, fh, rng):
+    def layer(r, fh, rng, place):
         first = rng.integers(0, fh.size // stride - n_bundles + 1)
-        r.read_bundles(fh, first + rows, stride, [(0, stride // 4, "float32", dst)], rows)
+        if place:
+            r.read_bundles(fh, first + rows, stride, [(0, stride // 4, "float32", dst)], rows)
+        else:
+            r.read_discard(fh, (first + rows) * stride, np.full(n_bundles, stride))
         return n_bundles * stride
 
-    kept = []
+    def placed(r, fh, rng):
+        return layer(r, fh, rng, True)
+
+    def thrown(r, fh, rng):
+        return layer(r, fh, rng, False)
+
+    kinds = ("thrown", "alone", "busy")
+    turn = seconds / (len(kinds) * max(rounds, 1))
+    busy, place = [], []
     compute(0.1)  # warm
     with FlashReader(threads=threads or READ_THREADS, direct=True) as r:
         fh = r.open(file)
         for i in range(rounds if fh.size >= n_bundles * stride else 0):
             rate = {}
-            for what in (("alone", "busy") if i % 2 == 0 else ("busy", "alone")):
-                _, gb, dt = _beside_reads(r, fh, rng, (lambda: time.sleep(seconds / 2)) if what == "alone"
-                                          else (lambda: compute(seconds / 2)), layer)
+            for what in kinds[i % 3:] + kinds[: i % 3]:
+                during = (lambda: compute(turn)) if what == "busy" else (lambda: time.sleep(turn))
+                _, gb, dt = _beside_reads(r, fh, rng, during, thrown if what == "thrown" else placed)
                 rate[what] = gb / dt
             if min(rate.values()) >= 0.1:  # GB/s (a stalled disk: too few bytes to divide by)
-                kept.append(min(1.0, rate["busy"] / rate["alone"]))
-    return float(np.median(kept)) if kept else 1.0
+                busy.append(min(1.0, rate["busy"] / rate["alone"]))
+                place.append(max(0.0, 1 / rate["alone"] - 1 / rate["thrown"]))
+    if not busy:
+        return PlacedReads(1.0, 0.0, 0)
+    return PlacedReads(float(np.median(busy)), float(np.median(place)), len(busy))
 
 
 BATCHES = ((1, 4 * KiB), (3, 256 * KiB), (32, 4 * KiB))  # reads x size: a layer's few reads
@@ -675,7 +706,7 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
                 waited = float(np.median([r["io_ms"] for r in stats.rows if r["tokens"] == 1][-tokens:]))
             work = model.runtime.work()
             model.runtime.close()
-            at = rates.with_disk_rate(gbs, work.read_size) if gbs is not None and work.read_bytes else rates
+            at = rates.at_run_disk(gbs, work.read_size) if gbs is not None and work.read_bytes else rates
             return ms, work, at, waited
 
         rest = {}  # (width, mode, shape) -> [ms besides the bytes, one a round], layers
@@ -701,11 +732,12 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
         width = 576
         deep = PROBES[width][1]
         for _ in range(rounds):
-            ms_off, _, at, _ = decode(deep, "naive", False)
-            ms_on, work, at_on, _ = decode(deep, "naive", True)
+            ms_off, work, at, _ = decode(deep, "naive", False)
+            ms_on, _, _, _ = decode(deep, "naive", True)
             off.append(ms_off)
             on.append(ms_on)
-            io += [predict(work, a).io_ms for a in (at, at_on)]
+            # (the disk's rate in the run without prefetch: no compute beside its reads)
+            io.append(predict(work, at).io_ms)
     # What prefetch could hide, over all layers but one: the I/O (its bytes at the rate the disk
     # delivered during the runs) or the compute, whichever is less. The compute is measured (the
     # run without prefetch less its I/O and what a token costs once, which cost.predict keeps out
@@ -714,12 +746,14 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
     # SmolLM2 naive rows ran 1.2-1.45x slower than predicted; measured so, 0.75-1.0.
     t_off, t_io, L = float(np.median(off)), float(np.median(io)), work.n_layers
     compute = t_off - t_io - token_ms["naive"][width]
-    # (the reads beside compute at their share of the rate alone, as cost.predict hides them)
-    hideable = min(t_io, rates.read_busy * compute) * (L - 1) / L
     saved = t_off - float(np.median(on))
     # the run with prefetch also paid what its reads cost the compute they overlapped, which
-    # cost.predict adds apart (read_steal): added back, so that the share is not net of it twice
-    saved += read_steal_ms(rates, work.read_bytes + work.kv_read_bytes, compute, t_io)
+    # cost.predict adds apart (read_steal): added back, so that the share is not net of it twice;
+    # and what prefetch could hide is what cost.predict hides at a share 1: min(I/O, read_busy x
+    # the compute with that cost), the reads beside compute at their share of the rate alone
+    steal = read_steal_ms(rates, work.read_bytes + work.kv_read_bytes, compute, t_io)
+    saved += steal
+    hideable = min(t_io, rates.read_busy * (compute + steal)) * (L - 1) / L
     overlap = float(np.clip(saved / hideable, 0.0, 1.0)) if hideable > 0 else 0.0
     if hideable <= 0:
         notes.append(f"overlap: not measurable (the probe without prefetch took {t_off:.1f} ms a token, its "

@@ -374,6 +374,7 @@ def profile_main(args):
     print(f"a batch of reads costs {p.batch_ms:.2f} ms beyond its bytes (a layer's reads wait that long at least)")
     print(f"reads landing during a layer's compute (prefetch) cost it {p.read_steal:.3f} s a GB, and run at "
           f"{100 * p.read_busy:.0f}% of their rate alone")
+    print(f"placing a layer's reads into rows adds {p.place_s:.3f} s a GB to the reads thrown away")
     for note in p.notes:
         print(f"note: {note}")
     print(f"wrote {path}")

@@ -2,6 +2,9 @@
 
     I/O      = bytes read from flash / the disk's uncached throughput at the read size, + the
                reader's cost of the values it dequantizes / converts into float32 rows on the way,
+               or of the bytes it places into rows as they are (its copy out of a thread's
+               staging slot, their checks: the profile's place_s a GB, ~0.04 s here, 1.08-1.14x
+               the time of the same reads thrown away, as the disk probe reads),
                + the batches of reads a token issues (a layer's FFN rows, its streamed
                attention, its KV cache) x what a batch costs beyond its bytes (its first read's
                latency and the reader's pool waking: 0.2-0.5 ms here, which the throughput of a
@@ -28,12 +31,12 @@
                compute) hides reads behind those rows' compute only (Work.hideable); the reads
                that land during that compute slow it (the block layer's work for them, their
                checksums, their DMA into memory: the profile's read_steal, seconds a GB), for
-               the share of the reads the compute spans (hideable / I/O, at most all): nothing
+               the share of the reads the compute spans (read_busy x hideable / I/O, at most all): nothing
                for a disk-bound token whose compute is short; here 0.14 s a GB, ~0.17 s of a
                4-bit OPT-6.7B batch step of 16 at 50 %, which reads 1.2 GB while it computes
                for 1.5 s (a hybrid step took 0.25-0.3 s longer than a dense one); and the
                compute slows the reads that land during it: they keep only the share
-               read_busy of their rate alone (the profile's; 0.84-0.95 here), so the reads a
+               read_busy of their rate alone (the profile's; 0.92-0.95 here), so the reads a
                layer's compute hides are at most those it spans at that rate: min(I/O,
                read_busy x compute) hidden, not min(I/O, compute). A token whose reads
                outlast its compute then takes I/O + (1 - read_busy) x compute, not about I/O
@@ -66,6 +69,7 @@ class Work:
     kv_read_bytes: int = 0  # the KV cache on flash: keys and values read back per token
     kv_read_size: int = 0  # ... bytes per read
     converted_values: int = 0  # values the reader dequantizes / converts into float32 rows on the way
+    placed_bytes: int = 0  # bytes read that the reader places into rows as they are (not converted)
     moved_bytes: int = 0  # memory management: bytes of rows a cache moves within itself per token
     hideable: dict | None = None  # the bytes (by form) whose compute the reads overlap (None: all of it)
     read_batches: int = 0  # batches of reads a token issues (one a layer and store that reads)
@@ -97,6 +101,7 @@ def predict(work, profile):
     if work.kv_read_bytes:
         io += 1e3 * work.kv_read_bytes / (profile.disk_gbs(work.kv_read_size) * 1e9)
     io += work.converted_values * profile.convert_ns * 1e-6
+    io += 1e3 * work.placed_bytes / 1e9 * profile.place_s
     io += work.read_batches * profile.batch_ms
     size = work.matrix_elements or None
 
@@ -122,19 +127,21 @@ def predict(work, profile):
 
 def read_steal_ms(profile, read_bytes, compute_ms, io_ms):
     """ms the reads landing during `compute_ms` of overlapped compute take from it (the profile's
-    read_steal a GB, for the share of the reads the compute spans: compute / I/O, at most all)."""
+    read_steal a GB, for the share of the reads the compute spans at their rate beside it:
+    read_busy x compute / I/O, at most all)."""
     if not (read_bytes and io_ms > 0 and compute_ms > 0 and profile.read_steal):
         return 0.0
-    return 1e3 * profile.read_steal * read_bytes / 1e9 * min(1.0, compute_ms / io_ms)
+    return 1e3 * profile.read_steal * read_bytes / 1e9 * min(1.0, profile.read_busy * compute_ms / io_ms)
 
 
 def predict_at_disk_rate(work, profile, disk_gbs):
     """The prediction with the disk at `disk_gbs`, a rate measured during the run (io/device.py),
-    the profile's curve scaled: the model's error apart from the disk's drift since the profile.
-    A plan that reads nothing: the plain prediction; no rate: None."""
+    the profile's curve scaled (Profile.at_run_disk: the run's own I/O path in that rate, not
+    again in read_busy and place_s): the model's error apart from the disk's drift since the
+    profile. A plan that reads nothing: the plain prediction; no rate: None."""
     if not work.read_bytes:
         return predict(work, profile)
-    return None if disk_gbs is None else predict(work, profile.with_disk_rate(disk_gbs, work.read_size))
+    return None if disk_gbs is None else predict(work, profile.at_run_disk(disk_gbs, work.read_size))
 
 
 def resident_computed(model):
@@ -216,6 +223,8 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     converted = L * streamed * values if converts(layout, packed) else 0
     kv_bytes, kv_size, kv_batches = kv_read
     batches = (L * (1 if bundled else len(layout.kinds)) if ffn_read else 0) + attention_read[1] + kv_batches
+    # (rows converted on the way: their placing is in convert_ns, measured against reads thrown away too)
+    placed = (0 if converted else ffn_read) + attention_read[0] + kv_bytes
     return Work(ffn_read + attention_read[0], size, computed,
                 plan.prefetch, L, plan.mode, layout.d_model * n, layout.d_model, kv_bytes, kv_size,
-                converted_values=converted, read_batches=batches, positions=positions)
+                converted_values=converted, placed_bytes=placed, read_batches=batches, positions=positions)

@@ -28,6 +28,9 @@
   beside a decode token's compute (4-bit one-position products past the CPU's caches, without
   pause): its threads hold the cores and its weights the memory bus that the reads' block-layer
   work, completions, checks and DMA need (0.84-0.95 here; a profile measured before it: 1);
+- place_s: the seconds a GB the reader adds placing rows as they are (a layer's reads into a
+  store's rows, against the same reads thrown away, as the disk probe reads; a profile
+  measured before it: 0);
 - pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
   position each: the pass kernels, or dequantized chunks + BLAS where those do not run; the
   quick probe: 16 and 32, at a 7B matrix only); a profile measured before them prices a
@@ -60,7 +63,8 @@ VERSION = 8  # 2: compute rates by matrix size; 3: per-layer overhead by model w
 # 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound); 6: the FFN's packed
 # row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost;
 # 7: what a batch of reads costs beyond its bytes (version 6's per-layer costs held it); 16-bit
-# weights through the native kernels (float16); 8: the reads' rate beside compute (read_busy)
+# weights through the native kernels (float16); 8: the reads' rate beside compute (read_busy),
+# the reader's placing of rows (place_s)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Profile:
     pass_compute: dict = field(default_factory=dict)
     read_steal: float = 0.0  # s of compute lost a GB read meanwhile (prefetch's reads during a layer's compute)
     read_busy: float = 1.0  # the share of their rate alone the reads keep while compute runs beside them
+    place_s: float = 0.0  # s a GB the reader adds placing rows as they are, beyond the reads thrown away
 
     def disk_gbs(self, read_bytes):
         """GB/s at a read size: interpolated on log(size) between the measured ones."""
@@ -95,6 +100,14 @@ class Profile:
         ~2x within an hour, its curve's shape much less)."""
         f = gbs / self.disk_gbs(read_bytes)
         return replace(self, disk={k: v * f for k, v in self.disk.items()})
+
+    def at_run_disk(self, gbs, read_bytes):
+        """with_disk_rate for a rate the device's own counters gave during a run (io/device.py:
+        bytes over the time the device was busy, at the queue depth the run kept). What the
+        run's I/O path cost its reads, the compute beside them (read_busy) and the placing of
+        their rows (place_s), is in that rate already (reads submitted late by a busy CPU keep
+        fewer in flight): both left out (1.0, 0), not counted twice."""
+        return replace(self.with_disk_rate(gbs, read_bytes), read_busy=1.0, place_s=0.0)
 
     def compute_gbs(self, form, elements=None):
         """GB/s of `form` weights consumed by a matrix of `elements` (rows x cols): interpolated on

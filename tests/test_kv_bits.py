@@ -23,9 +23,13 @@ def test_quantized_kv_cache_from_the_first_token(smollm2, bits):
     got = model(mx.array([TOKENS]), cache=cache)[0, -1]
     dense, _ = mlx_flash.load(smollm2, progress=False)
     want = dense(mx.array([TOKENS]), cache=make_prompt_cache(dense))[0, -1]
-    # an approximation of the keys and values: close to the float cache's logits, the same next token
+    # an approximation of the keys and values: the same next token, and a next-token distribution
+    # close to the float cache's (KL, blind to an offset common to every logit: 4-bit keys moved
+    # the logits by 1.07 on average, 3.3 at most, for a KL of 0.069 on a Zen 5 whose OpenBLAS runs
+    # its Haswell kernels; the max difference had passed a bound of 3.0 on Zen 4; 8-bit: 1.7e-4)
     assert mx.argmax(got).item() == mx.argmax(want).item()
-    assert mx.abs(got - want).max().item() < (0.5 if bits == 8 else 3.0)
+    lp, lq = want - mx.logsumexp(want), got - mx.logsumexp(got)
+    assert (mx.exp(lp) * (lp - lq)).sum().item() < (0.005 if bits == 8 else 0.2)
     assert len(greedy(model, TOKENS, 6)) == 6
     model.runtime.close()
     dense.runtime.close()

@@ -276,17 +276,19 @@ def placed_reads(file, threads=None, seconds=1.5, rounds=3, seed=4):
     thread's staging slot). Three kinds in turn, `rounds` times (the order turned each round),
     `seconds` in all, the median of the rounds kept:
     - the same byte ranges thrown away (read_discard, as the disk probe reads): place_s is the
-      time a GB the placing adds to them. Here ~0.04 s: 1.08x their time at 2.2 GB/s, 1.13x at
-      3.4 (results/cost-stop50/read_paths.txt);
+      time a GB the placing adds to them. It depends on the disk's rate at the time, like the
+      curve measured beside it: ~0.04 s here at 2.2-3.4 GB/s (1.08x and 1.13x their time,
+      results/cost-stop50/read_paths.txt), ~0 at 1.4, where the copies hide behind the other
+      threads' reads;
     - placed, alone;
     - placed beside one-position 4-bit products without pause (a 16384 x 4096 matrix, past the
       CPU's caches, through the native kernels where the CPU has them, else a float32 matrix
       of the same bytes, 16384 x 512, through MLX: on a GPU, what its products leave the
       reads): busy is their rate over the rate alone. The compute's threads hold the cores
       and its products the memory bus, which the reads' block-layer work, completions, copies
-      and DMA need too (the other way round from read_steal). Here 0.92-0.95; a hybrid layer's
-      reads of 4-bit OPT-6.7B, placed and checked as its decode places them, kept 0.84 beside
-      the same products (read_paths.txt).
+      and DMA need too (the other way round from read_steal). Here 0.92-0.95 at 1.5-2.5 GB/s,
+      0.995 at 1.4; a hybrid layer's reads of 4-bit OPT-6.7B, placed and checked as its decode
+      places them, kept 0.84 beside the same products at 3.4 (read_paths.txt).
     rounds: the rounds measured; none (a file too small for a layer's batch, a stalled disk):
     busy 1.0 and place_s 0, which measure() notes."""
     from ..io import FlashReader

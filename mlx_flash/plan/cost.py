@@ -3,8 +3,9 @@
     I/O      = bytes read from flash / the disk's uncached throughput at the read size, + the
                reader's cost of the values it dequantizes / converts into float32 rows on the way,
                or of the bytes it places into rows as they are (its copy out of a thread's
-               staging slot, their checks: the profile's place_s a GB, ~0.04 s here, 1.08-1.14x
-               the time of the same reads thrown away, as the disk probe reads),
+               staging slot, their checks: the profile's place_s a GB, measured at its disk's
+               rate: ~0.04 s here at 2.2-3.4 GB/s, 1.08-1.14x the time of the same reads thrown
+               away, as the disk probe reads; ~0 at 1.4, the copies hidden behind other reads),
                + the batches of reads a token issues (a layer's FFN rows, its streamed
                attention, its KV cache) x what a batch costs beyond its bytes (its first read's
                latency and the reader's pool waking: 0.2-0.5 ms here, which the throughput of a
@@ -36,7 +37,7 @@
                4-bit OPT-6.7B batch step of 16 at 50 %, which reads 1.2 GB while it computes
                for 1.5 s (a hybrid step took 0.25-0.3 s longer than a dense one); and the
                compute slows the reads that land during it: they keep only the share
-               read_busy of their rate alone (the profile's; 0.92-0.95 here), so the reads a
+               read_busy of their rate alone (the profile's; 0.92-0.995 here), so the reads a
                layer's compute hides are at most those it spans at that rate: min(I/O,
                read_busy x compute) hidden, not min(I/O, compute). A token whose reads
                outlast its compute then takes I/O + (1 - read_busy) x compute, not about I/O

@@ -27,10 +27,11 @@
 - read_busy: the other way round, the share of their rate alone that the same reads keep
   beside a decode token's compute (4-bit one-position products past the CPU's caches, without
   pause): its threads hold the cores and its weights the memory bus that the reads' block-layer
-  work, completions, checks and DMA need (0.84-0.95 here; a profile measured before it: 1);
+  work, completions, checks and DMA need (0.92-0.995 here, the less the slower the disk; a
+  profile measured before it: 1);
 - place_s: the seconds a GB the reader adds placing rows as they are (a layer's reads into a
-  store's rows, against the same reads thrown away, as the disk probe reads; a profile
-  measured before it: 0);
+  store's rows, against the same reads thrown away, as the disk probe reads: ~0.04 at a disk of
+  2.2-3.4 GB/s here, ~0 at 1.4; a profile measured before it: 0);
 - pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
   position each: the pass kernels, or dequantized chunks + BLAS where those do not run; the
   quick probe: 16 and 32, at a 7B matrix only); a profile measured before them prices a

@@ -32,8 +32,8 @@
                compute) hides reads behind those rows' compute only (Work.hideable); the reads
                that land during that compute slow it (the block layer's work for them, their
                checksums, their DMA into memory: the profile's read_steal, seconds a GB), for
-               the share of the reads the compute spans (read_busy x hideable / I/O, at most all): nothing
-               for a disk-bound token whose compute is short; here 0.14 s a GB, ~0.17 s of a
+               the share of the reads the compute spans (read_busy x hideable / I/O, at most
+               all): nothing for a disk-bound token whose compute is short; here 0.14 s a GB, ~0.17 s of a
                4-bit OPT-6.7B batch step of 16 at 50 %, which reads 1.2 GB while it computes
                for 1.5 s (a hybrid step took 0.25-0.3 s longer than a dense one); and the
                compute slows the reads that land during it: they keep only the share

@@ -24,7 +24,7 @@ from .plan.explain import explain
 from .plan.fit import fit_limit, fit_weights, refit_config
 from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
-                             kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
+                             kv_caches, kv_value_bytes, model_shape, plan_memory, remember_loaded, trim_heap)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, compute_dtype, keep_quantized,
                       loaded_resident_bytes, make_config)
 
@@ -145,6 +145,7 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
     except Exception as e:
         raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
     model = family.Model(args)
+    remember_loaded(model, folder)  # (a later load under a limit names it while it is referenced)
     quantize_resident(model, model_config.get("quantization"), folder)
     check_file(folder, manifest.resident, checksum=config.verify)
     release_heap()  # (the tokenizer's temporaries, and the checksum's buffer: 8 MB the heap had kept)

@@ -360,6 +360,33 @@ for _ in range(3):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_rss is the peak RSS off Linux")
+def test_a_load_under_a_limit_names_the_models_still_referenced(smollm2):
+    # a model closed but still referenced (a script's variable) keeps its weights in the process,
+    # which the next load under a limit measures as its runtime: that load says why (here the
+    # error: no room left), naming the model; once it is dropped, nothing is said
+    code = f"""
+import gc, mlx_flash
+from mlx_flash.errors import FlashError
+first, t = mlx_flash.load({str(smollm2)!r}, progress=False)
+first.runtime.close()
+try:
+    mlx_flash.load({str(smollm2)!r}, memory_limit="350MB", progress=False)
+    print("second loaded")
+except FlashError as e:
+    print("error:", e)
+del first, t
+gc.collect()
+m, t = mlx_flash.load({str(smollm2)!r}, memory_limit="350MB", progress=False)
+print("third loaded")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "third loaded" in r.stdout, r.stderr[-2000:]
+    said = r.stdout + r.stderr
+    assert said.count("still referenced") == 1, said[-2000:]
+    assert f"1 model(s) loaded before in this process and still referenced ({smollm2})" in said, said[-2000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process_rss is the peak RSS off Linux")
 def test_a_load_planned_again_does_not_count_its_first_attempt(smollm2):
     # dense under a limit whose KV cache in DRAM leaves too little: the model loads, no plan
     # fits, and it loads again with the KV cache on flash. The second plan measures the runtime

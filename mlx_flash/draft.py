@@ -89,17 +89,19 @@ class Draft:
 
 def load_draft(spec, target, progress=False):
     """A Draft. spec: `self:SPEC` or a model (path, repo, .gguf); target: what --model names."""
-    from .loader import load, resolve_model_path
+    from .loader import forget_loaded, load, resolve_model_path
 
     if spec.startswith("self:"):
         folder = resolve_model_path(target, progress=progress)
         model, tok = load(str(folder), mode="dense")
+        forget_loaded(model)  # (it stays beside the target, whose limit counts it: not a leftover)
         layers = model.model.layers
         keep = parse_layers(spec[5:], len(layers))
         model.model.layers = [layers[i] for i in keep]
         return Draft(spec, model, tok, f"self-draft, {len(keep)} of the model's {len(layers)} layers "
                                        f"({_ranges(keep)}), dense in DRAM")
     model, tok = load(spec, mode="dense")
+    forget_loaded(model)
     return Draft(spec, model, tok, f"{spec}, {len(model.layers)} layers, dense in DRAM")
 
 

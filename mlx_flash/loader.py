@@ -7,6 +7,8 @@ resident weights, build the runtime from the config (runtime/build.py).
 import json
 import logging
 import sys
+import threading
+import weakref
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -24,7 +26,7 @@ from .plan.explain import explain
 from .plan.fit import fit_limit, fit_weights, refit_config
 from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
-                             kv_caches, kv_value_bytes, model_shape, plan_memory, remember_loaded, trim_heap)
+                             kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, compute_dtype, keep_quantized,
                       loaded_resident_bytes, make_config)
 
@@ -101,8 +103,42 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
         _check_kv_groups(model, config.kv_group_size)
     _set_caches(model, runtime, config, memory, asked.ctx_size)
     model.eval()
-    release_heap()  # (the load's temporaries, freed: else they stay in the RSS a limit counts)
-    return model, tokenizer
+    return delivered(model, folder), tokenizer
+
+
+_LOADED = []  # (a weak reference to a model load() returned, its folder)
+_LOADED_LOCK = threading.Lock()
+
+
+def delivered(model, folder):
+    """A model load() returns, remembered by a weak reference (a later load under a limit names it
+    while something references it: loaded_before), after the load's temporaries are given back
+    (else they stay in the RSS a limit counts). -> model."""
+    with _LOADED_LOCK:
+        _LOADED[:] = [(r, f) for r, f in _LOADED if r() is not None] + [(weakref.ref(model), str(folder))]
+    release_heap()
+    return model
+
+
+def forget_loaded(model):
+    """Not to be named by loaded_before: a model meant to stay beside the next (a speculative
+    draft, loaded first so that its memory counts in the target's limit)."""
+    with _LOADED_LOCK:
+        _LOADED[:] = [(r, f) for r, f in _LOADED if r() is not None and r() is not model]
+
+
+def loaded_before():
+    """The folders of the models load() returned in this process that something still
+    references (a script's variable, closed or not): their weights and caches are in this
+    process's memory, which the next load under a limit measures as its runtime. Collects
+    first: one dropped but not yet collected is not one."""
+    import gc
+
+    if not _LOADED:
+        return []
+    gc.collect()
+    with _LOADED_LOCK:
+        return [f for r, f in _LOADED if r() is not None]
 
 
 def _set_caches(model, runtime, config, memory, ctx_size):
@@ -138,14 +174,14 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
         raise FlashError(f"{folder}/config.json: unreadable ({e})")
     family, args = model_args(model_config)
     if config.memory_limit is not None:  # (a limit too small: an error here, not a kill while loading)
-        check_limit_before_loading(config.memory_limit, loaded_bytes())
+        earlier = loaded_before()  # (first: it collects what was dropped, before the RSS is measured)
+        check_limit_before_loading(config.memory_limit, loaded_bytes(), earlier)
     # The tokenizer first: its load peaks ~30 MB above what it keeps, before the weights arrive.
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
     except Exception as e:
         raise FlashError(f"{folder}: cannot load the tokenizer ({e})")
     model = family.Model(args)
-    remember_loaded(model, folder)  # (a later load under a limit names it while it is referenced)
     quantize_resident(model, model_config.get("quantization"), folder)
     check_file(folder, manifest.resident, checksum=config.verify)
     release_heap()  # (the tokenizer's temporaries, and the checksum's buffer: 8 MB the heap had kept)
@@ -294,8 +330,7 @@ def _load_moe(folder, manifest, config, context_of=None):
     model.runtime.memory = memory
     _set_caches(model, model.runtime, config, memory, None)
     model.eval()
-    release_heap()
-    return model, tokenizer
+    return delivered(model, folder), tokenizer
 
 
 def _half_kernels(dtype, on_cpu):

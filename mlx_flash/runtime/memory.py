@@ -24,7 +24,6 @@ must fit `context` (generate / stream_generate check it before they start).
 import logging
 import os
 import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -376,37 +375,19 @@ KV_READ_THREADS = 4  # the KV cache's reads are a few large spans a layer
 TOKENIZER_PEAK = 32 << 20  # a tokenizer's load peaks ~30 MB above what it keeps (measured on SmolLM2)
 
 
-_LOADED = []  # (a weak reference to a model loaded in this process, its folder): remember_loaded's
-
-
-def remember_loaded(model, folder):
-    """Keep track of a model being loaded (loader.py), without keeping it alive."""
-    _LOADED[:] = [(r, f) for r, f in _LOADED if r() is not None] + [(weakref.ref(model), str(folder))]
-
-
-def loaded_before():
-    """The folders of the models loaded in this process that something still references (a
-    script's variable, a server's old model): their weights and caches are in this process's
-    memory, which the next load under a limit measures as its runtime."""
-    import gc
-
-    gc.collect()  # (one dropped but not yet collected is not one)
-    return [f for r, f in _LOADED if r() is not None]
-
-
-def check_limit_before_loading(text, resident_file_bytes):
+def check_limit_before_loading(text, resident_file_bytes, earlier=()):
     """Before the tokenizer and the resident weights load: a limit that cannot hold the
     runtime, the tokenizer's load and the resident file (less what may stay on flash:
     runtime.loaded_resident_bytes) is a clear error now, not a kill by the memory cgroup
-    while loading. Models loaded before in this process and still referenced are named, in
-    the error or in a warning: their memory counts in this load's runtime."""
+    while loading. earlier: the folders of models loaded before in this process and still
+    referenced (loader.loaded_before), named in the error or in a warning: their memory counts
+    in this load's runtime."""
     limit, _ = effective_limit(text, warn=False)  # (plan_memory says it, after this check)
     runtime = process_rss()
     need = runtime + TOKENIZER_PEAK + resident_file_bytes
-    earlier = loaded_before()
     held = (f"{len(earlier)} model(s) loaded before in this process and still referenced ({', '.join(earlier)}) "
-            "hold part of it: drop every reference to them (del model; gc.collect()) before loading another "
-            "under a limit" if earlier else "")
+            "count in the measured runtime: drop every reference to them (del model; gc.collect()) before "
+            "loading another under a limit" if earlier else "")
     if need > limit:
         raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB: nothing left for the weights: the runtime takes "
                          f"{runtime / 1e6:.0f} MB (measured), loading the tokenizer ~{TOKENIZER_PEAK / 1e6:.0f} MB "

@@ -27,7 +27,7 @@
 - read_busy: the other way round, the share of their rate alone that the same reads keep
   beside a decode token's compute (4-bit one-position products past the CPU's caches, without
   pause): its threads hold the cores and its weights the memory bus that the reads' block-layer
-  work, completions, checks and DMA need (0.92-0.995 here, the less the slower the disk; a
+  work, completions, checks and DMA need (0.92-0.995 here, the nearer 1 the slower the disk; a
   profile measured before it: 1);
 - place_s: the seconds a GB the reader adds placing rows as they are (a layer's reads into a
   store's rows, against the same reads thrown away, as the disk probe reads: ~0.04 at a disk of

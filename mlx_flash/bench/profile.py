@@ -6,6 +6,7 @@ models decoded through the real runtime."""
 import os
 import tempfile
 import time
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -329,12 +330,6 @@ def placed_reads(file, threads=None, seconds=1.5, rounds=3, seed=4):
             r.read_discard(fh, (first + rows) * stride, np.full(n_bundles, stride))
         return n_bundles * stride
 
-    def placed(r, fh, rng):
-        return layer(r, fh, rng, True)
-
-    def thrown(r, fh, rng):
-        return layer(r, fh, rng, False)
-
     kinds = ("thrown", "alone", "busy")
     turn = seconds / (len(kinds) * max(rounds, 1))
     busy, place = [], []
@@ -343,9 +338,9 @@ def placed_reads(file, threads=None, seconds=1.5, rounds=3, seed=4):
         fh = r.open(file)
         for i in range(rounds if fh.size >= n_bundles * stride else 0):
             rate = {}
-            for what in kinds[i % 3:] + kinds[: i % 3]:
+            for what in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
                 during = (lambda: compute(turn)) if what == "busy" else (lambda: time.sleep(turn))
-                _, gb, dt = _beside_reads(r, fh, rng, during, thrown if what == "thrown" else placed)
+                _, gb, dt = _beside_reads(r, fh, rng, during, partial(layer, place=what != "thrown"))
                 rate[what] = gb / dt
             if min(rate.values()) >= 0.1:  # GB/s (a stalled disk: too few bytes to divide by)
                 busy.append(min(1.0, rate["busy"] / rate["alone"]))

@@ -46,21 +46,38 @@ def context_of(model):
     return int(getattr(args, "max_position_embeddings", 0) or 4096)
 
 
+def is_utf8(text):
+    """Whether `text` can be written as UTF-8: no lone surrogates (what JSON's "\\udcff" escapes
+    and Python's decoding of bytes that are not UTF-8 leave), which a tokenizer cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_messages(path):
     """The messages of a saved conversation ({"messages": [...]}); FlashError naming the file."""
-    path = Path(path)
+    path = Path(path).expanduser()
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise FlashError(f"{path}: cannot read it ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = path.read_bytes()
+    except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte in it
+        raise FlashError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise FlashError(f"{path}: not a saved conversation (not UTF-8: byte {raw[e.start]:#04x} at "
+                         f"offset {e.start})") from None
+    except (ValueError, RecursionError) as e:  # ValueError: json.JSONDecodeError
         raise FlashError(f"{path}: not a saved conversation (not JSON: {e})") from None
     msgs = data.get("messages") if isinstance(data, dict) else None
     if not isinstance(msgs, list):
         raise FlashError(f"{path}: not a saved conversation (no \"messages\" list)")
     for i, m in enumerate(msgs):
-        if (not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str)):
-            raise FlashError(f"{path}: message {i + 1} is not {{\"role\": system|user|assistant, \"content\": str}}")
+        if (not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str)
+                or not is_utf8(m["content"])):
+            raise FlashError(f"{path}: message {i + 1} is not {{\"role\": system|user|assistant, \"content\": "
+                             "UTF-8 text}")
     return msgs
 
 
@@ -84,14 +101,23 @@ class Conversation:
         self.kept.reset()
 
     def save(self, path):
-        path = Path(path)
+        """Write the conversation as JSON (UTF-8) through a temporary file beside `path`; a
+        FlashError naming the path where it cannot be written (the messages are unchanged)."""
+        path = Path(path).expanduser()
+        if not path.name or path.is_dir():
+            raise FlashError(f"{path}: is a folder; give a file name in it, e.g. {path / 'conversation.json'}")
         tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps({"messages": self.messages}, indent=1, ensure_ascii=False) + "\n")
+            tmp.write_text(json.dumps({"messages": self.messages}, indent=1, ensure_ascii=False) + "\n",
+                           encoding="utf-8")
             os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise FlashError(f"{path}: cannot write it ({e.strerror or e})") from None
+        except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte in it
+            try:
+                tmp.unlink(missing_ok=True)
+            except (OSError, ValueError):  # its folder is not one (a file, or missing): nothing was written
+                pass
+            raise FlashError(f"{path}: cannot write it ({getattr(e, 'strerror', None) or e}); "
+                             "give a path in a folder you can write to") from None
 
     def load(self, path):
         self.messages = read_messages(path)

@@ -18,7 +18,8 @@ from mlx.utils import tree_flatten
 
 from .errors import BudgetTooSmall, FlashError
 from .home import default_home
-from .layout.format import check_file, is_flash_folder, read_manifest
+from .layout.format import MANIFEST, check_file, is_flash_folder, read_manifest
+from .layout.schema import missing_parts
 from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
@@ -38,6 +39,14 @@ def resolve_model_path(path_or_repo, convert_dtype="float16", progress=True):
     if p.is_dir() and is_flash_folder(p):
         return p
     from .convert import convert
+    from .convert.sources import CONVERT_HINT, check_not_flash_folder
+
+    if p.is_dir():  # a folder to convert: not a conversion's leftovers, and a model's config.json
+        check_not_flash_folder(p)
+        if not (p / "config.json").is_file():
+            raise FlashError(f"{p} has no manifest.json: not an mlx_flash model folder, and no config.json: "
+                             f"not a Hugging Face or mlx-lm model folder to convert either; convert a model "
+                             f"with {CONVERT_HINT}")
 
     slug = str(path_or_repo).strip("/").replace("/", "--").replace(".", "_")
     out = default_home() / "models" / f"{slug}-{convert_dtype}"
@@ -172,7 +181,10 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
         model_config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise FlashError(f"{folder}/config.json: unreadable ({e})")
+    if not isinstance(model_config, dict):
+        raise FlashError(f"{folder}/config.json: not a JSON object; convert the model again")
     family, args = model_args(model_config)
+    check_complete(folder, manifest, model_config)
     if config.memory_limit is not None:  # (a limit too small: an error here, not a kill while loading)
         earlier = loaded_before()  # (first: it collects what was dropped, before the RSS is measured)
         check_limit_before_loading(config.memory_limit, loaded_bytes(), earlier)
@@ -186,6 +198,14 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
     check_file(folder, manifest.resident, checksum=config.verify)
     release_heap()  # (the tokenizer's temporaries, and the checksum's buffer: 8 MB the heap had kept)
     return model, tokenizer, args
+
+
+def check_complete(folder, manifest, model_config):
+    """The manifest lists every layer and weight kind (the experts) config.json describes."""
+    missing = missing_parts(manifest, model_config)
+    if missing:
+        raise FlashError(f"{folder / MANIFEST}: {'; '.join(missing)}: the folder is incomplete; convert the "
+                         "model again (mlx_flash.verify checks a whole folder)")
 
 
 def _with_context(config, tokenizer, context_of):

@@ -167,9 +167,10 @@ def test_completions_logprobs_and_stop(server, local):
     assert r.choices[0].message.content == full[:full.index(stop)]
 
 
-def raw(server, path, body=None, headers=None):
+def raw(server, path, body=None, headers=None, method=None):
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url[:-3] + path, data=data, headers=headers or {})
+    headers = dict({"Content-Type": "application/json"} if data is not None else {}, **(headers or {}))
+    req = urllib.request.Request(server.url[:-3] + path, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -212,7 +213,8 @@ def test_http_framing_and_abandoned_requests(server):
     assert c.getresponse().status == 200
     c.close()
     s = socket.create_connection((host, int(port)), timeout=60)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: -1\r\n\r\n")
     head = b""
     while chunk := s.recv(4096):  # (the server closes the connection after it)
         head += chunk
@@ -225,7 +227,7 @@ def test_http_framing_and_abandoned_requests(server):
     before = server.health()["cancelled"]
     s = socket.create_connection((host, int(port)), timeout=60)
     b = json.dumps({"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b)
     time.sleep(1.0)
     s.close()

@@ -6,7 +6,8 @@ streaming and not, some streams closed by the client after a few chunks (cancell
 requests the server must refuse (an unsupported field: 400). Every request must end in
 an answer, a cancellation the client chose, or a 4xx with a message; anything else (a
 connection error, a 5xx, a timeout) is counted as lost. The server's resident memory
-(VmRSS) is read after a warm-up and again after the load, and its /health after.
+(VmRSS) is read after a warm-up and again after the load, and its /health after. Beside the
+clients, one more connection sends a long streaming request and never reads it.
 """
 
 import json
@@ -160,6 +161,34 @@ def run_load(url, clients, requests, seed=0, max_tokens=(8, 32)):
     return rows
 
 
+class SilentClient:
+    """A client that sends a long streaming request and never reads the answer, holding its
+    connection open until `close`: the server must keep serving the others meanwhile."""
+
+    def __init__(self, url, max_tokens=1024):
+        import socket
+
+        host, port = url.split("//")[1].split("/")[0].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story."}],
+                           "max_tokens": max_tokens, "stream": True}).encode()
+        self.sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
+                          b"\r\n\r\n" + body)
+
+    def close(self):
+        """Bytes the server had written to it by now (unread in its socket buffer)."""
+        self.sock.setblocking(False)
+        n = 0
+        try:
+            while chunk := self.sock.recv(1 << 16):
+                n += len(chunk)
+        except OSError:
+            pass
+        self.sock.close()
+        return n
+
+
 def run_server_bench(model, clients, requests, extra=(), seed=0, out=None, progress=print):
     out = Path(out) if out else None
     if out:
@@ -174,8 +203,10 @@ def run_server_bench(model, clients, requests, extra=(), seed=0, out=None, progr
         before = srv.rss_mb()
         progress(f"RSS after warm-up {before:.0f} MB; {clients} clients x {requests} requests")
         t0 = time.perf_counter()
+        silent = SilentClient(srv.url)
         rows = run_load(srv.url, clients, requests, seed=seed)
         wall = time.perf_counter() - t0
+        silent_bytes = silent.close()
         time.sleep(1.0)
         after = srv.rss_mb()
         health = srv.health()
@@ -191,7 +222,7 @@ def run_server_bench(model, clients, requests, extra=(), seed=0, out=None, progr
            "tokens": sum(r["tokens"] for r in flat if r["outcome"] == "answered"),
            "latency_s": _quantiles([r["seconds"] for r in flat if r["outcome"] == "answered"]),
            "rss_before_mb": before, "rss_after_mb": after, "rss_ratio": after / before,
-           "health_after": health, "alive_after": alive,
+           "health_after": health, "alive_after": alive, "silent_client_bytes": silent_bytes,
            "lost": [r for r in flat if r["outcome"] == "lost"]}
     if out:
         (out / "server-load.json").write_text(json.dumps(res, indent=1))
@@ -222,7 +253,9 @@ def markdown(res):
     lines += ["", "latency of answered requests (s): " + ", ".join(f"{k} {v:.2f}" for k, v in lat.items()),
               f"server RSS: {res['rss_before_mb']:.0f} MB after warm-up, {res['rss_after_mb']:.0f} MB after the "
               f"load ({res['rss_ratio']:.3f}x); alive after: {res['alive_after']}; /health after: "
-              f"{json.dumps(res['health_after'])}"]
+              f"{json.dumps(res['health_after'])}",
+              f"a client that never read its long stream, open during the whole load: the server wrote "
+              f"{res['silent_client_bytes']} bytes to it and served every other request beside it"]
     for r in res["lost"]:
         lines.append(f"- lost: {r['kind']}: {r['error']}")
     return "\n".join(lines) + "\n"

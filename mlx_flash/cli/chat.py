@@ -12,7 +12,8 @@ import signal
 import sys
 
 from . import run
-from .generate import add_draft_args, add_model_args, add_sampling_args, load_with_draft, sampling_kwargs, stats_lines
+from .generate import (add_draft_args, add_model_args, add_sampling_args, check_sampling, check_text, load_with_draft,
+                       sampling_kwargs, stats_lines, vocab_size_of)
 
 HELP = """commands:
   /reset       start a new conversation (the system prompt stays)
@@ -63,6 +64,21 @@ def say(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+def read_line(stdin):
+    """The next line of input as text, None at its end. A line that is not valid UTF-8 is said
+    on stderr and comes back as "" (skipped): its bytes never reach the tokenizer."""
+    buffer = getattr(stdin, "buffer", None)
+    raw = buffer.readline() if buffer is not None else stdin.readline().encode("utf-8", "surrogatepass")
+    if not raw:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        say(f"[that line is not valid UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}): not sent; "
+            "type it again as UTF-8 text]")
+        return ""
+
+
 def show_stats(conv, model):
     t = conv.last
     turns = sum(m["role"] == "user" for m in conv.messages)
@@ -83,10 +99,13 @@ def main(argv=None):
         from ..conversation import Conversation, read_messages
         from ..errors import FlashError
 
+        check_sampling(args)
+        check_text(args.system_prompt, "--system-prompt")
         if args.seed is not None:
             mx.random.seed(args.seed)
         saved = read_messages(args.load) if args.load else None  # its errors before the model loads
         model, tokenizer, draft = load_with_draft(args)
+        check_sampling(args, vocab_size_of(model))
         conv = Conversation(model, tokenizer, args.system_prompt, args.max_tokens, sampling_kwargs(args),
                             draft=draft, num_draft_tokens=args.num_draft_tokens)
         if saved is not None:
@@ -100,11 +119,11 @@ def main(argv=None):
             if interactive:
                 print(">> ", end="", flush=True)
             try:
-                line = sys.stdin.readline()
+                line = read_line(sys.stdin)
             except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
                 print()
                 continue
-            if not line:
+            if line is None:
                 break
             text = line.strip()
             if not text:

@@ -46,7 +46,9 @@ def build_parser():
                                                             "a .txt or .jsonl file (default c4)")
     e.add_argument("--calibration-tokens", type=int, default=2048,
                    help="--expert-bits auto: tokens of calibration text (default 2048)")
-    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--force", action="store_true",
+                   help="replace a converted model (or an unfinished conversion) at --out; any other folder "
+                        "is refused, untouched")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

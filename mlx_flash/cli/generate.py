@@ -70,6 +70,108 @@ def add_sampling_args(p):
     p.add_argument("--seed", type=int, default=None)
 
 
+def flag_of(field):
+    """The command-line flag of a setting: top_p -> --top-p."""
+    return "--" + field.replace("_", "-")
+
+
+def check_sampling(args, vocab_size=None, name=flag_of):
+    """A FlashError naming the setting where a sampling setting is out of range, before it
+    reaches mlx_lm's sampler (there some are a traceback, others silently ignored). args: any
+    object with the settings as attributes (an argparse namespace; an absent or None one is not
+    checked); vocab_size: the model's vocabulary once it is loaded (top_k must be below it);
+    name(field): how the message names a setting (a flag here; a server may name its JSON keys)."""
+    import math
+
+    from ..errors import FlashError
+
+    def value(field):
+        return getattr(args, field, None)
+
+    def refuse(field, rule):
+        raise FlashError(f"{name(field)} {value(field)}: {rule}")
+
+    def number_in(field, low, high, low_open=False):
+        v = value(field)
+        return math.isfinite(v) and (v > low if low_open else v >= low) and v <= high
+
+    if value("max_tokens") is not None and value("max_tokens") < 1:
+        refuse("max_tokens", "must be at least 1")
+    if value("temp") is not None and not number_in("temp", 0, math.inf):
+        refuse("temp", "must be 0 (greedy) or more")
+    if value("top_p") is not None and not number_in("top_p", 0, 1, low_open=True):
+        refuse("top_p", "must be above 0 and at most 1 (1: off)")
+    if value("min_p") is not None and not number_in("min_p", 0, 1):
+        refuse("min_p", "must be from 0 to 1 (0: off)")
+    if value("top_k") is not None and value("top_k") < 0:
+        refuse("top_k", "must be 0 (off) or more")
+    if value("top_k") is not None and vocab_size is not None and value("top_k") >= vocab_size:
+        refuse("top_k", f"must be below the model's vocabulary of {vocab_size} tokens (0: off, all of them)")
+    if value("repetition_penalty") is not None and not number_in("repetition_penalty", 0, math.inf, low_open=True):
+        refuse("repetition_penalty", "must be above 0 (1: off)")
+    if value("seed") is not None and not 0 <= value("seed") < 1 << 64:
+        refuse("seed", "must be from 0 to 2**64 - 1")
+
+
+def vocab_size_of(model):
+    """The model's vocabulary (the logits' width), or None where its args do not say."""
+    return getattr(getattr(model, "args", None), "vocab_size", None)
+
+
+def check_text(text, what):
+    """`text`, or a FlashError naming `what` where it holds lone surrogates: bytes that were
+    not valid UTF-8 as Python decodes the command line, which the tokenizer cannot encode."""
+    from ..conversation import is_utf8
+    from ..errors import FlashError
+
+    if text is not None and not is_utf8(text):
+        raise FlashError(f"{what} is not valid UTF-8; give it as UTF-8 text")
+    return text
+
+
+def read_stdin_text(what):
+    """All of the standard input as UTF-8 text; a FlashError naming `what` where it is not UTF-8."""
+    from ..errors import FlashError
+
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FlashError(f"{what}: the standard input is not valid UTF-8 (byte {raw[e.start]:#04x} at offset "
+                         f"{e.start}); give it as UTF-8 text") from None
+
+
+def check_output_path(path, flag):
+    """A FlashError naming `flag` where `path` cannot be a file written later (a folder, or in a
+    folder that is missing or not writable): said before the model loads, not after the work."""
+    import os
+    from pathlib import Path
+
+    from ..errors import FlashError
+
+    if path is None:
+        return
+    p = Path(path)
+    folder = p.parent
+    if p.is_dir() or not p.name:
+        raise FlashError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise FlashError(f"{flag} {path}: {folder} is not a folder; give a path in a folder you can write to")
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise FlashError(f"{flag} {path}: not writable; give a path in a folder you can write to")
+
+
+def write_output(path, flag, text):
+    """Write `text` to `path`; a FlashError naming `flag` where that fails."""
+    from ..errors import FlashError
+
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte in it
+        raise FlashError(f"{flag} {path}: cannot write it ({getattr(e, 'strerror', None) or e})") from None
+
+
 def sampling_kwargs(args):
     kw = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     if args.repetition_penalty:
@@ -148,11 +250,12 @@ def read_batch_file(path):
     lines skipped. A bad line is a FlashError naming the file and the line."""
     from pathlib import Path
 
+    from ..conversation import is_utf8
     from ..errors import FlashError
 
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise FlashError(f"--batch-file {path}: cannot read it ({e})") from None
     prompts = []
@@ -167,6 +270,8 @@ def read_batch_file(path):
             item = item.get("prompt")
         if not isinstance(item, str) or not item:
             raise FlashError(f"{path}:{i}: expected a non-empty string or {{\"prompt\": \"...\"}}")
+        if not is_utf8(item):
+            raise FlashError(f"{path}:{i}: not valid UTF-8 (a lone surrogate escape such as \\udcff)")
         prompts.append(item)
     if not prompts:
         raise FlashError(f"--batch-file {path}: no prompts in it")
@@ -179,9 +284,9 @@ def run_batch(args, model, tokenizer, prompts):
     texts = [build_prompt(tokenizer, p, args.system_prompt, args.ignore_chat_template) for p in prompts]
     r = batch_generate(model, tokenizer, texts, max_tokens=args.max_tokens, **sampling_kwargs(args))
     if args.batch_out:
-        with open(args.batch_out, "w") as f:
-            for p, text, toks, why in zip(prompts, r.texts, r.tokens, r.finish_reasons):
-                f.write(json.dumps({"prompt": p, "text": text, "tokens": len(toks), "finish_reason": why}) + "\n")
+        write_output(args.batch_out, "--batch-out", "".join(
+            json.dumps({"prompt": p, "text": text, "tokens": len(toks), "finish_reason": why}) + "\n"
+            for p, text, toks, why in zip(prompts, r.texts, r.tokens, r.finish_reasons)))
     else:
         for i, text in enumerate(r.texts, 1):
             print(f"--- {i}\n{text.strip()}")
@@ -265,10 +370,15 @@ def main(argv=None):
 
         from .. import stream_generate
 
-        if args.seed is not None:
-            mx.random.seed(args.seed)
         from ..errors import FlashError
 
+        check_sampling(args)
+        check_text(args.prompt, "--prompt")
+        check_text(args.system_prompt, "--system-prompt")
+        check_output_path(args.stats_json, "--stats-json")
+        check_output_path(args.batch_out, "--batch-out")
+        if args.seed is not None:
+            mx.random.seed(args.seed)
         if args.batch_file:
             if args.prompt is not None:
                 raise FlashError("--prompt and --batch-file: give one (the batch file holds the prompts)")
@@ -279,13 +389,15 @@ def main(argv=None):
             prompts = read_batch_file(args.batch_file)  # its errors before the model loads
             ctx = max(len(p.encode()) for p in prompts) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
             model, tokenizer = load_for_cli(args, ctx_size=ctx, batch_size=len(prompts))
+            check_sampling(args, vocab_size_of(model))
             return run_batch(args, model, tokenizer, prompts)
-        prompt_text = sys.stdin.read() if args.prompt == "-" else (args.prompt or DEFAULT_PROMPT)
+        prompt_text = read_stdin_text("--prompt -") if args.prompt == "-" else (args.prompt or DEFAULT_PROMPT)
         # under --memory-limit, a KV cache for this prompt and --max-tokens: the tokens it will
         # feed, counted by the model's tokenizer, or, where a draft's KV cache is allocated before
         # the model loads, bounded by its bytes (a token is at least one) + 128 for a template
         ctx = len(prompt_text.encode()) + len((args.system_prompt or "").encode()) + 128 + args.max_tokens
         model, tokenizer, draft = load_with_draft(args, ctx_size=ctx, context_of=_context_of(args, prompt_text))
+        check_sampling(args, vocab_size_of(model))
         speculative = draft_kwargs(args, draft, model)
         if (args.stats or args.stats_json) and model.runtime.store is not None:
             model.runtime.store.timed = True  # the phases timed truthfully (one sync per layer)
@@ -341,10 +453,7 @@ def main(argv=None):
             for line in stats_lines(report["summary"]):
                 print(line)
         if args.stats_json:
-            import json
-
-            with open(args.stats_json, "w") as f:
-                json.dump(report, f, indent=1)
+            write_output(args.stats_json, "--stats-json", json.dumps(report, indent=1))
 
     return run(body, "mlx_flash.generate")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
-from ..layout.format import (DTYPES, MANIFEST, BundleLayout, Manifest, checksum_name, is_flash_folder,
-                             sha256_file, write_manifest)
+from ..layout.format import (DTYPES, FORMAT_NAME, MANIFEST, BundleLayout, Manifest, checksum_name, sha256_file,
+                             write_manifest)
 from ..layout.safetensors_io import SafetensorsWriter
 from ..models import model_args
 from .quantize import QuantOptions, column_parts, ffn_spec, read_weight, report, row_parts, target
@@ -100,6 +100,45 @@ class Journal:
             (self.folder / name).unlink(missing_ok=True)
 
 
+def _flash_manifest(folder):
+    """The parsed manifest.json of `folder` where it is an mlx_flash manifest (whole or not), else None."""
+    try:
+        m = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == FORMAT_NAME else None
+
+
+def _unfinished_conversion(folder):
+    """`folder` holds a conversion's journal (what an interrupted conversion leaves to resume)."""
+    try:
+        saved = json.loads((folder / JOURNAL).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "key" in saved and "done" in saved
+
+
+def _replaceable(out, force):
+    """Whether `out` exists; a FlashError, before anything is written, where a conversion may not
+    write there: a file, or a folder with something in it that is not an mlx_flash model (its
+    manifest.json) or an unfinished conversion (its journal). --force replaces only those."""
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise FlashError(f"--out {out} is a file, not a folder; choose a folder for the converted model")
+    if _flash_manifest(out) is not None or not any(out.iterdir()):
+        return True
+    if _unfinished_conversion(out):
+        if force:
+            return True
+        raise FlashError(f"{out} holds an unfinished conversion ({JOURNAL}); use --force to replace it")
+    why = "its manifest.json is not an mlx_flash manifest" if (out / MANIFEST).exists() else \
+        f"it has no {MANIFEST}"
+    raise FlashError(f"{out} exists and is not an mlx_flash model folder ({why}); "
+                     + ("--force replaces only a converted model's folder, and " if force else "")
+                     + "nothing in it was changed: choose another --out, or empty the folder first")
+
+
 def _fsync_dir(path):
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -119,7 +158,9 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
 
     Returns the output folder. If `out` already holds a complete conversion of
     the same source at the same dtype and precision options, it is kept
-    (idempotent) unless `force`.
+    (idempotent) unless `force`. `force` replaces only a converted model (a folder
+    with an mlx_flash manifest) or an unfinished conversion (its journal); any
+    other folder, and a file, is refused before anything is written.
     dip: also write the input orientation Dynamic Input Pruning reads (gate/up
     columns per input dimension, down rows alone): 5/3 of the FFN bytes more.
     quant: QuantOptions (convert/quantize.py): quantized sources keep their bits by
@@ -134,19 +175,21 @@ def convert(source, out, dtype="float16", align=512, force=False, progress=True,
     else:
         local = Path(str(source)).expanduser()
         source_name = str(local.resolve()) if local.exists() else str(source)
-    if out.exists():
-        if is_flash_folder(out) and not force:
-            m = json.loads((out / MANIFEST).read_text())
+    if _replaceable(out, force):
+        m = _flash_manifest(out)
+        if m is not None and not force:
+            options = m.get("options") if isinstance(m.get("options"), dict) else {}
             if (m.get("source") == source_name and m.get("dtype") == dtype and (bool(m.get("dip")) or not dip)
-                    and m.get("options", {}).get("quant") == quant.key()):
+                    and options.get("quant") == quant.key()):
                 return out
             raise FlashError(
                 f"{out} already holds a converted model (from {m.get('source')}, {m.get('dtype')}); "
                 "use --force to replace it"
             )
-        if not is_flash_folder(out) and any(out.iterdir()) and not force:
-            raise FlashError(f"{out} exists and is not an mlx_flash model; choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlashError(f"--out {out}: cannot make its folder {out.parent} ({e.strerror})")
     for stale in _stale_temp_dirs(out):
         shutil.rmtree(stale, ignore_errors=True)
 

@@ -173,6 +173,24 @@ def download(repo_id, revision=None):
         raise FlashError(f"could not get '{repo_id}' from the Hugging Face Hub: {msg}")
 
 
+CONVERSION_FILES = ("manifest.json", "resident.safetensors", "ffn", "experts", "journal.json")
+CONVERT_HINT = "mlx_flash.convert --model <hf-repo | folder | file.gguf> --out <folder>"
+
+
+def check_not_flash_folder(folder):
+    """Refuse, as a model to convert, a folder an mlx_flash conversion wrote: a converted model
+    (its manifest.json), or a conversion's files without the manifest that lists them."""
+    folder = Path(folder)
+    if (folder / "manifest.json").is_file():
+        raise FlashError(f"{folder} is a converted mlx_flash model folder already (it has manifest.json): load "
+                         "it as it is; the converter reads Hugging Face and mlx-lm folders and .gguf files")
+    found = [name for name in CONVERSION_FILES if (folder / name).exists()]
+    if found:
+        raise FlashError(f"{folder} has no manifest.json: not an mlx_flash model folder (its {', '.join(found)} "
+                         "are a conversion's files without the manifest that lists them: an unfinished or "
+                         f"damaged conversion); convert the model again with {CONVERT_HINT}")
+
+
 def open_source(source, revision=None):
     """A path (folder or .gguf) or a Hub repo id -> a source object."""
     s = str(source)
@@ -184,6 +202,7 @@ def open_source(source, revision=None):
             return GGUFSource(path)
         raise FlashError(f"{path}: not a model (expected a folder, a .gguf file or a Hub repo id)")
     if path.is_dir():
+        check_not_flash_folder(path)
         return SafetensorsFolderSource(path)
     if not looks_like_repo_id(s):
         raise FlashError(f"{s}: no such file or folder")

@@ -46,6 +46,7 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 import sys
 import threading
 import time
@@ -53,7 +54,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..errors import FlashError
+from ..errors import FlashError, ModelFileError
 from .native import native_module as _native_module
 
 log = logging.getLogger("mlx_flash.io")
@@ -107,7 +108,7 @@ def log_once(key, msg, *args):
         log.warning(msg, *args)
 
 
-class ReadError(FlashError):
+class ReadError(ModelFileError):
     """A read that did not deliver: names the file, the offset and why."""
 
     def __init__(self, file, offset, reason):
@@ -604,12 +605,15 @@ class FlashReader:
     def open(self, path, expected_size=None, expected_sha256=None):
         """Open a file for uncached reads -> FlashFile.
 
-        Raises ReadError naming the file if it is missing, unreadable, not of
-        expected_size, or (when given, which reads the whole file) its sha256
-        differs from expected_sha256.
+        Raises ReadError naming the file if it is missing, not a regular file (a
+        folder, a device, a pipe: checked before opening, which a pipe would block),
+        unreadable, not of expected_size, or (when given, which reads the whole
+        file) its sha256 differs from expected_sha256.
         """
         path = os.fspath(path)
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ReadError(path, None, "not a regular file (a folder, a device or a pipe)")
             fd, uncached = _open_uncached(path, self.direct)
         except FileNotFoundError:
             raise ReadError(path, None, "missing (no such file)")

@@ -46,12 +46,15 @@ manifest's `experts` section names an ExpertLayout and, per layer, its file of
 expert bundles with their checksums (layout/experts.py).
 
 A folder is complete only if manifest.json exists: the converter writes into
-a temporary folder and renames it into place last.
+a temporary folder and renames it into place last. read_manifest checks a
+manifest against its schema (layout/schema.py) before anything uses it: every
+field's type and range, every file named inside the folder.
 """
 
 import hashlib
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,11 +63,10 @@ import numpy as np
 from ..errors import FlashError
 from .quant import QuantSpec, dequantize
 from .safetensors_io import from_storage
+from .schema import FORMAT_NAME, READ_VERSIONS, check_sizes, validate_manifest
 
-FORMAT_NAME = "mlx_flash"
 FORMAT_VERSION = 2  # 2: quantized layouts (layout.quant, scales.safetensors)
 MOE_VERSION = 3  # 3: expert bundles (layout/experts.py); written for mixture-of-experts models only
-READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -285,14 +287,19 @@ def is_flash_folder(path):
 
 
 def read_manifest(folder):
+    """A model folder's manifest, checked against the schema (layout/schema.py) -> Manifest."""
     path = Path(folder) / MANIFEST
     try:
         d = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FlashError(f"{folder}: no {MANIFEST}; not a converted mlx_flash model")
+        raise FlashError(f"{folder} has no {MANIFEST}: not an mlx_flash model folder; convert a model into "
+                         "it with mlx_flash.convert --model <hf-repo | folder | file.gguf> --out <folder>")
     except (OSError, ValueError) as e:
-        raise FlashError(f"{path}: unreadable manifest ({e})")
-    return Manifest.from_dict(d, where=str(path))
+        raise FlashError(f"{path}: unreadable manifest ({e}); convert the model again")
+    validate_manifest(d, path)
+    manifest = Manifest.from_dict(d, where=str(path))
+    check_sizes(manifest, path)
+    return manifest
 
 
 def write_manifest(folder, manifest):
@@ -341,21 +348,36 @@ def sha256_file(path, chunk=8 << 20):
 
 
 def check_file(folder, entry, checksum=True):
-    """Raise FlashError if a manifest file is missing, resized or altered."""
+    """Raise FlashError if a manifest file is missing, not a regular file, unreadable, resized
+    or altered."""
     path = Path(folder) / entry["file"]
     try:
-        size = os.path.getsize(path)
-    except OSError:
+        st = os.stat(path)
+    except FileNotFoundError:
         raise FlashError(f"{path}: missing (the model folder is incomplete; convert again)")
-    if size != entry["size"]:
+    except OSError as e:
+        raise FlashError(f"{path}: cannot be read ({e.strerror}); check the path and its permissions")
+    if not stat.S_ISREG(st.st_mode):
+        what = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise FlashError(f"{path}: {what}, where the manifest lists a data file (the model folder is "
+                         "damaged; convert again)")
+    if st.st_size != entry["size"]:
         raise FlashError(
-            f"{path}: size {size} != {entry['size']} in the manifest "
+            f"{path}: size {st.st_size} != {entry['size']} in the manifest "
             "(file truncated or changed since conversion)"
         )
-    if checksum and sha256_file(path) != entry["sha256"]:
+    if checksum and file_sha256(path) != entry["sha256"]:
         raise FlashError(
             f"{path}: sha256 differs from the manifest (file changed since conversion)"
         )
+
+
+def file_sha256(path):
+    """sha256_file, an unreadable file a FlashError naming it."""
+    try:
+        return sha256_file(path)
+    except OSError as e:
+        raise FlashError(f"{path}: cannot be read ({e.strerror}); check its permissions")
 
 
 def read_tables(folder, manifest, layout, verify=True):
@@ -403,7 +425,10 @@ def read_checksums(folder, entry, layout, verify=True):
     if crc is None:
         return None
     check_file(folder, crc, checksum=verify)
-    table = np.fromfile(Path(folder) / crc["file"], dtype="<u4").astype(np.uint32)
+    try:
+        table = np.fromfile(Path(folder) / crc["file"], dtype="<u4").astype(np.uint32)
+    except OSError as e:
+        raise FlashError(f"{Path(folder) / crc['file']}: cannot be read ({e.strerror}); check its permissions")
     if table.size != layout.n_neurons * len(layout.kinds):
         raise FlashError(f"{Path(folder) / crc['file']}: {table.size} checksums, expected "
                          f"{layout.n_neurons} x {len(layout.kinds)}")

@@ -1,6 +1,8 @@
-"""Check a whole converted folder: every file's size, the sha256 of the small ones, and
+"""Check a whole converted folder: the manifest against the model config.json describes (every
+layer, every weight kind, the experts), every file's size, the sha256 of the small ones, and
 the CRC32C of every bundle part of every file of bundles (mlx_flash.verify)."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,7 +10,8 @@ import numpy as np
 
 from ..errors import FlashError
 from ..io.checksum import parts_crc
-from .format import check_file, read_checksums, read_manifest
+from .format import MANIFEST, check_file, read_checksums, read_manifest
+from .schema import missing_parts
 
 CHUNK = 16 << 20  # bytes of bundles checked at a time
 
@@ -41,7 +44,7 @@ def verify_folder(folder, progress=False):
 
     folder = Path(folder)
     manifest = read_manifest(folder)
-    damage = []
+    damage = incomplete(folder, manifest)
     predictors = manifest.calibration.get("predictors")
     small = [manifest.resident] + list(manifest.scales) + ([predictors] if predictors else [])
     files = bundle_files(manifest)
@@ -73,23 +76,49 @@ def verify_folder(folder, progress=False):
     return damage
 
 
+def incomplete(folder, manifest):
+    """[Damage] of what config.json describes that the manifest does not list (or of config.json
+    itself, unreadable)."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return [Damage("config.json", "missing (the model folder is incomplete; convert again)")]
+    except (OSError, ValueError) as e:
+        return [Damage("config.json", f"unreadable ({e}); convert again")]
+    if not isinstance(config, dict):
+        return [Damage("config.json", "not a JSON object; convert again")]
+    try:
+        missing = missing_parts(manifest, config)
+    except FlashError as e:
+        return [Damage("config.json", str(e))]
+    return [Damage(MANIFEST, f"{m} (the folder is incomplete; convert the model again)") for m in missing]
+
+
 def _check_bundles(path, layout, crcs, bar):
+    try:
+        with open(path, "rb", buffering=0) as f:
+            return _check_open_bundles(f, path, layout, crcs, bar)
+    except OSError as e:
+        return [Damage(str(path), f"cannot be read ({e.strerror})")]
+
+
+def _check_open_bundles(f, path, layout, crcs, bar):
     damage = []
     per = max(1, CHUNK // layout.stride)
     parts = layout.parts()
-    with open(path, "rb", buffering=0) as f:
-        for first in range(0, layout.n_neurons, per):
-            n = min(per, layout.n_neurons - first)
-            buf = bytearray(n * layout.stride)
-            got = f.readinto(memoryview(buf))
-            if got != len(buf):
-                damage.append(Damage(str(path), f"short read at offset {first * layout.stride}"))
-                return damage
-            rows = np.frombuffer(buf, dtype=np.uint8).reshape(n, layout.stride)
-            bad = np.argwhere(parts_crc(rows, parts) != crcs[first : first + n])
-            for i, j in bad:
-                b = first + int(i)
-                damage.append(Damage(str(path), f"bundle {b} ({layout.kinds[j]}, bytes at offset "
-                                     f"{b * layout.stride + parts[j][0]}) does not match its checksum"))
-            bar.update(len(buf))
+    for first in range(0, layout.n_neurons, per):
+        n = min(per, layout.n_neurons - first)
+        buf = bytearray(n * layout.stride)
+        got = f.readinto(memoryview(buf))
+        if got != len(buf):
+            damage.append(Damage(str(path), f"short read at offset {first * layout.stride}"))
+            return damage
+        rows = np.frombuffer(buf, dtype=np.uint8).reshape(n, layout.stride)
+        bad = np.argwhere(parts_crc(rows, parts) != crcs[first : first + n])
+        for i, j in bad:
+            b = first + int(i)
+            damage.append(Damage(str(path), f"bundle {b} ({layout.kinds[j]}, bytes at offset "
+                                 f"{b * layout.stride + parts[j][0]}) does not match its checksum"))
+        bar.update(len(buf))
     return damage

@@ -289,7 +289,8 @@ def _may_stream(config, manifest):
 def loaded_resident_bytes(folder, manifest, config):
     """The least of the resident file a load reads into memory: all of it, less every layer's
     attention where it may stay on flash (the check before loading under --memory-limit)."""
-    size = (Path(folder) / manifest.resident["file"]).stat().st_size
+    check_file(folder, manifest.resident, checksum=False)
+    size = manifest.resident["size"]
     if not _may_stream(config, manifest):
         return size
     return size - sum(s.nbytes for s in _resident_spans(folder, manifest)[1].values())

@@ -5,18 +5,29 @@ A Job carries a CompletionRequest in and events out (a thread-safe queue): one `
 log-probabilities, then one `Done`. The HTTP handler may set `job.cancel` (the client
 went away); the worker stops at the next token.
 
-Prompt caching: the KV cache of the last request stays (prompt_cache.PromptCache); the
-next turn of the same conversation feeds only what is new.
+Prompt caching: the KV cache of the last request stays (prompt_cache.PromptCache), tagged
+with the request's owner (the HTTP side's client identity, or "shared" when the operator
+shares it); the next request of the same owner that continues it feeds only what is new.
+A request of another owner starts from a fresh cache: it learns nothing of another client's
+prompt, from `cached_tokens` or from its own timing.
+
+Bounded work: the prompt is fed in chunks, and between chunks and between tokens the worker
+checks whether the client left and whether the request ran past its time
+(Limits.request_timeout). After any failure MLX's random state is seeded afresh: a sampler
+that raised inside a compiled function leaves it unusable for every later request.
 """
 
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ..errors import FlashError
+from ..errors import FlashError, ModelFileError
 from ..generate import context_overflow
 from .requests import CHAT, TEXT, RequestError
+
+PREFILL_CHUNK = 512  # prompt tokens fed between two checks for a client gone or a request past its time
 
 
 @dataclass
@@ -44,6 +55,14 @@ class Failed:
     error: RequestError
 
 
+class Stopped(Exception):
+    """Raised between prompt chunks: the client left ("cancelled") or time ran out ("timeout")."""
+
+    def __init__(self, why):
+        super().__init__(why)
+        self.why = why
+
+
 class Job:
     def __init__(self, request):
         self.request = request
@@ -51,6 +70,15 @@ class Job:
         self.cancel = threading.Event()
         self.finished = False  # its Done or Failed was taken (by the HTTP handler)
         self.started = False  # its Start was sent: an error after it is not the request's fault
+        self.deadline = None  # time.monotonic() past which it stops (set when it starts)
+
+    def stop_reason(self):
+        """"cancelled", "timeout" or None: whether the worker should stop serving it now."""
+        if self.cancel.is_set():
+            return "cancelled"
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return "timeout"
+        return None
 
 
 class StopText:
@@ -137,6 +165,8 @@ class Engine:
         self.waiting = 0  # jobs queued, not yet started
         self.lock = threading.Lock()
         self.kept = PromptCache(model, draft)
+        self.kept_owner = None  # whose request left the kept cache
+        self.damaged = None  # a model file that failed a read while serving: /health says so
         if not self.kept.trimmable:
             self.log("prompt caching: this KV cache kind cannot be trimmed; a request reuses the kept cache "
                      "only when the cache holds a prefix of its prompt exactly")
@@ -157,6 +187,9 @@ class Engine:
         job = Job(request)
         self.jobs.put(job)
         return job
+
+    def alive(self):
+        return self.thread is not None and self.thread.is_alive()
 
     def start(self):
         self.thread = threading.Thread(target=self._loop, name="mlx_flash-engine", daemon=True)
@@ -187,11 +220,27 @@ class Engine:
                 self.serve(job)
             except RequestError as e:  # (raised before the kept cache is touched)
                 job.events.put(Failed(e))
-            except FlashError as e:  # before the first token: the request's (its context); after: the server's
+            except Stopped as e:  # during the prompt
                 self.kept.reset()
+                if e.why == "cancelled":
+                    self.cancelled += 1
+                    job.events.put(Done("cancelled", 0, 0, 0.0))
+                else:
+                    self.log(f"a request ran past --request-timeout {self.limits.request_timeout:g} s in its prompt")
+                    job.events.put(Failed(RequestError(
+                        f"the request ran past this server's --request-timeout ({self.limits.request_timeout:g} s) "
+                        "while reading its prompt", status=503, code="request_timeout")))
+            except ModelFileError as e:  # a model file failed: the server's fault, and not this request's alone
+                self._fresh_state()
+                self.damaged = str(e)
+                self.log(f"error: {e}")
+                job.events.put(Failed(RequestError(f"a model file failed a read: {e}", status=500,
+                                                   code="model_damaged")))
+            except FlashError as e:  # before the first token: the request's (its context); after: the server's
+                self._fresh_state()
                 job.events.put(Failed(RequestError(str(e), status=500 if job.started else 400)))
             except Exception as e:  # a bug: answer 500, keep serving
-                self.kept.reset()
+                self._fresh_state()
                 self.log(f"error: {type(e).__name__}: {e}")
                 job.events.put(Failed(RequestError(f"internal error: {type(e).__name__}: {e}", status=500)))
             finally:
@@ -202,7 +251,22 @@ class Engine:
 
                     mx.clear_cache()  # give MLX's buffer cache back while idle
 
+    def _fresh_state(self):
+        """After a failure: drop the kept cache, and seed MLX's random state afresh (a sampler
+        that raised inside mlx_lm's compiled function leaves the state without a value, and
+        every later sampled request would fail)."""
+        import mlx.core as mx
+
+        self.kept.reset()
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+
     # -- one request ----------------------------------------------------------------------------
+    def check_sampling(self, req):
+        """The request's sampling fields against the model: RequestError before any work."""
+        if req.top_k >= self.vocab:
+            raise RequestError(f"'top_k' {req.top_k} must be below the vocabulary's {self.vocab} tokens "
+                               "(0: no top-k)", param="top_k")
+
     def prompt_tokens(self, req):
         tok = self.tokenizer
         if req.kind == CHAT:
@@ -223,8 +287,10 @@ class Engine:
             raise RequestError(f"the prompt has {len(ids)} tokens; this server takes at most "
                                f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)", param="prompt",
                                code="context_length_exceeded")
-        over = context_overflow(getattr(self.model.runtime, "memory", None), len(ids), req.max_tokens,
-                                ahead=self.ahead)
+        memory = getattr(self.model.runtime, "memory", None)
+        if memory is not None and not req.max_tokens_given:  # the default: what the context leaves
+            req.max_tokens = max(1, min(req.max_tokens, memory.context - len(ids) - self.ahead))
+        over = context_overflow(memory, len(ids), req.max_tokens, ahead=self.ahead)
         if over:
             raise RequestError(f"{over} this server holds a KV cache for (--ctx-size)", param="max_tokens",
                                code="context_length_exceeded")
@@ -240,6 +306,26 @@ class Engine:
         sampler = make_sampler(temp=req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
         processors = make_logits_processors(logit_bias=req.logit_bias, repetition_penalty=req.repetition_penalty)
         return sampler, processors
+
+    def _between_chunks(self, job):
+        """mlx_lm's prompt-progress hook, raising Stopped between prompt chunks. mlx_lm's
+        speculative loop has no such hook: with a draft model the prompt runs to its end (the
+        line at start says so), and the checks apply from the first token."""
+        if self.draft:
+            return {}
+
+        def check(done, total):
+            why = job.stop_reason()
+            if why is not None:
+                raise Stopped(why)
+
+        return {"prompt_progress_callback": check}
+
+    def _prefill_step(self):
+        """The prompt chunk: PREFILL_CHUNK, or the --memory-limit plan's if smaller."""
+        memory = getattr(self.model.runtime, "memory", None)
+        step = PREFILL_CHUNK if memory is None else min(PREFILL_CHUNK, memory.prefill_step)
+        return {"prefill_step_size": step}
 
     def _logprobs(self, req, token, logprobs):
         import mlx.core as mx
@@ -260,13 +346,21 @@ class Engine:
         from ..generate import stream_generate
 
         req, t0 = job.request, time.perf_counter()
+        if self.limits.request_timeout:
+            job.deadline = time.monotonic() + self.limits.request_timeout
+        self.check_sampling(req)
         ids = self.prompt_tokens(req)
+        if req.owner != self.kept_owner:  # another client's cache: never reused, never reported
+            self.kept.reset()
+        self.kept_owner = req.owner
         cache, cached = self.kept.prepare(ids)
         sampler, processors = self._sampling(req)
         if req.seed is not None:
             mx.random.seed(req.seed % (1 << 64))
+
         gen = stream_generate(self.model, self.tokenizer, ids[cached:], max_tokens=req.max_tokens,
-                              prompt_cache=cache, sampler=sampler, logits_processors=processors, **self.draft)
+                              prompt_cache=cache, sampler=sampler, logits_processors=processors,
+                              **self._prefill_step(), **self._between_chunks(job), **self.draft)
         stops, out, finish = StopText(req.stop), [], "length"
         eos = set(self.tokenizer.eos_token_ids)
         cont = ContinuationText(self.tokenizer) if req.kind == TEXT else None
@@ -283,9 +377,14 @@ class Engine:
             job.started = True
             job.events.put(Start(len(ids), cached))
             while resp is not None:
-                if job.cancel.is_set():
+                why = job.stop_reason()
+                if why == "cancelled":
                     finish = "cancelled"
                     self.cancelled += 1
+                    break
+                if why == "timeout":  # the answer so far, cut as max_tokens would cut it
+                    self.log(f"a request ran past --request-timeout {self.limits.request_timeout:g} s: "
+                             "its answer ends here")
                     break
                 out.append(resp.token)  # (fed to the model: what the kept cache holds)
                 if resp.finish_reason == "stop" and resp.token in eos:  # its text: the detokenizer's last bytes
@@ -305,6 +404,8 @@ class Engine:
                 resp = next(gen, None)
         finally:
             gen.close()
+            if req.seed is not None:  # the next request's samples are not predictable from this one's seed
+                mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         completion = len(out) - (1 if out and out[-1] in eos and finish == "stop" else 0)
         self.kept.keep(cache, ids + out)
         job.events.put(Done(finish, len(ids), completion, time.perf_counter() - t0))

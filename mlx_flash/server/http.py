@@ -3,42 +3,141 @@
 Handler threads parse and check a request, hand it to the engine's queue, and write what
 the engine's worker sends back: one JSON body, or `data: {chunk}` events ending with
 `data: [DONE]` (chunked transfer, so a connection stays open for the next request).
-A client that goes away mid-stream cancels its request at the next token.
+A client that goes away mid-stream cancels its request at the next token (or at the next
+prompt chunk while its prompt is read).
+
+Safe by default, as llama.cpp's and Ollama's servers are (Access): a request whose Host is
+not a loopback name is refused unless --allow-remote (DNS rebinding), one whose Origin is
+another site's unless --allowed-origins lists it (a web page's cross-site requests), a POST
+body that is not application/json (the "simple" requests a page may send without asking),
+and, with --api-key, one without the key (every route but /health). Every refusal, on every
+method and route, is a JSON error; allowed origins get CORS headers and their preflight 204.
+Connections are bounded: at most --max-connections at once, idle ones closed after
+--keep-alive seconds.
 """
 
+import hmac
 import ipaddress
+import itertools
 import json
 import queue
 import select
 import socket
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 from .engine import Done, Failed, Start
 from .requests import CHAT, TEXT, RequestError, parse_request
 
 ROUTES = {"/v1/chat/completions": CHAT, "/chat/completions": CHAT, "/v1/completions": TEXT, "/completions": TEXT}
+METHODS = "GET, POST, OPTIONS"
 
 
 def is_loopback(host):
-    if host == "localhost":
+    """`localhost` or a loopback address (127.0.0.0/8, ::1), as a bind address or a Host name."""
+    if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_key(origin):
+    """An Origin as a browser sends it, compared case-free and without its default port
+    ("HTTPS://App.example:443" -> "https://app.example"); None where it is not one (a path,
+    userinfo, control characters or spaces: nothing a browser sends, never echoed back)."""
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in origin):
+        return None
+    try:
+        u = urlsplit(origin)
+        port = u.port
+    except ValueError:
+        return None
+    if u.scheme.lower() not in DEFAULT_PORTS or not u.hostname or u.path.strip("/") or u.query or u.fragment \
+            or "@" in u.netloc:
+        return None
+    scheme, host = u.scheme.lower(), u.hostname.lower()
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}" + ("" if port in (None, DEFAULT_PORTS[scheme]) else f":{port}")
+
+
+TOKEN_CHARS = set("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def _host_name(value):
+    """The name in a Host header ("127.0.0.1:8080", "[::1]:80", "localhost") without its port."""
+    value = value.strip()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+@dataclass
+class Access:
+    """Who may use the server: the --allow-remote, --allowed-origins and --api-key flags."""
+
+    allow_remote: bool = False  # any Host header (the operator listens beyond loopback on purpose)
+    allowed_origins: tuple = ()  # Origins besides this server's own loopback one; "*": any
+    api_keys: tuple = ()  # any of them, as "Authorization: Bearer KEY"; empty: no key asked
+    share_prompt_cache: bool = False  # every client reuses the one kept cache (else: per client)
+    keep_alive: float = 15.0  # seconds an idle connection is kept
+    max_connections: int = 32
+
+
+def _refused(message, status, code):
+    return RequestError(message, status=status, code=code)
 
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address, engine, model_id, log, aliases=()):
+    def __init__(self, address, engine, model_id, log, aliases=(), access=None):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, Handler)
         self.engine, self.model_id, self.log, self.aliases = engine, model_id, log, set(aliases)
+        self.access = access or Access()
         self.created = int(time.time())
+        self.connections = 0
+        self._count = threading.Lock()
+        self._serial = itertools.count(1)  # a number per connection, never reused
+
+    def process_request(self, request, client_address):
+        """One thread per connection, at most --max-connections: past it, a 503 and the close."""
+        with self._count:
+            full = self.connections >= self.access.max_connections
+            if not full:
+                self.connections += 1
+        if full:
+            self.log(f"connection from {client_address[0]} refused: {self.access.max_connections} are open "
+                     "(--max-connections)")
+            body = json.dumps(RequestError(
+                f"the server has {self.access.max_connections} connections open (--max-connections); retry later",
+                status=503, code="too_many_connections").body()).encode()
+            try:
+                request.settimeout(2)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count:
+                self.connections -= 1
 
     def model_names(self):
         """What a request's "model" may say: the id /v1/models lists, the --model given, "default"."""
@@ -78,10 +177,90 @@ class ClientGone(Exception):
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "mlx_flash"
-    timeout = 300  # a socket read or write that blocks this long ends the connection
+    default_request_version = "HTTP/1.1"  # a refused request line is answered with a status line and headers
+
+    def setup(self):
+        self.timeout = self.server.access.keep_alive  # a read or write that blocks this long ends the connection
+        self.serial = next(self.server._serial)
+        super().setup()
 
     def log_message(self, fmt, *args):  # the server logs its own lines
         pass
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own refusals (a bad request line, an unknown method, headers
+        too long) as JSON errors, like every other answer; an unknown method is a 405."""
+        if code == 501:
+            code, message = 405, f"method {self.command} is not allowed (this server takes {METHODS})"
+        message = message or self.responses.get(code, ("error",))[0]
+        self.close_connection = True
+        try:
+            self._json(code, RequestError(message, status=code).body(), allow=code == 405)
+        except OSError:
+            pass
+
+    # -- who may ask ------------------------------------------------------------------------
+    def _origin_allowed(self, origin):
+        """The page's Origin: this server's own (a loopback origin on this port), or one the
+        operator listed."""
+        key = origin_key(origin)
+        if key is None:
+            return False
+        allowed = self.server.access.allowed_origins
+        if "*" in allowed or key in allowed:
+            return True
+        u = urlsplit(key)
+        return is_loopback(u.hostname) and u.port == self.server.server_address[1]
+
+    def _guard(self, needs_key=True):
+        """RequestError 403 / 401 / 415 when the request may not be served. A refused POST's body
+        is read and dropped first (within --max-body-bytes), so that the client reads the answer
+        rather than a reset connection; the connection then closes."""
+        try:
+            self._check_access(needs_key)
+        except RequestError:
+            if self.command == "POST":
+                try:
+                    self._raw_body()
+                except (RequestError, OSError):
+                    pass
+                self.close_connection = True
+            raise
+
+    def _check_access(self, needs_key):
+        access = self.server.access
+        host = self.headers.get("Host")
+        if host is not None and not access.allow_remote and not is_loopback(_host_name(host)):
+            raise _refused(f"Host {host[:80]!r} is not this machine: the server answers only requests sent to a "
+                           "loopback name (localhost, 127.0.0.1, [::1]); start it with --allow-remote to serve "
+                           "other names", 403, "host_not_allowed")
+        origin = self.headers.get("Origin")
+        if origin is not None and not self._origin_allowed(origin):
+            raise _refused(f"Origin {origin[:80]!r} is not allowed: a web page of another site may not use this "
+                           "server; start it with --allowed-origins to allow one", 403, "origin_not_allowed")
+        if needs_key and access.api_keys:
+            given = self.headers.get("Authorization", "")
+            key = given[7:].strip() if given[:7].lower() == "bearer " else ""
+            if not any(hmac.compare_digest(key.encode(), k.encode()) for k in access.api_keys):
+                raise _refused("this server needs an API key: send \"Authorization: Bearer KEY\" (--api-key)"
+                               if not key else "the API key is not valid", 401, "invalid_api_key")
+        if self.command == "POST":
+            ctype = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise _refused(f"the body must be sent as Content-Type: application/json, not {ctype[:60]!r}",
+                               415, "unsupported_media_type")
+
+    def _owner(self):
+        """Whose kept prompt cache a request may reuse: everyone's with --share-prompt-cache;
+        else the API key's holder (one identity per key), or this connection."""
+        access = self.server.access
+        if access.share_prompt_cache:
+            return "shared"
+        given = self.headers.get("Authorization", "")
+        for i, k in enumerate(access.api_keys):
+            if hmac.compare_digest(given[7:].strip().encode(), k.encode()):
+                return f"key {i}"
+        return f"connection {self.serial}"
 
     def handle(self):
         """Serve the connection's requests; a client that resets it (after closing a stream
@@ -92,15 +271,29 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _json(self, status, body):
+    def _cors(self):
+        """CORS headers for an allowed Origin (none for a request without one)."""
+        headers = getattr(self, "headers", None)  # (none yet when the request line itself is refused)
+        origin = headers.get("Origin") if headers is not None else None
+        if origin is not None and self._origin_allowed(origin):
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+
+    def _json(self, status, body, allow=False):
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if allow:
+            self.send_header("Allow", METHODS)
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self._cors()
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _gone(self):
         """True when the client has closed its side (a pending next request is not that)."""
@@ -122,6 +315,8 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 ev = job.events.get(timeout=0.25)
             except queue.Empty:
+                if not self.server.engine.alive():
+                    return Failed(RequestError("the server's worker has stopped", status=503))
                 continue
             if isinstance(ev, (Done, Failed)):
                 job.finished = True
@@ -171,11 +366,38 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"the body is not JSON: {str(e)[:200]}") from None
 
     # -- routes -----------------------------------------------------------------------------
+    def do_OPTIONS(self):
+        """CORS preflight: 204 with what an allowed Origin may send; refused as any request is."""
+        try:
+            self._guard(needs_key=False)  # (a preflight never carries the key)
+        except RequestError as e:
+            return self._error(e)
+        self.send_response(204)
+        self.send_header("Allow", METHODS)
+        if self.headers.get("Origin") is not None:
+            self._cors()
+            self.send_header("Access-Control-Allow-Methods", METHODS)
+            asked = [h.strip() for h in self.headers.get("Access-Control-Request-Headers", "").split(",") if h.strip()]
+            asked = [h for h in asked if set(h) <= TOKEN_CHARS]  # (SDKs add their own: X-Stainless-*, OpenAI-*)
+            self.send_header("Access-Control-Allow-Headers", ", ".join(dict.fromkeys(
+                ["Authorization", "Content-Type"] + asked)))
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def do_GET(self):
         path = self.path.split("?")[0]
+        try:
+            self._guard(needs_key=path != "/health")
+        except RequestError as e:
+            return self._error(e)
         if path == "/health":
             e = self.server.engine
-            self._json(200, {"status": "ok", "waiting": e.waiting, "served": e.served, "cancelled": e.cancelled})
+            health = {"status": "ok" if e.damaged is None else "damaged", "waiting": e.waiting,
+                      "served": e.served, "cancelled": e.cancelled, "connections": self.server.connections}
+            if e.damaged is not None:
+                health["error"] = e.damaged
+            self._json(200 if e.damaged is None else 503, health)
         elif path in ("/v1/models", "/models"):
             self._json(200, {"object": "list", "data": [{"id": self.server.model_id, "object": "model",
                                                          "created": self.server.created, "owned_by": "mlx_flash"}]})
@@ -187,6 +409,7 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         kind = ROUTES.get(path)
         try:
+            self._guard()
             if kind is None:
                 self._raw_body()  # read (and drop) it: the connection stays usable
                 raise RequestError(f"no route POST {path} (POST /v1/chat/completions, /v1/completions)", status=404)
@@ -194,6 +417,7 @@ class Handler(BaseHTTPRequestHandler):
             if req.model is not None and req.model not in self.server.model_names():
                 raise RequestError(f"model {req.model!r}: this server serves {self.server.model_id!r} "
                                    "(GET /v1/models)", status=404, param="model", code="model_not_found")
+            req.owner = self._owner()
             job = self.server.engine.submit(req)
         except RequestError as e:
             return self._error(e)
@@ -209,14 +433,17 @@ class Handler(BaseHTTPRequestHandler):
         except (ClientGone, OSError):  # (BrokenPipeError, ConnectionResetError, a socket timeout: OSErrors)
             job.cancel.set()
             self.close_connection = True
-            if not job.finished:
-                self._drain(job)
+            if not job.finished and job.started:
+                self._drain(job)  # (a job not started yet is dropped by the worker when it comes to it)
             self.server.log(f"POST {path}: the client went away; request cancelled")
 
-    @staticmethod
-    def _drain(job):
-        while not isinstance(job.events.get(), (Done, Failed)):
-            pass
+    def _drain(self, job):
+        while self.server.engine.alive():
+            try:
+                if isinstance(job.events.get(timeout=1.0), (Done, Failed)):
+                    return
+            except queue.Empty:
+                pass
 
     def _head(self, req):
         rid = ("chatcmpl-" if req.kind == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
@@ -250,6 +477,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self._cors()
         if self.request_version == "HTTP/1.0":
             self.close_connection = True
             self.send_header("Connection", "close")

@@ -41,6 +41,7 @@ class Limits:
     max_tokens: int = 2048  # the most a request may ask for
     default_max_tokens: int = 512  # when it asks for none
     queue_size: int = 32  # requests waiting beyond the one being served
+    request_timeout: float | None = 600.0  # seconds a request may hold the worker (None: no limit)
 
 
 @dataclass
@@ -50,6 +51,8 @@ class CompletionRequest:
     messages: list | None = None  # CHAT: [{"role", "content": str}]
     prompt: str | list | None = None  # TEXT: a string or token ids
     max_tokens: int = 512
+    max_tokens_given: bool = True  # False: the server's default, clamped to what the context leaves
+    owner: str = "shared"  # whose kept prompt cache it may reuse (the HTTP side sets it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -86,10 +89,21 @@ def _bool(body, name, default=False):
     return v
 
 
+def _unicode(text, where, param):
+    """text, refused when it holds a lone surrogate (JSON's "\\ud800" decodes to one): no
+    tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{where} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                           f"{e.start}", param=param) from None
+    return text
+
+
 def _content(m, i):
     c = m.get("content")
     if isinstance(c, str):
-        return c
+        return _unicode(c, f"messages[{i}].content", "messages")
     if isinstance(c, list):  # [{"type": "text", "text": ...}, ...]
         parts = []
         for p in c:
@@ -97,7 +111,7 @@ def _content(m, i):
                 raise RequestError(f"messages[{i}].content: only text parts are supported "
                                    "([{\"type\": \"text\", \"text\": \"...\"}])", param="messages")
             parts.append(p["text"])
-        return "".join(parts)
+        return _unicode("".join(parts), f"messages[{i}].content", "messages")
     if c is None and m.get("role") == "assistant":
         return ""
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
@@ -130,7 +144,7 @@ def _prompt(body):
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # one prompt in a list
     if isinstance(p, str) and p:
-        return p
+        return _unicode(p, "'prompt'", "prompt")
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
         return p
     if isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
@@ -147,7 +161,7 @@ def _stop(body):
     if not isinstance(s, list) or not all(isinstance(x, str) and x for x in s) or len(s) > MAX_STOPS:
         raise RequestError(f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them",
                            param="stop")
-    return list(s)
+    return [_unicode(x, "'stop'", "stop") for x in s]
 
 
 def _neutral(body, name, neutral, hint):
@@ -199,6 +213,7 @@ def parse_request(body, kind, limits):
     req = CompletionRequest(
         kind=kind, model=model,
         max_tokens=_number(body, name, 1, limits.max_tokens, limits.default_max_tokens, integer=True),
+        max_tokens_given=body.get(name) is not None,
         temperature=_number(body, "temperature", 0, 2, 1.0),
         top_p=_number(body, "top_p", 0, 1, 1.0, lo_open=True),
         top_k=_number(body, "top_k", 0, 1 << 20, 0, integer=True),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import FlashError
+from ...errors import FlashError, ModelFileError
 from ...io.reader import ChecksumError, log_once
 from .base import Store, take_pending
 
@@ -188,7 +188,7 @@ class AttentionStore(Store):
                                      checks=self._checks.get(layer))
         except ChecksumError as e:
             a = e.offset
-            raise FlashError(f"{self.path}: layer {layer}'s attention, bytes {a}..{a + self.chunk - 1} "
+            raise ModelFileError(f"{self.path}: layer {layer}'s attention, bytes {a}..{a + self.chunk - 1} "
                              f"({self._tensors(layer, a, a + self.chunk)}), does not match its checksum, read "
                              "twice: the file changed or was damaged since the model loaded (mlx_flash.verify "
                              "checks a whole folder)") from None

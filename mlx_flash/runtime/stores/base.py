@@ -18,7 +18,7 @@ import numpy as np
 import mlx.core as mx
 
 from ...cache import NeuronCache
-from ...errors import FlashError
+from ...errors import FlashError, ModelFileError
 from ...io.reader import ChecksumError
 from ...layout.format import check_file
 from ...models.ffn import FFNRows, PackedRows
@@ -43,8 +43,11 @@ def read_layer_bytes(folder, entry, verify=True):
     check_file(folder, entry, checksum=False)
     path = folder / entry["file"]
     buf = bytearray(entry["size"])
-    with open(path, "rb", buffering=0) as f:
-        got = f.readinto(memoryview(buf))
+    try:
+        with open(path, "rb", buffering=0) as f:
+            got = f.readinto(memoryview(buf))
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot be read ({e.strerror}); check its permissions") from None
     if got != len(buf):
         raise FlashError(f"{path}: short read ({got} of {len(buf)} bytes)")
     if verify and hashlib.sha256(buf).hexdigest() != entry["sha256"]:
@@ -76,7 +79,7 @@ def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None,
             reader.read_bundles(file, ids, layout.stride, segs, rows, base=base, gap=None if bundled else 0,
                                 checks=checks)
     except ChecksumError as e:
-        raise FlashError(f"{where + ', ' if where else ''}neuron {e.bundle} ({layout.kinds[e.part]}): "
+        raise ModelFileError(f"{where + ', ' if where else ''}neuron {e.bundle} ({layout.kinds[e.part]}): "
                          f"{e}") from None
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import mlx.core as mx
 
 from ...cache.expert_cache import ExpertCache
-from ...errors import FlashError
+from ...errors import FlashError, ModelFileError
 from ...io.reader import ChecksumError
 from ...kernels import QuantMatrix
 from ...layout.experts import KINDS, layer_groups
@@ -208,7 +208,7 @@ class ExpertStore:
                 else:  # narrower values: read, then widened into their slots
                     self._read_narrow(gf, pos[sel], into[sel])
             except ChecksumError as e:
-                raise FlashError(f"layer {layer}, expert {gf.group.experts[e.bundle]} ({KINDS[e.part]}): {e}") \
+                raise ModelFileError(f"layer {layer}, expert {gf.group.experts[e.bundle]} ({KINDS[e.part]}): {e}") \
                     from None
 
     def _read_narrow(self, gf, pos, slots):

@@ -30,7 +30,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ...errors import FlashError
+from ...errors import FlashError, ModelFileError
 from ...io.reader import ChecksumError, log_once
 from .base import Store, take_pending
 
@@ -179,7 +179,7 @@ class FlashKV(Store):
                                      ((0, self.block * self.width, _SRC[self.dtype], dst),),
                                      np.arange(count, dtype=np.int64), base=layer * self.region, checks=checks)
         except ChecksumError as e:
-            raise FlashError(f"the KV cache on flash: layer {layer}'s keys and values at byte {e.offset} do not "
+            raise ModelFileError(f"the KV cache on flash: layer {layer}'s keys and values at byte {e.offset} do not "
                              "match the checksum taken when they were written, read twice: the disk returned "
                              "other bytes than it was given") from None
         return s.bytes_read - b0, s.reads_issued - r0

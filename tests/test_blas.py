@@ -18,12 +18,4 @@ def test_openblas_serves_mlx(first):
     assert out.stdout.startswith("OpenBLAS (/"), out.stdout + out.stderr
 
 
-def test_mlx_imported_first_is_said():
-    import mlx_flash.blas as blas
-
-    if not blas.blas_info().startswith("OpenBLAS"):
-        pytest.skip("no system OpenBLAS on this machine")
-    code = "import mlx.core, mlx_flash; from mlx_flash.blas import blas_info; print(blas_info())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.startswith("reference BLAS (mlx was imported before mlx_flash)")
-    assert "import mlx_flash first" in out.stderr
+# mlx imported before mlx_flash: tests/test_blas_import_order.py

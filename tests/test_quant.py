@@ -289,9 +289,30 @@ def test_gguf_types_with_no_exact_form_are_requantized_and_say_so(tmp_path, monk
     test_gguf.write_gguf(path)
     out = convert(path, tmp_path / "flash", progress=False)
     err = capfd.readouterr().err
-    assert "GGUF Q5_0 tensors have no exact MLX form: dequantized and re-quantized to 5-bit" in err, err
+    assert "GGUF Q5_0 tensors have no exact MLX form: dequantized and re-quantized to 8-bit" in err, err
     q = read_manifest(out).layout.quant
-    assert (q.bits, q.group_size) == (5, 32)  # the width of the source's type
+    assert (q.bits, q.group_size) == (8, 32)  # at least the source's width, one with fast kernels
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quant_blocks_are_affine_groups_of_32(kind):
+    """A Q4_K / Q5_K sub-block of 32 is scale * q + bias exactly (before the float16 rounding of
+    scale and bias): the values gguf's own dequantization gives, for random blocks."""
+    from gguf import GGMLQuantizationType, quants
+
+    from mlx_flash.convert.kquants import BLOCK_BYTES, affine_groups
+
+    rng = np.random.default_rng(0)
+    rows, n = 3, 512
+    raw = rng.integers(0, 256, size=(rows, n // 256 * BLOCK_BYTES[kind]), dtype=np.uint8)
+    blocks = raw.reshape(rows, n // 256, BLOCK_BYTES[kind])
+    blocks[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # d, dmin: finite values
+    blocks[..., 2:4] = np.frombuffer(np.float16(0.003).tobytes(), np.uint8)
+    want = quants.dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(rows, n)
+    q, scales, biases = affine_groups(kind, raw, rows, n)
+    assert q.max() == (15 if kind == "Q4_K" else 31)
+    got = (q.reshape(rows, -1, 32) * scales[..., None] + biases[..., None]).reshape(rows, n)
+    assert np.array_equal(got, want)
 
 
 def test_q_bits_without_quantize_on_a_float_source_is_an_error(tmp_path):

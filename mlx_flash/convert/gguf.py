@@ -6,9 +6,11 @@ and are undone here:
 
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
 - values: Q4_0, Q4_1 and Q8_0 blocks are MLX affine groups of 32 values
-  (`read_quantized`: the same numbers, repacked, bit-exact); other quantized
-  types (K-quants, Q5_x) have no exact MLX form and are dequantized
-  (gguf.quants) for the converter to re-quantize; for the llama architecture
+  (`read_quantized`: the same numbers, repacked, bit-exact); so are Q4_K and Q5_K
+  sub-blocks (kquants.py: the values as they are, each group's scale and bias
+  rounded once to float16; Q5_K's values held at 8 bits); other quantized types
+  (Q6_K, Q2_K, Q3_K, Q5_x) have no such form and are dequantized (gguf.quants)
+  for the converter to re-quantize; for the llama architecture
   the rows of q/k are un-permuted (convert_hf_to_gguf.py permutes them for
   its rotary kernel);
 - tokenizer: there is no tokenizer.json, only a vocabulary, merges and token
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError
+from . import kquants
 
 # HF config fields per architecture. Qwen2/3 GGUFs are not permuted; llama's are.
 ARCHS = {
@@ -363,6 +366,8 @@ class GGUFSource:
         from ..layout.quant import QuantSpec
 
         kind = self._tensors[name].tensor_type.name
+        if kind in kquants.BITS:
+            return QuantSpec(kquants.BITS[kind], 32, "float16")
         if kind not in EXACT_BLOCKS:
             return None
         return QuantSpec(EXACT_BLOCKS[kind][2], 32, "float16")
@@ -370,16 +375,18 @@ class GGUFSource:
     def lossy(self, name):
         """The GGUF type of a quantized tensor with no exact MLX form (re-quantized), else None."""
         kind = self._tensors[name].tensor_type.name
-        return None if kind in EXACT_BLOCKS or kind in ("F32", "F16", "BF16") else kind
+        return None if kind in EXACT_BLOCKS or kind in kquants.BITS or kind in ("F32", "F16", "BF16") else kind
 
     def read_quantized(self, name):
-        """A Q4_0 / Q4_1 / Q8_0 tensor -> QuantTensor with the file's values, repacked."""
-        from ..layout.quant import QuantTensor, pack, to_words
+        """A Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K tensor -> QuantTensor with the file's values, repacked."""
+        from ..layout.quant import pack, to_words
 
         t = self._tensors[name]
-        head, body, bits, offset = EXACT_BLOCKS[t.tensor_type.name]
         *lead, n = self.shape(name)  # ([E,] out, in: merged experts are one tensor)
         rows = int(np.prod(lead))
+        if t.tensor_type.name in kquants.BITS:
+            return self._read_kquant(name, t, lead, rows, n)
+        head, body, bits, offset = EXACT_BLOCKS[t.tensor_type.name]
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, n // 32, head + body)
         d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         qs = blocks[..., head:]
@@ -400,7 +407,25 @@ class GGUFSource:
                 raise FlashError(f"{self.path.name}: tensor {t.name} has a block scale too large to "
                                  "keep exactly at float16; convert with --dequantize")
         packed = to_words(pack(q.reshape(rows, n), bits))
-        w = QuantTensor(packed, np.ascontiguousarray(d), np.ascontiguousarray(bias), self.quant(name))
+        return self._quant_tensor(name, packed, d, bias, lead)
+
+    def _read_kquant(self, name, t, lead, rows, n):
+        """A Q4_K / Q5_K tensor -> QuantTensor: its values, each group's scale and bias at float16."""
+        from ..layout.quant import pack, to_words
+
+        q, scales, biases = kquants.affine_groups(t.tensor_type.name, t.data, rows, n)
+        with np.errstate(over="ignore"):
+            s16, b16 = scales.astype(np.float16), biases.astype(np.float16)
+        if not (np.isfinite(s16).all() and np.isfinite(b16).all()):
+            raise FlashError(f"{self.path.name}: tensor {t.name} has a block scale beyond float16's range; "
+                             "convert with --dequantize")
+        packed = to_words(pack(q, self.quant(name).bits))
+        return self._quant_tensor(name, packed, s16, b16, lead)
+
+    def _quant_tensor(self, name, packed, scales, biases, lead):
+        from ..layout.quant import QuantTensor
+
+        w = QuantTensor(packed, np.ascontiguousarray(scales), np.ascontiguousarray(biases), self.quant(name))
         if len(lead) > 1:  # merged experts: [E, out, ...]
             return QuantTensor(*(a.reshape(*lead, -1) for a in (w.packed, w.scales, w.biases)), w.spec)
         return w.rows(lambda a: self._unpermute(name, a))

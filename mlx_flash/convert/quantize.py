@@ -4,9 +4,11 @@ Rules (one per tensor, printed when a value changes):
 - a weight the source stores in MLX's affine form (an mlx-lm quantized folder;
   GGUF Q4_0 / Q4_1 / Q8_0) is kept as it is, bit-exact, unless --q-bits /
   --q-group-size ask for another form (then it is re-quantized);
-- a weight quantized in a form with no exact MLX equivalent (GGUF K-quants,
-  Q5_x) is dequantized and re-quantized (--q-bits, default 4; group 32 or
-  --q-group-size);
+- GGUF Q4_K / Q5_K are MLX affine groups of 32 too (convert/kquants.py: the values
+  kept, each group's scale and bias rounded once to float16; Q5_K at 8 bits);
+- a weight quantized in a form with no such MLX equivalent (GGUF Q6_K, Q2_K, Q3_K,
+  Q5_x) is dequantized and re-quantized (--q-bits; by default 8 bits for Q6_K and Q5_x,
+  4 for Q2_K / Q3_K: the widths with fast kernels; group 32 or --q-group-size);
 - a float weight is quantized only with --quantize (as mlx_lm.convert -q does:
   mx.quantize of the weight at --dtype, so both give the same values);
 - --dequantize: every weight float at --dtype (the layout of version 1);
@@ -30,8 +32,10 @@ from ..layout.quant import QuantSpec, QuantTensor, check_quant, columns, pack, q
 KEEP_PARTS = ("embed", "lm_head", "attn")
 PER_LAYER_PARTS = ("attn",)  # parts a --q-keep item may restrict to layers (part:A-B)
 EXPERT_BITS = (2, 4, 8)  # the widths an expert may have (widened exactly to the widest: layout/quant.widen)
-# GGUF types with no exact MLX form -> the bits they are re-quantized to by default
-LOSSY_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
+# GGUF types with no exact MLX form -> the bits they are re-quantized to by default: the
+# widths with fast kernels (4 and 8), at least the type's own (Q6_K at 8 bits changes a
+# value by at most half an 8-bit step of its group's range)
+LOSSY_BITS = {"Q2_K": 4, "Q3_K": 4, "Q5_0": 8, "Q5_1": 8, "Q6_K": 8}
 
 
 @dataclass(frozen=True)

@@ -393,3 +393,21 @@ def test_bad_q_keep_items_are_clear_errors(tmp_path, keep, expect):
     with pytest.raises(FlashError, match=expect):
         convert(src, tmp_path / "flash", progress=False, quant=QuantOptions(quantize=True, keep=keep))
     assert not (tmp_path / "flash").exists()
+
+
+def test_the_ffn_width_is_the_widest_the_source_keeps_exactly():
+    """Q4_K beside Q6_K (a Q4_K_M GGUF): the FFN is held at 4 bits, the Q6_K weights (re-quantized
+    anyway) re-quantized to 4; Q4_0 beside Q8_0 (both exact): 8 bits, the 4-bit values widened;
+    --ffn-bits 8 widens the Q4_K values instead."""
+    from mlx_flash.convert.quantize import ffn_spec
+    from mlx_flash.layout.quant import QuantSpec
+
+    q4, q8 = QuantSpec(4, 32, "float16"), QuantSpec(8, 32, "float16")
+    k_m = {"gate": ("keep", q4), "up": ("keep", q4), "down": ("quantize", q8)}
+    assert ffn_spec(k_m, "x") == q4 and k_m["down"] == ("quantize", q4) and k_m["gate"] == ("keep", q4)
+    k_m = {"gate": ("keep", q4), "up": ("keep", q4), "down": ("quantize", q8)}
+    assert ffn_spec(k_m, "x", bits=8) == q8 and k_m["gate"] == ("widen", q8)
+    exact = {"gate": ("keep", q4), "up": ("keep", q8), "down": ("keep", q4)}
+    assert ffn_spec(exact, "x") == q8 and exact["gate"] == ("widen", q8) and exact["up"] == ("keep", q8)
+    exact = {"gate": ("keep", q4), "up": ("keep", q8)}
+    assert ffn_spec(exact, "x", bits=4) == q4 and exact["up"] == ("quantize", q4)  # narrowed: re-quantized

@@ -26,6 +26,10 @@ def build_parser():
                    help="bits per weight: 2, 3, 4, 5, 6, 8 (default: the source's, or 4)")
     q.add_argument("--q-group-size", type=int, default=None,
                    help="values per scale: 32, 64, 128 (default: the source's, or 64)")
+    q.add_argument("--ffn-bits", type=int, default=None, choices=[4, 8],
+                   help="the feed-forward weights' one width where the source's differ (a Q4_K_M GGUF: Q4_K "
+                        "beside Q6_K). Default: the widest the source stores exactly (Q4_K_M: 4; the Q6_K ones, "
+                        "re-quantized anyway, re-quantized to it); 8 there: every value kept, twice the bytes")
     q.add_argument("--q-keep", default="",
                    help="parts kept float at --dtype, comma-separated: embed, lm_head, attn; attn:A-B "
                         "only in layers A..B (e.g. attn:0-1,attn:30-31)")
@@ -67,7 +71,7 @@ def main(argv=None):
         from ..convert.quantize import QuantOptions
 
         quant = QuantOptions(args.quantize, args.q_bits, args.q_group_size, args.dequantize,
-                             tuple(k.strip() for k in args.q_keep.split(",") if k.strip()))
+                             tuple(k.strip() for k in args.q_keep.split(",") if k.strip()), ffn_bits=args.ffn_bits)
         t0 = time.perf_counter()
         choice = None
         if args.expert_bits == "auto":

@@ -284,7 +284,7 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         raise FlashError(f"{source_name} holds no quantized weights: --q-bits / --q-group-size need "
                          "--quantize (-q) to quantize them")
     ffn_decisions = {n: decisions[n] for n in ffn_names}
-    quant = ffn_spec(ffn_decisions, source_name, notes)
+    quant = ffn_spec(ffn_decisions, source_name, notes, bits=options.ffn_bits)
     decisions.update(ffn_decisions)
     d_model = args.hidden_size
     first = src.shape(original[family.ffn_tensors(args, 0)[kinds[0]][0]])

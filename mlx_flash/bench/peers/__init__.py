@@ -29,7 +29,7 @@ so that every system decodes exactly N tokens):
   mlx_flash:dense | mlx_flash:naive | mlx_flash:hybrid
   mlx_flash:flash:<sparsity>:<density>   e.g. mlx_flash:flash:dip:0.5
   mlx_lm                                 the flash folder exported to float32 HF
-  llama.cpp-f32 | llama.cpp-f16 | llama.cpp-q4_1
+  llama.cpp-f32 | llama.cpp-f16 | llama.cpp-gguf (= llama.cpp-q4_1: the source GGUF as it is)
                                          llama-cpp-python in .venv-peers
                                          (`make peers-setup`); F32/F16 GGUFs
                                          written from the source GGUF with the

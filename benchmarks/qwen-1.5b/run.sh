@@ -1,0 +1,17 @@
+#!/bin/bash
+# Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, `make model-large`) against llama.cpp on the same file:
+# WikiText-2 perplexity on the same token windows, then dense decode and prompt speed in one
+# alternating run (`benchmark peers`, no memory limit). Needs `make peers-setup` (llama.cpp).
+# Writes OUT (default benchmarks/qwen-1.5b/out): perplexity JSONs, peers.md / .csv / .json.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+M=${M:-models/qwen2.5-coder-1.5b-instruct}
+G=${G:-models/download/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}
+OUT=${OUT:-benchmarks/qwen-1.5b/out}
+mkdir -p "$OUT"
+.venv/bin/python -m mlx_flash eval --model "$M" --task wikitext --limit 2048 --context 512 --mode dense \
+    --no-progress --json "$OUT/ppl-mlx_flash.json" | grep perplexity
+.venv/bin/python scripts/llama_cpp_perplexity.py --model "$M" --gguf "$G" --task wikitext --limit 2048 \
+    --context 512 --json "$OUT/ppl-llama.cpp.json" | tail -1
+.venv/bin/python -m mlx_flash benchmark peers --model "$M" --systems "mlx_flash:dense@none,llama.cpp-gguf@none" \
+    --limit none --prompt-tokens 160 --tokens 32 --rounds ${ROUNDS:-3} --out "$OUT" | tail -4

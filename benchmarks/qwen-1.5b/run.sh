@@ -15,3 +15,8 @@ mkdir -p "$OUT"
     --context 512 --json "$OUT/ppl-llama.cpp.json" | tail -1
 .venv/bin/python -m mlx_flash benchmark peers --model "$M" --systems "mlx_flash:dense@none,llama.cpp-gguf@none" \
     --limit none --prompt-tokens 160 --tokens 32 --rounds ${ROUNDS:-3} --out "$OUT" | tail -4
+# under memory cgroups (v1, page cache counted; root): mlx_flash's automatic plan against llama.cpp
+if [ -n "${LIMITS:-}" ]; then
+  .venv/bin/python -m mlx_flash benchmark peers --model "$M" --systems "mlx_flash:auto,llama.cpp-gguf" \
+      --limit "$LIMITS" --prompt-tokens 160 --tokens 16 --rounds 2 --out "$OUT/limits" | tail -8
+fi

@@ -172,9 +172,8 @@ def ffn_spec(decisions, where, notes=None, bits=None):
     held at one width: `bits` (--ffn-bits), else the widest the source stores exactly (no kept
     value changes), else the widest. Kept weights narrower than it are widened exactly (a
     4-bit value is an 8-bit value with the same scale and bias); weights re-quantized anyway
-    (a Q6_K beside Q4_K) are re-quantized to it. A Q4_K_M GGUF's FFN is thus held at 4 bits:
-    measured on Qwen2.5-Coder-1.5B, WikiText-2 perplexity +0.6 % over llama.cpp's on the same
-    file, where holding it at 8 bits (--ffn-bits 8) reads twice the bytes for -0.1 %.
+    (a Q6_K beside Q4_K) are re-quantized to it. A Q4_K_M GGUF's FFN is thus held at 4 bits
+    (its perplexity against llama.cpp's, and against --ffn-bits 8: benchmarks/qwen-1.5b).
     `decisions` is updated."""
     specs = {spec for kind, spec in decisions.values()}
     if None not in specs and len({(s.group_size, s.scale_dtype) for s in specs}) == 1 and \

@@ -189,10 +189,9 @@ def _elf_slots(path):
         return slots
 
 
-def _mlx_slots(libc, with_path=False):
-    """[(slot address, symbol)] of every imported function of MLX's libraries."""
-    return [(base + off, name) + ((path,) if with_path else ())
-            for path, base in _mlx_objects(libc) for name, off in _elf_slots(path)]
+def _mlx_slots(libc):
+    """[(slot address, symbol, library path)] of every imported function of MLX's libraries."""
+    return [(base + off, name, path) for path, base in _mlx_objects(libc) for name, off in _elf_slots(path)]
 
 
 def _same_file(a, b):
@@ -221,7 +220,7 @@ def mlx_blas_library(symbol="cblas_sgemm"):
         return None
     try:
         libc = _libc()
-        for slot, name, path in _mlx_slots(libc, with_path=True):
+        for slot, name, path in _mlx_slots(libc):
             if name != symbol:
                 continue
             where, sname = _where(libc, ctypes.c_void_p.from_address(slot).value)
@@ -244,7 +243,7 @@ def _rebind_mlx(handle, path):
     libc = _libc()
     page = mmap.PAGESIZE
     moved = 0
-    for slot, name in _mlx_slots(libc):
+    for slot, name, _ in _mlx_slots(libc):
         where, sname = _where(libc, ctypes.c_void_p.from_address(slot).value)
         if sname != name or not _REFERENCE.match(os.path.basename(where)):
             continue  # not bound (lazy), or not to the reference BLAS/LAPACK: leave it

@@ -6,6 +6,7 @@ import json
 import shutil
 import socket
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -15,26 +16,31 @@ from mlx_flash.server.requests import TEXT, Limits, RequestError, parse_request
 LONG = "word " * 4000  # about 4,000 tokens: its prompt takes many chunks
 
 
-def _start(model, extra):
+@contextmanager
+def serving(model, extra):
+    """A real server process with these flags; stopped after, its log free of tracebacks."""
     pytest.importorskip("openai")
     from mlx_flash.bench.server_load import ServerProcess
 
-    return ServerProcess(model, extra)
+    srv = ServerProcess(model, extra)
+    try:
+        yield srv
+    finally:
+        log = srv.stop()
+        assert "Traceback" not in log, log
 
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    srv = _start(smollm2, ["--max-tokens-limit", "256"])
-    yield srv
-    log = srv.stop()
-    assert "Traceback" not in log, log
+    with serving(smollm2, ["--max-tokens-limit", "256"]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def keyed(smollm2):
-    srv = _start(smollm2, ["--api-key", "k-one", "--api-key", "k-two", "--allowed-origins", "https://app.example"])
-    yield srv
-    assert "Traceback" not in srv.stop()
+    with serving(smollm2, ["--api-key", "k-one", "--api-key", "k-two", "--allowed-origins",
+                           "https://app.example"]) as srv:
+        yield srv
 
 
 def address(srv):
@@ -223,9 +229,8 @@ def test_a_client_leaving_during_its_prompt_frees_the_worker(server):
 
 @pytest.fixture(scope="module")
 def strict(smollm2):
-    srv = _start(smollm2, ["--request-timeout", "1", "--max-connections", "3", "--keep-alive", "1"])
-    yield srv
-    assert "Traceback" not in srv.stop()
+    with serving(smollm2, ["--request-timeout", "1", "--max-connections", "3", "--keep-alive", "1"]) as srv:
+        yield srv
 
 
 def test_request_timeout(strict):
@@ -257,8 +262,7 @@ def test_connections_are_bounded_and_idle_ones_closed(strict):
 
 
 def test_default_max_tokens_fits_a_small_context(smollm2):
-    srv = _start(smollm2, ["--memory-limit", "2GB", "--ctx-size", "64", "--share-prompt-cache"])
-    try:
+    with serving(smollm2, ["--memory-limit", "2GB", "--ctx-size", "64", "--share-prompt-cache"]) as srv:
         assert "a request without max_tokens gets what its prompt leaves" in "".join(srv.lines)
         r = oa(srv).chat.completions.create(model="default", temperature=0, messages=[
             {"role": "user", "content": "Write a long story about the sea."}])
@@ -268,8 +272,6 @@ def test_default_max_tokens_fits_a_small_context(smollm2):
         r = oa(srv).chat.completions.create(model="default", max_tokens=1, messages=[
             {"role": "user", "content": "Write a long story about the sea!"}])
         assert r.usage.prompt_tokens_details.cached_tokens > 0
-    finally:
-        assert "Traceback" not in srv.stop()
 
 
 # -- a damaged model file while serving -----------------------------------------------------------
@@ -285,12 +287,9 @@ def test_a_damaged_file_is_the_servers_error(smollm2, tmp_path):
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x10]))
-    srv = _start(out, ["--mode", "naive"])
-    try:
+    with serving(out, ["--mode", "naive"]) as srv:
         status, _, body = ask(srv, "POST", "/v1/completions", BODY)
         assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == "model_damaged"
         assert "layer_001.bin" in body["error"]["message"] and "checksum" in body["error"]["message"]
         status, _, health = ask(srv, "GET", "/health")
         assert status == 503 and health["status"] == "damaged" and "layer_001.bin" in health["error"]
-    finally:
-        assert "Traceback" not in srv.stop()

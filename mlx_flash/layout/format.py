@@ -60,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import FlashError
+from ..errors import FlashError, ModelFileError
 from .quant import QuantSpec, dequantize
 from .safetensors_io import from_storage
 from .schema import FORMAT_NAME, READ_VERSIONS, check_sizes, validate_manifest
@@ -348,36 +348,36 @@ def sha256_file(path, chunk=8 << 20):
 
 
 def check_file(folder, entry, checksum=True):
-    """Raise FlashError if a manifest file is missing, not a regular file, unreadable, resized
-    or altered."""
+    """Raise ModelFileError (a FlashError: the model's files, not the caller, are at fault) if a
+    manifest file is missing, not a regular file, unreadable, resized or altered."""
     path = Path(folder) / entry["file"]
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise FlashError(f"{path}: missing (the model folder is incomplete; convert again)")
+        raise ModelFileError(f"{path}: missing (the model folder is incomplete; convert again)")
     except OSError as e:
-        raise FlashError(f"{path}: cannot be read ({e.strerror}); check the path and its permissions")
+        raise ModelFileError(f"{path}: cannot be read ({e.strerror}); check the path and its permissions")
     if not stat.S_ISREG(st.st_mode):
         what = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise FlashError(f"{path}: {what}, where the manifest lists a data file (the model folder is "
-                         "damaged; convert again)")
+        raise ModelFileError(f"{path}: {what}, where the manifest lists a data file (the model folder is "
+                             "damaged; convert again)")
     if st.st_size != entry["size"]:
-        raise FlashError(
+        raise ModelFileError(
             f"{path}: size {st.st_size} != {entry['size']} in the manifest "
             "(file truncated or changed since conversion)"
         )
     if checksum and file_sha256(path) != entry["sha256"]:
-        raise FlashError(
+        raise ModelFileError(
             f"{path}: sha256 differs from the manifest (file changed since conversion)"
         )
 
 
 def file_sha256(path):
-    """sha256_file, an unreadable file a FlashError naming it."""
+    """sha256_file, an unreadable file a ModelFileError naming it."""
     try:
         return sha256_file(path)
     except OSError as e:
-        raise FlashError(f"{path}: cannot be read ({e.strerror}); check its permissions")
+        raise ModelFileError(f"{path}: cannot be read ({e.strerror}); check its permissions")
 
 
 def read_tables(folder, manifest, layout, verify=True):
@@ -428,7 +428,7 @@ def read_checksums(folder, entry, layout, verify=True):
     try:
         table = np.fromfile(Path(folder) / crc["file"], dtype="<u4").astype(np.uint32)
     except OSError as e:
-        raise FlashError(f"{Path(folder) / crc['file']}: cannot be read ({e.strerror}); check its permissions")
+        raise ModelFileError(f"{Path(folder) / crc['file']}: cannot be read ({e.strerror}); check its permissions")
     if table.size != layout.n_neurons * len(layout.kinds):
         raise FlashError(f"{Path(folder) / crc['file']}: {table.size} checksums, expected "
                          f"{layout.n_neurons} x {len(layout.kinds)}")

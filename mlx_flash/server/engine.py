@@ -55,6 +55,13 @@ class Failed:
     error: RequestError
 
 
+def _reseed():
+    """MLX's random state seeded from the OS: no request's samples follow from another's seed."""
+    import mlx.core as mx
+
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+
+
 class Stopped(Exception):
     """Raised between prompt chunks: the client left ("cancelled") or time ran out ("timeout")."""
 
@@ -255,10 +262,8 @@ class Engine:
         """After a failure: drop the kept cache, and seed MLX's random state afresh (a sampler
         that raised inside mlx_lm's compiled function leaves the state without a value, and
         every later sampled request would fail)."""
-        import mlx.core as mx
-
         self.kept.reset()
-        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        _reseed()
 
     # -- one request ----------------------------------------------------------------------------
     def check_sampling(self, req):
@@ -405,7 +410,7 @@ class Engine:
         finally:
             gen.close()
             if req.seed is not None:  # the next request's samples are not predictable from this one's seed
-                mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+                _reseed()
         completion = len(out) - (1 if out and out[-1] in eos and finish == "stop" else 0)
         self.kept.keep(cache, ids + out)
         job.events.put(Done(finish, len(ids), completion, time.perf_counter() - t0))

@@ -92,10 +92,6 @@ class Access:
     max_connections: int = 32
 
 
-def _refused(message, status, code):
-    return RequestError(message, status=status, code=code)
-
-
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -231,36 +227,42 @@ class Handler(BaseHTTPRequestHandler):
         access = self.server.access
         host = self.headers.get("Host")
         if host is not None and not access.allow_remote and not is_loopback(_host_name(host)):
-            raise _refused(f"Host {host[:80]!r} is not this machine: the server answers only requests sent to a "
-                           "loopback name (localhost, 127.0.0.1, [::1]); start it with --allow-remote to serve "
-                           "other names", 403, "host_not_allowed")
+            raise RequestError(f"Host {host[:80]!r} is not this machine: the server answers only requests sent to "
+                               "a loopback name (localhost, 127.0.0.1, [::1]); start it with --allow-remote to serve "
+                               "other names", status=403, code="host_not_allowed")
         origin = self.headers.get("Origin")
         if origin is not None and not self._origin_allowed(origin):
-            raise _refused(f"Origin {origin[:80]!r} is not allowed: a web page of another site may not use this "
-                           "server; start it with --allowed-origins to allow one", 403, "origin_not_allowed")
-        if needs_key and access.api_keys:
-            given = self.headers.get("Authorization", "")
-            key = given[7:].strip() if given[:7].lower() == "bearer " else ""
-            if not any(hmac.compare_digest(key.encode(), k.encode()) for k in access.api_keys):
-                raise _refused("this server needs an API key: send \"Authorization: Bearer KEY\" (--api-key)"
-                               if not key else "the API key is not valid", 401, "invalid_api_key")
+            raise RequestError(f"Origin {origin[:80]!r} is not allowed: a web page of another site may not use "
+                               "this server; start it with --allowed-origins to allow one", status=403,
+                               code="origin_not_allowed")
+        if needs_key and access.api_keys and self._key_index() is None:
+            raise RequestError("the API key is not valid" if self._bearer() else
+                               "this server needs an API key: send \"Authorization: Bearer KEY\" (--api-key)",
+                               status=401, code="invalid_api_key")
         if self.command == "POST":
             ctype = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype != "application/json":
-                raise _refused(f"the body must be sent as Content-Type: application/json, not {ctype[:60]!r}",
-                               415, "unsupported_media_type")
+                raise RequestError(f"the body must be sent as Content-Type: application/json, not {ctype[:60]!r}",
+                                   status=415, code="unsupported_media_type")
+
+    def _bearer(self):
+        """The key the request sends ("Authorization: Bearer KEY"), or ""."""
+        given = self.headers.get("Authorization", "")
+        return given[7:].strip() if given[:7].lower() == "bearer " else ""
+
+    def _key_index(self):
+        """Which --api-key the request sends (compared in constant time), or None."""
+        key = self._bearer().encode()
+        matches = [i for i, k in enumerate(self.server.access.api_keys) if hmac.compare_digest(key, k.encode())]
+        return matches[0] if matches else None
 
     def _owner(self):
         """Whose kept prompt cache a request may reuse: everyone's with --share-prompt-cache;
         else the API key's holder (one identity per key), or this connection."""
-        access = self.server.access
-        if access.share_prompt_cache:
+        if self.server.access.share_prompt_cache:
             return "shared"
-        given = self.headers.get("Authorization", "")
-        for i, k in enumerate(access.api_keys):
-            if hmac.compare_digest(given[7:].strip().encode(), k.encode()):
-                return f"key {i}"
-        return f"connection {self.serial}"
+        i = self._key_index()
+        return f"key {i}" if i is not None else f"connection {self.serial}"
 
     def handle(self):
         """Serve the connection's requests; a client that resets it (after closing a stream

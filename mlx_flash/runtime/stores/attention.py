@@ -189,9 +189,9 @@ class AttentionStore(Store):
         except ChecksumError as e:
             a = e.offset
             raise ModelFileError(f"{self.path}: layer {layer}'s attention, bytes {a}..{a + self.chunk - 1} "
-                             f"({self._tensors(layer, a, a + self.chunk)}), does not match its checksum, read "
-                             "twice: the file changed or was damaged since the model loaded (mlx_flash.verify "
-                             "checks a whole folder)") from None
+                                 f"({self._tensors(layer, a, a + self.chunk)}), does not match its checksum, read "
+                                 "twice: the file changed or was damaged since the model loaded (mlx_flash.verify "
+                                 "checks a whole folder)") from None
         return s0.bytes_read - b0, s0.reads_issued - r0
 
     def _tensors(self, layer, a, b):

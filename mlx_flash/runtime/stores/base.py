@@ -49,9 +49,9 @@ def read_layer_bytes(folder, entry, verify=True):
     except OSError as e:
         raise ModelFileError(f"{path}: cannot be read ({e.strerror}); check its permissions") from None
     if got != len(buf):
-        raise FlashError(f"{path}: short read ({got} of {len(buf)} bytes)")
+        raise ModelFileError(f"{path}: short read ({got} of {len(buf)} bytes)")
     if verify and hashlib.sha256(buf).hexdigest() != entry["sha256"]:
-        raise FlashError(f"{path}: sha256 differs from the manifest (file changed since conversion)")
+        raise ModelFileError(f"{path}: sha256 differs from the manifest (file changed since conversion)")
     return buf
 
 
@@ -80,7 +80,7 @@ def read_into(reader, file, layout, ids, cache, rows, bundled=True, tables=None,
                                 checks=checks)
     except ChecksumError as e:
         raise ModelFileError(f"{where + ', ' if where else ''}neuron {e.bundle} ({layout.kinds[e.part]}): "
-                         f"{e}") from None
+                             f"{e}") from None
 
 
 def _reads(memo, layout, cache, tables, crc, bundled):

@@ -180,8 +180,8 @@ class FlashKV(Store):
                                      np.arange(count, dtype=np.int64), base=layer * self.region, checks=checks)
         except ChecksumError as e:
             raise ModelFileError(f"the KV cache on flash: layer {layer}'s keys and values at byte {e.offset} do not "
-                             "match the checksum taken when they were written, read twice: the disk returned "
-                             "other bytes than it was given") from None
+                                 "match the checksum taken when they were written, read twice: the disk returned "
+                                 "other bytes than it was given") from None
         return s.bytes_read - b0, s.reads_issued - r0
 
     def _chunks_of(self, layer):

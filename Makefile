@@ -12,7 +12,7 @@ PROMPT ?= Write a short story about a robot who learns to paint.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py mlx_flash/io/_native.c mlx_flash/io/crc32c.c \
-		mlx_flash/kernels/_matvec.c mlx_flash/kernels/quant.h mlx_flash/kernels/qmv_bf16.h \
+		mlx_flash/kernels/_matvec.c mlx_flash/kernels/quant.h mlx_flash/kernels/avx512.h \
 		scripts/install_system_deps.sh
 	./scripts/install_system_deps.sh
 	$(PYTHON) -m venv $(VENV)

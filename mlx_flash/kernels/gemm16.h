@@ -1,4 +1,4 @@
-/* The pass kernels' products, included by _matvec.c after quant.h, qmv_bf16.h and its AVX2
+/* The pass kernels' products, included by _matvec.c after quant.h, avx512.h and its AVX2
  * helpers (F32, F16, TARGET_AVX512_BF16, AVX2): a decode step of several sequences (a batch:
  * up to kernels.BATCH_PASS positions, in tiles of 16) multiplies every weight, dequantized
  * once, into every position.
@@ -61,7 +61,7 @@ static void mm16_row_portable(const float *a, int64_t ks, const float *xt, int64
     for (int64_t b = 0; b < m; b++) y[b * ldy] = accumulate ? y[b * ldy] + acc[b] : acc[b];
 }
 
-#ifdef BF16_PATH /* x86-64 with a compiler that has AVX-512 (qmv_bf16.h); simd level 2 */
+#ifdef BF16_PATH /* x86-64 with a compiler that has AVX-512 (avx512.h); simd level 2 */
 /* MM16_ROWS rows, lda floats apart from a: out[r * 16 + b] = their sums for all 16 lanes, in runs
  * of MM16_RUN values */
 TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t lda, const float *xt, int64_t k, float *out) {
@@ -78,14 +78,6 @@ TARGET_AVX512_BF16 static void mm16_tile(const float *a, int64_t lda, const floa
         for (int r = 0; r < MM16_ROWS; r++) acc[r] = _mm512_add_ps(acc[r], run[r]);
     }
     for (int r = 0; r < MM16_ROWS; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
-}
-
-/* 32 4-bit values (16 bytes: byte i holds value 2i low, 2i + 1 high) -> 2 x 16 int32 in order */
-TARGET_AVX512_BF16 static inline void nibbles4_avx512(const uint8_t *p, __m512i q[2]) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    q[0] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)); /* values 0-15 */
-    q[1] = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)); /* 16-31 */
 }
 
 /* the same 32 values as floats */

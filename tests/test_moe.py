@@ -507,8 +507,9 @@ def test_the_routing_trace_is_skewed_correlated_and_repeatable_and_the_path_pred
 
 
 def test_a_random_mlx_lm_folder_is_one_mlx_lm_loads_and_converts_to_the_benchmark_checkpoint(tmp_path):
-    """scripts/moe_beyond_ram.py's input (a random model as mlx-lm folders hold one: stacked, quantized
-    experts in shards): mlx_lm loads it, and its conversion is build_checkpoint's, file for file."""
+    """benchmarks/moe-beyond-ram/moe_beyond_ram.py's input (a random model as mlx-lm folders hold one:
+    stacked, quantized experts in shards): mlx_lm loads it, and its conversion is build_checkpoint's,
+    file for file."""
     import hashlib
 
     from mlx_flash.bench.random_model import build_checkpoint, write_mlx_lm_folder

@@ -42,7 +42,7 @@ def test_training_writes_the_adapters(folder):
     assert section["steps"] == 16 and section["tokens"] == 16 * 32 and section["skipped_tokens"] == 256
     assert section["held_out_tokens"] == 4 * 32
     # a random tiny model's sparse errors barely generalise (measured: held-out KL 0.022 -> 0.021-0.033
-    # by lr): what the training buys is measured on SmolLM2 (the README); here that it is reported
+    # by lr): what the training buys is measured on SmolLM2 (docs/sparsity.md); here that it is reported
     assert 0 < section["kl_before"] < 1 and 0 < section["kl_after"] < 1
     assert any("KL(dense || sparse)" in m for m in logs)
     w = mx.load(str(out / FILE))

@@ -1,4 +1,4 @@
-"""The architecture's rules (README "Architecture"), checked on the source: no import
+"""The architecture's rules (docs/architecture.md), checked on the source: no import
 circle anywhere in mlx_flash (imports inside functions included), stores imported only
 by the runtime, manifest.json written only by the layout, no `model.flash`, a short
 load(), and the sparsity sources found by their registry."""

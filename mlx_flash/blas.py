@@ -71,8 +71,8 @@ def openblas_coretype():
 
     On these virtual Xeons OpenBLAS's own detection reports SkylakeX but its
     float32 GEMM runs at 40-57 GFLOP/s; with OPENBLAS_CORETYPE=SkylakeX set
-    before the library loads, 225-295 GFLOP/s (2048^3, 2 cores, measured
-    2026-11-22). Only the kernel families the CPU's flags allow are chosen.
+    before the library loads, 225-295 GFLOP/s (2048^3, 2 cores). Only the
+    kernel families the CPU's flags allow are chosen.
     """
     if platform.machine() not in ("x86_64", "AMD64"):
         return None

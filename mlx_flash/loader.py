@@ -28,8 +28,8 @@ from .plan.fit import fit_limit, fit_weights, refit_config
 from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
                              kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
-from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, compute_dtype, keep_quantized,
-                      loaded_resident_bytes, make_config)
+from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, compute_dtype, embedding_on_flash,
+                      keep_quantized, loaded_resident_bytes, make_config)
 
 
 
@@ -236,12 +236,17 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None, baselin
         from .models.quantized import stream_modules
 
         stream_modules(model, {i: list(s.matrices) for i, s in streamed.items()})
+    table = embedding_on_flash(folder, manifest, config)  # (the input embedding left on flash, or None)
+    if table is not None:
+        from .models.quantized import stream_embedding
+
+        stream_embedding(model, table.module, table.n_rows, table.dims)
     try:
         weights = mx.load(str(folder / manifest.resident["file"]))
     except Exception as e:
         raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
     converted = {}
-    gone = {n for s in streamed.values() for n in s.names}
+    gone = {n for s in streamed.values() for n in s.names} | (table.names if table is not None else set())
     streamed_bytes = 0  # their bytes at the compute dtype: part of what "50%" is of
     for k in list(weights):  # one tensor at a time: the file's copy of all of them never lives at once
         if k in gone:  # left on flash (never read here: mx.load is lazy)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import mlx_flash
-from mlx_flash.bench.random_model import build_checkpoint
+from mlx_flash.convert.random_model import build_checkpoint
 from mlx_flash.errors import FlashError
 from test_parity import greedy
 

@@ -78,8 +78,9 @@ def reference(llama16):
 def test_held_model_matches_float32(llama16, reference, mode, budget):
     # (2 layers: prefetch's second buffer would cost more than a 75 % budget leaves)
     no_prefetch = {} if mode == "dense" else {"prefetch": False}  # (dense reads nothing: refused there)
+    # (the input embedding held, not left on flash under the budget: this test is of what is held)
     model, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget, resident_dtype="float16",
-                              **no_prefetch)
+                              stream_embeddings="off", **no_prefetch)
     assert model.runtime.resident_dtype == "float16"
     attn = model.layers[0].self_attn
     assert isinstance(attn.q_proj, HalfLinear) and attn.q_proj.weight.dtype == mx.float16
@@ -97,7 +98,7 @@ def test_held_model_matches_float32(llama16, reference, mode, budget):
         plan = model.runtime.plan
         assert plan.weights_bytes <= model.runtime.budget_bytes
         if mode == "hybrid":  # float16 caches: twice the resident neurons of float32 ones, or more
-            f32, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget, prefetch=False)
+            f32, _ = mlx_flash.load(llama16, mode=mode, memory_budget=budget, prefetch=False, stream_embeddings="off")
             assert plan.held_neuron_bytes and plan.capacity >= 2 * f32.runtime.plan.capacity
             assert model.runtime.store.weights_bytes <= plan.ffn_dram_bytes
 

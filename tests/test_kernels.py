@@ -314,7 +314,7 @@ def test_a_product_is_cut_into_parts_that_each_thread_takes():
     """A shared product over rows is cut into up to 8 parts a thread (set_parts changes it), each
     of a quarter-million weights or more; over columns into one a thread; each part runs once, on
     whichever thread takes it, the workers too (parts_taken)."""
-    from mlx_flash.bench.profile import ffn_rows
+    from mlx_flash.plan.measure import ffn_rows
     from mlx_flash.kernels import qaxpy_cols
 
     wq, s, b = mx.quantize(mx.random.normal((4096, 1024), key=mx.random.key(1)), group_size=64, bits=4)

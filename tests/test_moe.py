@@ -431,7 +431,7 @@ def test_generate_under_a_cgroup_of_the_limit(tmp_path):
     import subprocess
     import sys
 
-    from mlx_flash.bench.random_model import build_checkpoint
+    from mlx_flash.convert.random_model import build_checkpoint
     from test_memory_limit import MB, _cgroup_runner
 
     folder = build_checkpoint("small-moe", "q4", home=tmp_path, progress=False)
@@ -512,7 +512,7 @@ def test_a_random_mlx_lm_folder_is_one_mlx_lm_loads_and_converts_to_the_benchmar
     file for file."""
     import hashlib
 
-    from mlx_flash.bench.random_model import build_checkpoint, write_mlx_lm_folder
+    from mlx_flash.convert.random_model import build_checkpoint, write_mlx_lm_folder
 
     src = write_mlx_lm_folder("tiny-moe", tmp_path / "src", shard_bytes=1 << 20, progress=False)
     assert len(list(src.glob("model-*.safetensors"))) > 1 and not (tmp_path / "src.partial").exists()
@@ -625,7 +625,7 @@ def test_calibrated_expert_paths_guess_ahead_and_change_nothing(tmp_path):
     """mlx_flash.calibrate on a mixture of experts records its expert paths (EdgeMoE §3.3.2) into the
     folder; --expert-predictor paths reads ahead by them: the logits are unchanged, the look-ahead counted;
     without a calibration, or on a dense model, the option is a clear error."""
-    from mlx_flash.bench.random_model import build_checkpoint
+    from mlx_flash.convert.random_model import build_checkpoint
     from mlx_flash.cli.calibrate import main as calibrate_main
 
     folder = build_checkpoint("tiny-moe", "q4", home=tmp_path, progress=False)

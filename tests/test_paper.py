@@ -9,7 +9,7 @@ import mlx.core as mx
 
 import mlx_flash
 from mlx_flash.bench import paper
-from mlx_flash.bench.random_model import RandomSource, build_checkpoint, parameter_count
+from mlx_flash.convert.random_model import RandomSource, build_checkpoint, parameter_count
 from mlx_flash.bench.trace import TraceModel, TraceSource, fit_concentration, new_share
 from mlx_flash.errors import FlashError
 

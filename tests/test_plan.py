@@ -12,7 +12,7 @@ import pytest
 import mlx_flash
 from mlx_flash.errors import BudgetTooSmall, FlashError
 from mlx_flash.kernels import kernels_module
-from mlx_flash.bench import profile as bench_profile
+from mlx_flash.plan import measure as probe
 from mlx_flash.plan import profile as profile_mod
 from mlx_flash.plan.choose import Candidate, choose_mode, variants
 from mlx_flash.plan.cost import Prediction, Work, predict, predict_at_disk_rate
@@ -374,18 +374,18 @@ def test_auto_under_a_budget_holds_what_fits_and_stays_exact(smollm2):
 def test_profile_is_cached_per_machine_and_probed_when_missing(tmp_path, monkeypatch, capsys):
     path = tmp_path / "profile.json"
     measured = []
-    monkeypatch.setattr(bench_profile, "measure", lambda quick=False, **kw: measured.append(quick) or _profile())
+    monkeypatch.setattr(probe, "measure", lambda quick=False, **kw: measured.append(quick) or _profile())
     assert load_profile(path) is None  # (the runtime's layers only read the cache)
-    p = bench_profile.ensure_profile(path)  # none cached: a quick probe, said, then cached
+    p = probe.ensure_profile(path)  # none cached: a quick probe, said, then cached
     assert measured == [True] and "quick probe" in capsys.readouterr().err
     assert Profile.from_dict(json.loads(path.read_text())).layer_ms == p.layer_ms
-    assert bench_profile.ensure_profile(path).compute == p.compute and measured == [True]  # read, not measured again
+    assert probe.ensure_profile(path).compute == p.compute and measured == [True]  # read, not measured again
     save_profile(_profile(machine="another machine"), path)
     assert load_profile(path) is None
-    bench_profile.ensure_profile(path)
+    probe.ensure_profile(path)
     assert measured == [True, True] and "another machine" in capsys.readouterr().err
     path.write_text("{not json")
-    bench_profile.ensure_profile(path)
+    probe.ensure_profile(path)
     assert measured == [True, True, True] and "unreadable" in capsys.readouterr().err
 
 
@@ -461,7 +461,7 @@ def test_explain_without_a_profile_says_so(smollm2, tmp_path, monkeypatch, capsy
 def test_auto_holds_a_float16_models_rows_at_float16_when_that_fits_and_stays_exact(tmp_path):
     """A float16 model computed in float32 whose float32 rows do not fit but whose float16 rows
     do: auto holds them at float16 (no profile cached: the fewest bytes read), the logits exact."""
-    from mlx_flash.bench.random_model import build_checkpoint
+    from mlx_flash.convert.random_model import build_checkpoint
 
     folder = build_checkpoint("tiny-llama", "float16", home=tmp_path, progress=False)
     dense, _ = mlx_flash.load(folder, mode="dense")
@@ -489,7 +489,7 @@ def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_le
     Where the native kernels run (kernels=True, on a build that has them) it holds them so from
     the start; without them (a build that lacks them: injected) when float32 leaves no plan."""
     from mlx_flash import loader
-    from mlx_flash.bench.random_model import build_checkpoint
+    from mlx_flash.convert.random_model import build_checkpoint
     from mlx_flash.plan import fit
 
     kernels = kernels and kernels_module()[0] is not None
@@ -525,7 +525,7 @@ def test_auto_holds_a_float16_models_resident_weights_at_float16_when_float32_le
 def test_auto_keeps_a_quantized_models_resident_weights_at_their_bits(tmp_path, caplog):
     """A quantized model's manifest says float16 (its scales): auto never holds its resident
     weights "at float16" (which would dequantize them, 4x the DRAM)."""
-    from mlx_flash.bench.random_model import build_checkpoint
+    from mlx_flash.convert.random_model import build_checkpoint
 
     folder = build_checkpoint("tiny-llama", "q4", home=tmp_path, progress=False)
     model, _ = mlx_flash.load(folder, memory_budget="60%")

@@ -143,9 +143,8 @@ def test_speed_rows_and_plot(tiny, tmp_path):
                          speed=(3, 2, "95%"))
     sp = state["speed"]["rows"]
     assert list(sp) == ["dense", "hybrid", "calibrated@0.5", "dip@0.5", "calibrated@0.75", "dip@0.75"]
-    # two layers: hybrid's two streaming buffers of a whole layer leave it no resident share
-    # (refused before the weights load, or once they have)
-    assert re.search("over the budget|the least FFN plan", sp.pop("hybrid")["error"])
+    # two layers and an untied input embedding: the table left on flash makes room for hybrid's
+    # two streaming buffers of a whole layer under 95 %
     for key, r in sp.items():
         assert "error" not in r, (key, r)
         assert len(r["rounds_ms"]) == 2 and r["ms_per_token"] > 0
@@ -153,7 +152,7 @@ def test_speed_rows_and_plot(tiny, tmp_path):
     assert sp["dense"]["bytes_per_token"] == 0 and sp["calibrated@0.5"]["bytes_per_token"] > 0
     assert 0 < sp["calibrated@0.5"]["ffn_share"] < sp["calibrated@0.75"]["ffn_share"] <= 1
     md = out.with_suffix(".md").read_text()
-    assert "## Decode speed under --memory-budget 95%" in md and "| hybrid | 265.04 | not measured: " in md
+    assert "## Decode speed under --memory-budget 95%" in md and re.search(r"\| hybrid \| 265\.04 \| [0-9.]+ \|", md)
     table = list(csv.DictReader(open(out.with_suffix(".csv"))))
     assert all(float(r["decode_ms_per_token"]) > 0 for r in table)
     pytest.importorskip("matplotlib")
@@ -162,6 +161,11 @@ def test_speed_rows_and_plot(tiny, tmp_path):
     qt.run_table(folder, out, tasks, configs, context=32, progress=False, resume=True, log=again.append,
                  speed=(3, 2, "95%"))
     assert "[resume] decode speed: kept" in again
+    # a row that cannot load under its budget is reported, not measured
+    qt.run_table(folder, tmp_path / "tight", tasks, configs[:1], context=32, progress=False, log=logs.append,
+                 speed=(3, 2, "10%"))
+    md = (tmp_path / "tight").with_suffix(".md").read_text()
+    assert "| hybrid | 265.04 | not measured: " in md
 
 
 def test_table_sources_errors(tiny, tmp_path):

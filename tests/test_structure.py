@@ -105,6 +105,19 @@ def test_low_layers_know_no_models():
         assert not bad, f"{p} imports {bad}"
 
 
+def test_the_product_imports_nothing_from_the_benchmarks():
+    """cli/, server/, runtime/, plan/ and models/ import nothing from bench/: the machine probe
+    that --mode auto needs is plan/measure.py. The one exception is cli/benchmark.py, the
+    `mlx_flash.benchmark` command, whose subcommands are bench/'s modules."""
+    known = modules()
+    product = ("mlx_flash.cli", "mlx_flash.server", "mlx_flash.runtime", "mlx_flash.plan", "mlx_flash.models")
+    for m, p in known.items():
+        if p is None or not m.startswith(product) or m == "mlx_flash.cli.benchmark":
+            continue
+        bad = [t for t in imports_of(m, p, known) if t == "mlx_flash.bench" or t.startswith("mlx_flash.bench.")]
+        assert not bad, f"{p} imports {bad}"
+
+
 def test_only_the_layout_writes_the_manifest():
     """layout/format.py's write_manifest / add_manifest_section are the only writers."""
     for p in PKG.rglob("*.py"):

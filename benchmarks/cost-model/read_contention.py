@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx_flash  # noqa: F401  (before mlx.core)
 import numpy as np
 
-from mlx_flash.bench.profile import LAYER_READS
+from mlx_flash.plan.measure import LAYER_READS
 from mlx_flash.io import FlashReader
 from mlx_flash.io.reader import READ_THREADS
 from mlx_flash.kernels import QuantMatrix, kernels_module

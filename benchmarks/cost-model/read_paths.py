@@ -1,6 +1,6 @@
 """What a hybrid layer's reads cost beyond the disk probe's: the same bytes three ways.
 
-The cost model prices a token's reads at the disk probe's rate (bench/profile.py:
+The cost model prices a token's reads at the disk probe's rate (plan/measure.py:
 model_disk_curve: reads thrown away, `read_discard`). A hybrid store's reads also place every
 bundle's bytes into the layer's buffer and check each part's CRC32C. This loads 4-bit
 OPT-6.7B in `--mode hybrid --memory-budget 50%` and reads each layer's streamed rows, layer

@@ -1,7 +1,7 @@
 """A mixture of experts larger than this machine's RAM, end to end:
 
 1. write a random 4-bit mlx-lm folder of the shape (default Mixtral-8x7B, ~26 GB: what a user
-   downloads; bench/random_model.write_mlx_lm_folder),
+   downloads; convert/random_model.write_mlx_lm_folder),
 2. `mlx_flash convert` it inside a memory cgroup of --convert-limit (default 2 GB),
 3. `mlx_flash generate` from the flash folder under --memory-budget (default 25 % of the model)
    inside a memory cgroup of --generate-limit, with --stats,
@@ -48,7 +48,7 @@ def run(runner, cmd, limit, log):
 
 def main():
     from mlx_flash.bench import peers
-    from mlx_flash.bench.random_model import write_mlx_lm_folder
+    from mlx_flash.convert.random_model import write_mlx_lm_folder
     from mlx_flash.home import default_home
     from mlx_flash.sizes import parse_size
 

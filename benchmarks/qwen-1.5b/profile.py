@@ -93,6 +93,47 @@ def main():
         print(f"| {name} | {ms:.1f} | {b / 1e6:.0f} | {b / 1e9 / (ms / 1000):.1f} | {b / head_rate * 1000:.1f} |")
     rest = total * 1000 - sum(times[n] / args.tokens * 1000 for n in ("attention", "ffn", "head"))
     print(f"| the rest (norms, embedding, sampling, Python) | {rest:.1f} | | | |")
+    step, around = around_the_kernels(model, cache, y, args.tokens)
+    print(f"unsynchronised step {step:.1f} ms; the same step with every native product returning zeros "
+          f"(the runtime around the kernels: MLX's small ops, synchronisations, Python) {around:.1f} ms; "
+          f"so the kernels {step - around:.1f} ms (medians of {ROUNDS} alternating rounds)")
+
+
+ROUNDS = 7
+
+
+def around_the_kernels(model, cache, y, tokens):
+    """Median ms of a decode step, and of the same step with the native products (the
+    quantized matvecs, the FFN's row and column kernels) replaced by zeros, in alternating
+    rounds: the time the runtime spends around the kernels."""
+    import numpy as np
+
+    import mlx_flash.kernels as kernels
+    from mlx_flash.kernels import QuantMatrix
+
+    real = (QuantMatrix.matvec, kernels.qmv_rows, kernels.qaxpy_cols)
+
+    def matvec(self, x, out=None):
+        return np.zeros(self.n, np.float32) if out is None else out
+
+    def rows(k, x, buf, sel, *rest):
+        return np.zeros(len(sel), np.float32)
+
+    def cols(k, h, buf, sel, trow, tables, spec, out=None):
+        return np.zeros(tables[0].shape[1], np.float32) if out is None else out
+
+    got = {True: [], False: []}
+    try:
+        for _ in range(ROUNDS):
+            for stubbed in (False, True):
+                QuantMatrix.matvec, kernels.qmv_rows, kernels.qaxpy_cols = (matvec, rows, cols) if stubbed else real
+                t = time.perf_counter()
+                for _ in range(max(1, tokens // 4)):
+                    mx.eval(model(y, cache=cache))
+                got[stubbed].append((time.perf_counter() - t) / max(1, tokens // 4) * 1000)
+    finally:
+        QuantMatrix.matvec, kernels.qmv_rows, kernels.qaxpy_cols = real
+    return float(np.median(got[False])), float(np.median(got[True]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`mlx_flash.benchmark batch`: decode throughput of a batch of prompts against one at a time
 (FlexGen §4.2: the rows a decode step reads, converts and multiplies serve every sequence of the
-batch), on a checkpoint of a real shape with random weights (bench/random_model.py), in one
+batch), on a checkpoint of a real shape with random weights (convert/random_model.py), in one
 exact mode under a weights budget.
 
 Per batch size B: B prompts of random token ids, each decoding --tokens tokens with no stop
@@ -42,11 +42,11 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     import mlx.core as mx
 
     import mlx_flash
+    from ..convert.random_model import build_checkpoint, shape_config
     from ..io import device
     from ..loader import release_heap
     from ..plan.cost import predict, predict_at_disk_rate
-    from .profile import model_disk_curve
-    from .random_model import build_checkpoint, shape_config
+    from ..plan.measure import model_disk_curve
 
     if mode not in EXACT_MODES:
         raise FlashError(f"--mode {mode}: the batch benchmark runs the exact modes ({', '.join(EXACT_MODES)}); "
@@ -151,7 +151,8 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
                 row["measured_over_predicted_run_curve"] = row["step_ms"] / row["predicted_run_curve_ms"]
             # and at the rate the device's counters gave while the row's runs read, prompt and decode
             # (io/device.py; the median of its runs'), as `benchmark paper` gives it: the probe a
-            # minute before can be far from the disk the decode got (stop 49's 1.42 at the probed disk)
+            # minute before can be far from the disk the decode got (a step 1.42x its prediction
+            # at the probed disk)
             rates = [x["disk_gbs"] for x in row["runs"] if x.get("disk_gbs")]
             if rates and work.read_bytes:
                 row["decode_disk_gbs"] = float(np.median(rates))

@@ -1,5 +1,5 @@
 """A dense SwiGLU model rewritten as a mixture of experts that computes the same function: real
-weights for measuring what expert-level choices cost in quality (issue 12: per-expert bit widths,
+weights for measuring what expert-level choices cost in quality (per-expert bit widths,
 EdgeMoE §3.2), where no real mixture of experts can be run on this machine.
 
 Each layer's FFN is cut into E experts of d_ff / E consecutive neurons (gate and up rows, down

@@ -143,11 +143,11 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     if lookahead_width is not None and (routing != "trace" or lookahead_width < 1):
         raise FlashError("lookahead_width: a positive number, with trace routing (the model's routers' look-ahead "
                          "guesses its top-k)")
+    from ..convert.random_model import build_checkpoint, shape_config
     from ..layout.format import read_manifest
+    from ..plan.measure import disk_curve
     from ..runtime.budget import parse_budget
     from ..runtime.moe import slot_bytes
-    from .profile import disk_curve
-    from .random_model import build_checkpoint, shape_config
 
     t0 = time.perf_counter()
     folder = build_checkpoint(shape, "q4", home=home, progress=progress)

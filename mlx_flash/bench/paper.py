@@ -44,11 +44,11 @@ import numpy as np
 
 import mlx.core as mx
 
+from ..convert.random_model import build_checkpoint
 from ..errors import FlashError
 from ..io import READ_THREADS
+from ..plan.measure import disk_curve, model_disk_curve
 from ..plan.profile import curve_gbs
-from .profile import disk_curve, model_disk_curve
-from .random_model import build_checkpoint
 from .trace import TraceModel, TraceSource
 
 CONFIGS = {  # name: (mode, window, bundled, predictor, overlap)

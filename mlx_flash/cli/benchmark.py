@@ -91,7 +91,7 @@ def build_parser():
 def add_paper_parser(sub):
     from ..bench.paper import CONFIGS
     from ..io import READ_THREADS
-    from ..bench.random_model import SHAPES
+    from ..convert.random_model import SHAPES
 
     s = sub.add_parser("paper", help="the paper's Tables 2, 3 and Figures 7, 8 at 7B scale",
                        description="Builds once a flash checkpoint of a real model shape with random "
@@ -196,7 +196,7 @@ def add_profile_parser(sub):
 
 
 def add_batch_parser(sub):
-    from ..bench.random_model import SHAPES
+    from ..convert.random_model import SHAPES
 
     s = sub.add_parser("batch", help="batch decode throughput against one at a time (FlexGen §4.2)")
     s.add_argument("--shape", default="opt-6.7b", choices=sorted(SHAPES))
@@ -217,7 +217,7 @@ def add_batch_parser(sub):
 
 def add_moe_parser(sub):
     from ..bench.moe import ROWS
-    from ..bench.random_model import MOE_TYPES, SHAPES
+    from ..convert.random_model import MOE_TYPES, SHAPES
 
     s = sub.add_parser("moe", help="a mixture of experts of a real shape (random 4-bit weights) from flash: "
                        "naive, expert buffer with LRU / LFU / EdgeMoE eviction, + router look-ahead (EdgeMoE)")
@@ -352,7 +352,7 @@ def batch_main(args, argv):
 
 
 def profile_main(args):
-    from ..bench.profile import measure
+    from ..plan.measure import measure
     from ..plan.profile import save_profile
 
     p = measure(quick=args.quick, file=args.file, progress=lambda msg: print(msg, flush=True))

@@ -186,7 +186,7 @@ def _storage(found, warnings, where, args):
                         "file system (MLX_FLASH_HOME), not a network mount")
     if args.no_probe:
         return
-    from ..bench.profile import probe_file, disk_curve
+    from ..plan.measure import probe_file, disk_curve
 
     t = time.perf_counter()
     rates = disk_curve([probe_file()], [65536, 1 << 20], seconds=0.5)

@@ -56,7 +56,7 @@ def build_parser():
                      "(an approximation for cache-aware sources)")
     way.add_argument("--token-by-token", action="store_true",
                      help="dense mode: score token by token through the KV cache (slow; for checks)")
-    p.add_argument("--data-dir", default=None, help="data sets folder (default $MLX_FLASH_DATA or ../shared/data)")
+    p.add_argument("--data-dir", default=None, help="data sets folder (default $MLX_FLASH_DATA, else shared/data in the checkout's parent folder)")
     p.add_argument("--json", default=None, help="write every figure (and per-item scores) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     t = p.add_argument_group("quality table (--table; also --model, --context, --data-dir, --no-progress)")

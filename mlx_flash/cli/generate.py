@@ -202,7 +202,7 @@ def load_for_cli(args, ctx_size=None, batch_size=1, context_of=None):
     model_name = check_model_arg(args.model or default_model())
     use_device(args.device)
     if getattr(args, "explain", False):
-        from ..bench.profile import ensure_profile_apart
+        from ..plan.measure import ensure_profile_apart
 
         ensure_profile_apart()  # in a child process: a probe's memory must not count in this one's runtime
     t0 = time.perf_counter()

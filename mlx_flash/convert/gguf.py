@@ -1,5 +1,8 @@
 """A GGUF file as a converter source: HF-named float32 tensors, one at a time.
 
+One file past 500 lines: each architecture's names, values and tokenizer are undone here, beside
+the reader they configure.
+
 The file is memory-mapped (gguf's GGUFReader), so `read()` touches only the
 bytes of the tensor asked for. Three things differ from a Hugging Face folder
 and are undone here:

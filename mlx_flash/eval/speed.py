@@ -9,7 +9,7 @@ the weights in DRAM. A configuration that cannot load (its resident weights exce
 budget, say) gets its error instead of figures.
 
 Used by the quality table (`mlx_flash.eval --table ... --speed-tokens N`) and by
-scripts/sparsity_speed.py.
+benchmarks/sparsity/speed/sparsity_speed.py.
 """
 
 import time

@@ -18,8 +18,8 @@ builds its requests (context, and each choice scored as the continuation
             preprocess("{activity_label}: {ctx_a} {ctx_b.capitalize()}"),
             choices preprocess(ending) (see `hellaswag_preprocess`)
 
-The data directory is $MLX_FLASH_DATA, else ../shared/data next to the
-repository (see its SOURCES.md).
+The data directory is $MLX_FLASH_DATA, else shared/data in the checkout's parent
+folder.
 """
 
 import gzip

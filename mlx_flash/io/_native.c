@@ -10,6 +10,9 @@
  * Python plans the batch with a few vectorized NumPy calls and makes one call;
  * the GIL is released until every row is in place.
  *
+ * One file past 500 lines: an extension module's pool, plan checks and conversions share
+ * their structures.
+ *
  * The plan (built and validated by reader.py, all int64):
  *   runs   R:   file offset, length to read, bytes that must arrive, offset
  *              in the shared staging buffer (lengths and offsets aligned for
@@ -676,7 +679,7 @@ static PyObject *py_convert(PyObject *mod, PyObject *args) {
 }
 
 /* dequantize(src, n, bits, group, scale_code, scales, biases, dst, dst_code): one
- * quantized row, the segment code alone (tests, scripts/bench_dequant.py). scales and
+ * quantized row, the segment code alone (tests, micro-benchmarks). scales and
  * biases None: the row form (scales and biases follow the packed bytes in src); else
  * the column form, buffers of the n scales and n biases of this row (a table row). */
 static PyObject *py_dequantize(PyObject *mod, PyObject *args) {

@@ -11,7 +11,10 @@ when every destination row is in place:
 A segment's source is float32/float16/bfloat16, or Quantized (MLX's group-wise
 affine quantization, dequantized on copy; see Quantized).
 
-How, and why (measured figures: FACTS.md, `mlx_flash.benchmark storage`):
+One file past 500 lines: the batch plan (its runs, rows and segments) is built, validated and
+run here, by the native pool or the pure-Python one, and both must read the same plan.
+
+How, and why (measured figures: `mlx_flash.benchmark storage`):
 
 - Uncached: O_DIRECT on Linux, fcntl F_NOCACHE (+ F_RDAHEAD off) on macOS, as
   the paper does (App. C); the page cache would hold weights outside the
@@ -65,25 +68,25 @@ log = logging.getLogger("mlx_flash.io")
 # device's streaming rate), i.e. 1 / throughput = l / c + 1 / B. Reading a
 # gap g instead of issuing a second read pays g / B and saves l, so merging
 # wins while g < l * B. `mlx_flash.benchmark storage` fits l and B to the
-# measured curve (4 KiB - 1 MiB) and prints l * B. Measured here (2026-11-22,
-# 13 GB file, O_DIRECT): at 32 threads l ~ 11 us, B ~ 1.2-1.4 GB/s, so
+# measured curve (4 KiB - 1 MiB) and prints l * B. Measured here (13 GB
+# file, O_DIRECT): at 32 threads l ~ 11 us, B ~ 1.2-1.4 GB/s, so
 # l * B ~ 13-16 KB (FlashReader's and fio's curves; 16-22 KB at 16 threads);
-# FACTS.md's curve (2 GiB file) gives l ~ 5 us, B ~ 4 GB/s, l * B ~ 20 KB.
+# a 2 GiB file's curve gives l ~ 5 us, B ~ 4 GB/s, l * B ~ 20 KB.
 # Hence 16 KiB: a 16 KiB bundle nobody wants between two wanted ones is read
 # and discarded rather than skipped (at the break-even point the two cost
-# the same; anything larger is skipped). read_bundles bridges the same gap,
-# whatever the bundle's size (until 2026-11-26 it bridged at most one bundle, to
-# keep the bytes down): on a 4-bit SmolLM2's DIP rows (288 B down rows, 1.5 KiB
-# input columns) at a 22 % budget, bridging one bundle issued ~9,100 reads a
-# token in 168 ms of I/O; bridging 16 KiB, ~370 in 60 ms (2.8x less I/O time
-# for 2.6x the bytes); OPT-6.7B's 4.6 KiB 4-bit bundles read 15 % more bytes
-# (0.068 against 0.059 GB a token) in the same I/O time (233/221 against
-# 234/237 ms over two rounds; on 2026-11-23, 302 against 287). Bundles of
-# 16 KiB and more (float16 / float32 7B rows) bridge as before.
+# the same; anything larger is skipped). read_bundles bridges the same gap
+# whatever the bundle's size, rather than at most one bundle (fewer bytes): on a 4-bit
+# SmolLM2's DIP rows (288 B down rows, 1.5 KiB input columns) at a 22 % budget,
+# bridging one bundle issues ~9,100 reads a token in 168 ms of I/O; bridging
+# 16 KiB, ~370 in 60 ms (2.8x less I/O time for 2.6x the bytes); OPT-6.7B's
+# 4.6 KiB 4-bit bundles read 15 % more bytes (0.068 against 0.059 GB a token)
+# in the same I/O time (233/221 against 234/237 ms over two rounds, 302 against
+# 287 in a third). Bundles of 16 KiB and more (float16 / float32 7B rows)
+# bridge one bundle at most.
 READ_THREADS = 32  # the paper's 32 parallel reads (every default thread count is this one)
 DEFAULT_COALESCE_GAP = 16 * 1024
 # A merged read never spans more than this: the measured throughput is flat
-# beyond 256 KiB (FACTS.md), and smaller pieces keep more threads busy.
+# beyond 256 KiB (`mlx_flash.benchmark storage`), and smaller pieces keep more threads busy.
 DEFAULT_MAX_READ = 256 * 1024
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}

@@ -84,10 +84,10 @@ BATCH_PASS = 256  # a batch's decode step of up to this many sequences multiplie
 # into every sequence's position (qmm, qmm_rows, qmm_cols; 16-bit rows converted once: gather_mm,
 # gather_mm_cols) where the CPU runs their AVX-512 or AVX2
 # tiles (pass_kernels); more sequences, and a prompt chunk of more than one position a sequence,
-# dequantize chunks for BLAS (MLX's order of sums, as before). 256, not 32 (stop 44's): a 4-bit
-# step of 64 sequences through the tiles consumed a 7B FFN matrix at 0.97 GB/s here, through
-# chunks + BLAS at 0.50; of 128, 0.52 against 0.33 (results/batch/stop45-opt-6.7b-q4/
-# pass_vs_blas.txt; a step of 64 prompts of OPT-6.7B 5.1 s against 9.7, batch64_cap.txt). The
+# dequantize chunks for BLAS (MLX's order of sums). 256, not 32: a 4-bit step of 64 sequences
+# through the tiles consumes a 7B FFN matrix at 0.97 GB/s here, through chunks + BLAS at 0.50;
+# of 128, 0.52 against 0.33 (benchmarks/batch/tiles/pass_vs_blas.txt; a step of 64 prompts of
+# OPT-6.7B 5.1 s against 9.7, batch64_cap.txt there). The
 # step's temporaries (x transposed in C, the FFN's hidden states on the host: ~4 x positions x
 # d_ff floats) are counted by a --memory-limit plan for its batch (runtime/memory.py
 # activation_bytes)
@@ -123,8 +123,8 @@ PROMPT_PASS = 0  # set it to up to BATCH_PASS, and a prompt's chunk of more than
 # prompt's logits within 1e-4 of mlx_lm's on the same weights; tests/test_quant.py's Q4_1 SmolLM2) holds
 # through dequantized chunks + BLAS (1.6e-5) but not through the tiles (8.9e-4; MLX's own quantized
 # kernel is 6.7e-4 away, the decode's one-token kernels 5.9e-4). At 256, a 4-bit OPT-6.7B prompt in
-# --mode dense reached its first token in 2.5 s at 16 tokens, 10.2 at 128 and 20.5 at 256, against 6.5,
-# 15.1 and 23.5 through BLAS (results/prompt-tiles-stop48/). Read when a chunk runs, and by a
+# --mode dense reaches its first token in 2.5 s at 16 tokens, 10.2 at 128 and 20.5 at 256, against 6.5,
+# 15.1 and 23.5 through BLAS (benchmarks/prompt-tiles/). Read when a chunk runs, and by a
 # --memory-limit plan at load (runtime/memory.py activation_bytes)
 
 

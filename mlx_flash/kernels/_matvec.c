@@ -8,7 +8,7 @@
  *
  * Why: MLX 0.32's CPU quantized_matmul runs a 4096 x 4096 4-bit matvec in
  * ~15 ms here, twice float32 BLAS (7 ms), although it reads 1/7 of the bytes
- * (scripts/bench_qmm.py). A decode matvec is bound by the bytes it streams from
+ * (benchmarks/cpu-kernels/bench_qmm.py). A decode matvec is bound by the bytes it streams from
  * DRAM; this one reads the packed words once and never writes a float weight.
  *
  * Per row and group, acc = sum_k q_k * x_k in float32 lanes, and
@@ -369,7 +369,7 @@ AVX2 static void dequant_cols_avx2(const uint8_t *const *p, const uint8_t *const
  * q_0[c], then += h[1] * q_1[c], ... (each row's multiply, then its add, in the rows' order: the
  * portable loop's operations, so its sums to the bit; setup.py's -ffp-contract=off keeps them
  * from fusing), with acc loaded and stored once for them all instead of once a row (OPT-6.7B's
- * 4-bit down columns here, scripts/bench_ffn_kernels.py: 5.6-6.1 -> 6.4-7.3 GB/s) */
+ * 4-bit down columns here: 5.6-6.1 GB/s a row at a time, 6.4-7.3 with acc loaded once for four) */
 AVX2 static void axpy_cols_avx2(const uint8_t *const *p, const float *h, int m, int64_t bits, int64_t n,
                                 float *acc) {
     __m256 hv[4], v[4];
@@ -856,17 +856,17 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1, float *sc, float *b
  * A job is cut into parts that the caller and the workers take from one counter until none is
  * left: a thread that runs slower (a CPU shared with another process, a worker woken late, an
  * efficiency core) takes fewer, and the caller never waits for a worker that has not started.
- * Until stop 48 each thread ran a fixed share: beside a busy process a job took as long as the
- * share on the shared CPU, as long as one thread alone or longer. A job over rows is cut into
+ * With a fixed share a thread, beside a busy process a job would take as long as the share on
+ * the shared CPU, as long as one thread alone or longer. A job over rows is cut into
  * up to PARTS_PER_THREAD parts a thread, each of PART_MIN_WORK multiply-adds or more (a tile
  * kind's parts whole tiles); a job over columns (QAXPY_COLS, QMM_COLS, GATHER_AXPY,
  * GATHER_MM_COLS) into one a thread, since each part walks every row for its columns: more
- * parts cost more than they save (results/split-stop48/split-columns-cut.txt). A row's or column's
+ * parts cost more than they save. A row's or column's
  * sum does not depend on the part that holds it: the values are the same whoever runs it.
  * The counter holds the generation's low 32 bits and the job's part count above the next
  * part, so that one compare-and-swap checks all three: a worker late for one job takes
- * nothing of the next one's, nor a part past the next one's count (as it could when the count
- * was a field of its own, read apart from the counter: stop 48's review). */
+ * nothing of the next one's, nor a part past the next one's count (as it could if the count
+ * were a field of its own, read apart from the counter). */
 
 #define SPIN_NS 200000 /* 0.2 ms; MLX_FLASH_KERNEL_SPIN_US overrides (0: always sleep) */
 #define PARTS_PER_THREAD 8 /* a job over rows; set_parts overrides (the A/B scripts) */
@@ -903,9 +903,8 @@ static struct {
  * layer's reads, ~50 ms in --mode naive), the scheduler of a virtual machine often wakes the
  * worker on the caller's own CPU (likely: Linux's idle-CPU test counts a virtual CPU its host
  * descheduled as busy) and moves it only some milliseconds later: the two threads then share
- * one CPU (with a fixed share each, as until stop 48, slower than one thread alone: naive's
- * attention and FFN-row products 1.3-2.3x dense's in
- * stop 47, results/naive-stop47/kernel_calls.txt). So, when the pool has no more threads than
+ * one CPU (with a fixed share each, slower than one thread alone: naive's attention and FFN-row
+ * products 1.3-2.3x dense's, benchmarks/kernel-pinning/kernel_calls.txt). So, when the pool has no more threads than
  * the caller had CPUs when its workers started, each worker is pinned to a CPU of that mask of
  * its own, not the caller's current one: the first placement takes the CPUs after the caller's
  * (two processes' workers spread by their callers' CPUs); when a call finds the caller moved

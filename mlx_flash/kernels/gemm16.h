@@ -8,8 +8,7 @@
  * packs the weights before it multiplies them, and MLX evaluates each chunk apart), where a
  * 4-bit OPT-6.7B step is 106 G. Here x is transposed once a call (xt [k][16], zero-padded),
  * so a 512-bit register holds one column of x for all 16 positions, and each weight is one
- * broadcast multiply-add into them (58 G/s on one Zen 4 core at the cores' peak:
- * results/batch/stop44-opt-6.7b-q4/peak_fma.c).
+ * broadcast multiply-add into them (58 G/s on one Zen 4 core, the core's peak).
  *
  * The tiles take float32 rows: the quantized kernels (qmm_rows, qmm_cols) dequantize into them,
  * the 16-bit ones (gather_mm, gather_mm_cols: weights held at float16 / bfloat16, or float32
@@ -100,7 +99,7 @@ TARGET_AVX512_BF16 static inline __m512 load16_scales(const uint8_t *p, int64_t 
  * 512-bit registers (a pass's tiles dequantize every weight: ~2x the AVX2 loop's rate). A group
  * has 16 values only: its table (scale * q + bias for q = 0 .. 15, each a multiply then an add,
  * the same bits) is made once, and each q picks its value from it (a permute in place of a
- * conversion, a multiply and an add: stop 49) */
+ * conversion, a multiply and an add) */
 TARGET_AVX512_BF16 static void dequantize_row4_avx512(const uint8_t *w, const float *sc, const float *bi, int64_t k,
                                                      int64_t g, float *out) {
     const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -118,8 +117,8 @@ TARGET_AVX512_BF16 static void dequantize_row4_avx512(const uint8_t *w, const fl
 /* dequant_cols_avx2 (_matvec.c) for 4-bit columns in 512-bit registers: the same values (a
  * multiply, then an add) in the same places (one column with bs = 16: in order). Consecutive
  * columns of one table row (a group's: a block of a dense layer's 64 neurons all share one; a
- * sparse selection fewer) take its 32 scales and biases loaded and converted once (stop 49:
- * qmm_cols 1.0-1.17x at this level, results/batch/stop49/tiles_dequant.txt) */
+ * sparse selection fewer) take its 32 scales and biases loaded and converted once
+ * (qmm_cols 1.0-1.17x faster at this level) */
 TARGET_AVX512_BF16 static void dequant_cols4_tile(const uint8_t *const *p, const uint8_t *const *sr,
                                                  const uint8_t *const *br, int64_t nr, int64_t n, int64_t code,
                                                  float *out, int64_t bs) {

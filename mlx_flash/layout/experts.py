@@ -1,4 +1,4 @@
-"""Expert bundles (issue 12, EdgeMoE §3): a mixture-of-experts layer's experts on flash.
+"""Expert bundles (EdgeMoE §3): a mixture-of-experts layer's experts on flash.
 
     experts/layer_NNN.bin     expert e's bundle at offset e * stride: its gate, up
                               and down projections back to back, each as MLX holds

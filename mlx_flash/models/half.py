@@ -1,6 +1,6 @@
 """Weights held in DRAM at 16 bits, computed on at float32.
 
-On the CPU only float32 matmuls use BLAS (FACTS.md: float16 / bfloat16 / 4- and
+On the CPU only float32 matmuls use BLAS (MLX's CPU backend: float16 / bfloat16 / 4- and
 8-bit matmuls run at ~1 GB/s, MLX's own float16 -> float32 `astype` at 1.4 GB/s).
 A model converted at float16 can still be held at float16, half the DRAM of
 float32, and stay exact:
@@ -8,12 +8,12 @@ float32, and stay exact:
   as they are: the native kernels' gather_mv converts each value in registers
   (F16C / a shift) and sums as over the float32 rows (kernels/_matvec.c). Float16
   SmolLM2 held at float16 decodes in 35.9 ms a token here, against 62.1 through
-  the arena below and 57.7 held at float32 (results/half-kernels-stop41/);
+  the arena below and 57.7 held at float32 (benchmarks/float16-weights/);
 - a batch's decode step (more than SMALL_PASS sequences, one position each) goes
   through the pass kernels' tiles (gather_mm): each 16-bit row converted once into
   a small float32 tile and multiplied into every sequence's position. A step of 16
   sequences over a 16,384 x 4,096 float16 matrix: 16 ms here, against 49-104 ms
-  through the arena below and BLAS (stop 46, results/batch/stop46-f16/kernel16.py);
+  through the arena below and BLAS (benchmarks/batch/tiles/kernel16.py);
 - a prompt, or a CPU without the kernels: just before a weight is used, a chunk
   of its rows is converted (F16C, in C, ~15 GB/s of float32 out here) into a small
   float32 arena and multiplied there by BLAS while the chunk is still in the CPU's

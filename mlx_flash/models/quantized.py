@@ -2,7 +2,7 @@
 held at their bits, or dequantized once at load.
 
 On the GPU MLX's quantized modules compute them. On the CPU MLX's own quantized
-matmul has no BLAS behind it: measured here (scripts/bench_qmm.py; MLX 0.32.4,
+matmul has no BLAS behind it: measured here (benchmarks/cpu-kernels/bench_qmm.py; MLX 0.32.4,
 OpenBLAS, 2 cores, 4096 x 4096, 4-bit group 64) one token takes ~15 ms against
 ~7 ms in float32, and a 64-token prompt chunk 970 ms against 19 ms. So on the
 CPU the held modules are swapped for NativeQuantizedLinear / -Embedding
@@ -11,6 +11,8 @@ matvec (kernels/_matvec.c: the packed words streamed once, ~1 ms for that matrix
 several positions (a prompt) are dequantized in row chunks into a float32 arena
 and multiplied there by BLAS, as models/half.py does for 16-bit weights.
 """
+
+import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -126,6 +128,48 @@ def streamed_modules(model):
         if isinstance(m, StreamedQuantizedLinear):
             out.setdefault(m.layer, {})[m.name] = m
     return dict(sorted(out.items()))
+
+
+class StreamedEmbedding(nn.Module):
+    """An input embedding whose table is not held: at every call it asks its store for the rows
+    of the distinct token ids it is given (read from flash: runtime/stores/embedding.py), at
+    the compute dtype as the held table would give them, and gathers them in the ids' order.
+    Holds no weights; never a tied output head (as_linear multiplies by every row: the runtime
+    streams only a table the head does not share). The store is attached by the runtime."""
+
+    def __init__(self, n_rows, dims):
+        super().__init__()
+        self.n_rows, self.dims = n_rows, dims
+        self._store = None
+
+    def attach(self, store, arena=None):  # (StreamedQuantizedLinear's call: no arena here)
+        self._store = store
+
+    def __call__(self, x):
+        if self._store is None:
+            raise RuntimeError("the input embedding is read from flash without a store (the model's runtime "
+                               "was closed)")
+        ids = np.asarray(x).astype(np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_rows):
+            bad = int(ids.min() if ids.min() < 0 else ids.max())
+            raise ValueError(f"token id {bad} is outside the embedding table's {self.n_rows} rows")
+        distinct, where = np.unique(ids, return_inverse=True)
+        rows = self._store.rows(distinct)
+        return rows[mx.array(where.reshape(-1).astype(np.int32))].reshape(*x.shape, self.dims)
+
+
+def stream_embedding(model, path, n_rows, dims):
+    """Swap the model's input embedding (its path, "model.embed_tokens") for a StreamedEmbedding,
+    before the weights load."""
+    m = dict(model.named_modules()).get(path)
+    if not isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
+        raise ValueError(f"{path} is not an embedding of the model")
+    model.update_modules(_tree([(path, StreamedEmbedding(n_rows, dims))]))
+
+
+def streamed_embedding(model):
+    """The StreamedEmbedding of a model stream_embedding changed, or None."""
+    return next((m for _, m in model.named_modules() if isinstance(m, StreamedEmbedding)), None)
 
 
 def _path_of(model, block):

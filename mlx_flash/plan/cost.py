@@ -42,7 +42,7 @@
                read_busy x compute) hidden, not min(I/O, compute). A token whose reads
                outlast its compute then takes I/O + (1 - read_busy) x compute, not about I/O
                (a hybrid 4-bit OPT-6.7B token at 50 %: ~25 ms more of ~600 at read_busy 0.92;
-               results/cost-stop50)
+               benchmarks/cost-model/)
 
 Weights consumed per token: every resident matrix a token multiplies by (attention,
 lm_head; the embedding table only when it is the lm_head too) and, in the exact modes, every
@@ -198,7 +198,8 @@ def exact_work(plan, layout, packed, resident, max_read, attention_read=(0, 0), 
     at float16 (form float16-rows: the kernels that read them in place, or float16's where the
     profile has no such rate); streamed float rows of a 16-bit or quantized layout are
     converted on the way.
-    attention_read: (bytes, layers) of attention read from flash every token (streamed layers).
+    attention_read: (bytes, batches) of resident weights read from flash every token (streamed
+    attention, a batch a layer; a streamed input embedding's row, a batch a tensor).
     kv_read: (bytes, bytes per read, batches) of the KV cache on flash read back per token (at
     the decode's mean context: an input, like the prompt; its batches are its chunks, several a
     layer at a long context). Each layer that reads issues one batch per store otherwise (FFN

@@ -33,6 +33,14 @@ def explain(runtime, profile=None):
         lines.append(f"  (the attention of {len(att.order)} of {len(runtime.ffns)} layers, {att.streamed_bytes / 1e6:.0f} MB, "
                      f"is read from flash every token into {len(att.buffers)} buffer(s) of "
                      f"{att.buffers[0].nbytes / 1e6:.0f} MB: counted in each plan's reads and weights)")
+    emb = getattr(runtime, "embedding", None)
+    if emb is not None:
+        lines.append(f"  (the input embeddings, {emb.streamed_bytes / 1e6:.0f} MB, are read from flash: a token "
+                     f"reads its row, {emb.span.row_bytes} bytes, into buffers of {emb.weights_bytes / 1e6:.1f} MB "
+                     "with their checksums; the table is not held in DRAM)")
+    elif getattr(runtime, "tied_embeddings", False) and runtime.budget_bytes is not None:
+        lines.append("  (the input embeddings are tied to the output head, which multiplies by every row each "
+                     "token: the table stays whole in DRAM)")
     if profile is None:
         lines.append("  (no machine profile is cached, so no predicted times: `mlx_flash.benchmark profile` "
                      "measures one; generate --explain does it by itself)")

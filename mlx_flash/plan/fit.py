@@ -1,10 +1,10 @@
 """What a memory limit or budget leaves the weights, decided before they load (the loader
 calls these; loader.py then loads what they chose).
 
-fit_weights: the resident weights' dtype under a budget, and the layers whose attention stays on
-flash. fit_limit: --memory-limit's plan (runtime/memory.py): where the KV cache lives, the prompt
-chunks, the weights' budget. refit_config: after the weights loaded and no FFN plan fitted, what to load
-again with.
+fit_weights: the resident weights' dtype under a budget, whether the input embedding and which
+layers' attention stay on flash. fit_limit: --memory-limit's plan (runtime/memory.py): where the KV
+cache lives, the prompt chunks, the weights' budget. refit_config: after the weights loaded and no
+FFN plan fitted, what to load again with.
 """
 
 import logging
@@ -14,7 +14,8 @@ import mlx.core as mx
 
 from ..errors import BudgetTooSmall, FlashError
 from ..kernels import kernels_module
-from ..runtime import attention_to_stream, check_resident_fits, dense_need, may_hold_float16
+from ..runtime import (attention_to_stream, check_resident_fits, dense_need, embedding_on_flash, embedding_to_stream,
+                       may_hold_float16)
 from ..runtime.memory import kv_value_bytes, plan_memory
 
 
@@ -35,8 +36,10 @@ def fit_weights(folder, manifest, config, held):
     where the native kernels multiply them (the CPU); elsewhere its
     resident weights (embeddings, attention) when at float32 they do not fit the weights' share
     (converted before use, exact). (Where they fit but no FFN plan does beside them, load()
-    loads them again at float16.) Under a budget the resident weights of a quantized model
-    leave too little of, some layers' attention stays on flash, read every token
+    loads them again at float16.) Under a budget the whole model does not fit, an untied input
+    embedding table stays on flash, a pass reading its tokens' rows (runtime.embedding_to_stream:
+    the config returned says stream_embeddings "on" or "off"); where the resident weights of a
+    quantized model then leave too little, some layers' attention too, read every token
     (runtime.attention_to_stream)."""
     lines = []
     may_hold_16 = may_hold_at_16_bits(config, manifest)
@@ -54,6 +57,11 @@ def fit_weights(folder, manifest, config, held):
             lines.append(f"--mode auto: {e.reason}; held at float16 as stored instead (converted into a "
                          "float32 arena before use: the same values)")
             config, held = replace(config, resident_dtype="float16"), "float16"
+    config = replace(config, stream_embeddings="on" if embedding_to_stream(folder, manifest, config) else "off")
+    table = embedding_on_flash(folder, manifest, config)
+    if table is not None:
+        lines.append(f"the input embeddings ({table.nbytes / 1e6:.0f} MB, not tied to the output head) stay on "
+                     f"flash: each pass reads its tokens' rows ({table.row_bytes} bytes a token, checked)")
     streamed = attention_to_stream(folder, manifest, config)
     if streamed:
         layers = sorted(streamed)
@@ -160,7 +168,8 @@ def refit_config(e, asked, config, manifest, memory):
         logging.getLogger("mlx_flash").warning(
             "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
             "instead (converted into a float32 arena before use: the same values)", e.reason)
-        return replace(config, resident_dtype="float16")
+        # (the embedding decided again beside weights held so)
+        return replace(config, resident_dtype="float16", stream_embeddings=asked.stream_embeddings)
     if (memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None
             and asked.batch_size == 1 and flash_frees(memory)):
         logging.getLogger("mlx_flash").warning(

@@ -6,7 +6,7 @@
 - per layer and per token: what a decode token costs apart from its bytes (MLX's dispatch,
   the store's syncs; not the time it waits for its reads, which the I/O term holds), by mode
   and model width, from 4-bit probe models of 4 and
-  36 layers decoded through the real runtime without prefetch (bench/random_model.py): the
+  36 layers decoded through the real runtime without prefetch (convert/random_model.py): the
   slope between the two depths is the per-layer cost, the rest what a token costs once
   (embedding, lm_head, sampling, Python);
 - convert: what a read costs besides the disk when its rows arrive as float32 (dequantized or
@@ -23,25 +23,25 @@
   (float16-rows: gather_mv, then gather_axpy for the down rows);
 - read_steal: the seconds of compute a GB read meanwhile costs: a batch step's FFN matrix
   through the pass kernels timed alone and while the reader streams uncached reads, plus the
-  reads' CRC32C checks' CPU time spread over the cores (a profile measured before it: 0);
+  reads' CRC32C checks' CPU time spread over the cores (0 when not measured);
 - read_busy: the other way round, the share of their rate alone that the same reads keep
   beside a decode token's compute (4-bit one-position products past the CPU's caches, without
   pause): its threads hold the cores and its weights the memory bus that the reads' block-layer
-  work, completions, checks and DMA need (0.92-0.995 here, the nearer 1 the slower the disk; a
-  profile measured before it: 1);
+  work, completions, checks and DMA need (0.92-0.995 here, the nearer 1 the slower the disk; 1
+  when not measured);
 - place_s: the seconds a GB the reader adds placing rows as they are (a layer's reads into a
   store's rows, against the same reads thrown away, as the disk probe reads: ~0.04 at a disk of
-  2.2-3.4 GB/s here, ~0 at 1.4; a profile measured before it: 0);
+  2.2-3.4 GB/s here, ~0 at 1.4; 0 when not measured; benchmarks/cost-model/);
 - pass_compute: the same forms' rates for a batch's decode step of 8 to 64 sequences (one new
   position each: the pass kernels, or dequantized chunks + BLAS where those do not run; the
-  quick probe: 16 and 32, at a 7B matrix only); a profile measured before them prices a
-  batch's step as that many one-position steps.
+  quick probe: 16 and 32, at a 7B matrix only); without them a batch's step is priced as that
+  many one-position steps.
 
-Here: the profile and its cache. bench/profile.py measures it (it decodes a model through the
-runtime, which this layer sits below); `mlx_flash.benchmark profile` writes it into
+Here: the profile and its cache. plan/measure.py measures it (it decodes probe models through
+the runtime, imported inside its functions); `mlx_flash.benchmark profile` writes it into
 $MLX_FLASH_HOME/profile.json; load_profile() reads that, and the commands that need it
-(generate --explain) run bench/profile.py's quick probe (about 45 s here, in a child process, said on stderr) when
-it is missing or was measured on another machine or MLX.
+(generate --explain) run plan/measure.py's quick probe (about 45 s here, in a child process,
+said on stderr) when it is missing or was measured on another machine or MLX.
 """
 
 import json
@@ -59,13 +59,7 @@ from ..errors import FlashError
 from ..home import default_home
 from ..kernels import SMALL_PASS
 
-VERSION = 8  # 2: compute rates by matrix size; 3: per-layer overhead by model width;
-# 4: per-layer cost from two depths (slope) and a per-token cost; the overlap prefetch achieves;
-# 5: the deeper probe at 36 layers, not 12 (version 4's slope was noise-bound); 6: the FFN's packed
-# row kernels' own rate (q4-rows, q8-rows), reads from 2 KiB, the reader's conversion cost;
-# 7: what a batch of reads costs beyond its bytes (version 6's per-layer costs held it); 16-bit
-# weights through the native kernels (float16); 8: the reads' rate beside compute (read_busy),
-# the reader's placing of rows (place_s)
+VERSION = 8  # the profile's format and probe: a cached profile of another version is measured again
 
 
 @dataclass
@@ -262,7 +256,7 @@ def _device():
 
 def load_profile(path=None, measure=None, log=None):
     """The cached profile of this machine; when none is cached (or it was measured on another
-    machine, MLX or device): None, or with `measure` (bench/profile.py's) a quick one measured
+    machine, MLX or device): None, or with `measure` (plan/measure.py's) a quick one measured
     now, said on stderr, and cached."""
     path = Path(path or profile_path())
     try:

@@ -3,6 +3,10 @@
 build_runtime(): the budget -> the plan, the sparsity source (by name from the
 registry, or an object the benchmarks pass), the reader, the store; attaches
 the store to every FlashFFN and the Runtime to `model.runtime`.
+
+One file past 500 lines because it is the runtime's one assembly point: each store (neuron
+caches, DIP, streamed attention and embeddings) is built here beside the accounting of the
+memory it takes, which the plan that sizes it reads back.
 """
 
 import functools
@@ -24,6 +28,7 @@ from ..sparsity import SourceContext, source_class
 from .budget import Plan, budget_too_small, make_plan, parse_budget
 from .config import FlashConfig, keep_quantized, packed_ffn_rows, staged_caches
 from .stores.attention import buffer_shape
+from .stores.embedding import check_streamable, input_embedding
 from .stores.base import cpu_kernels, read_layer_file
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -40,7 +45,8 @@ class ResidentWeights:
     parameter_bytes: int
     quantized: bool = False  # a quantized model's, held at their bits
     extra_bytes: int = 0  # of the above, the store's scale tables and checksums (_with_extra)
-    attention_bytes: int = 0  # of the above, the streamed attention's buffers (_with_attention)
+    attention_bytes: int = 0  # of the above, the streamed attention's buffers (_with_streamed)
+    embedding_bytes: int = 0  # of the above, the streamed embedding's buffers and checksums (_with_streamed)
 
 
 @dataclass
@@ -65,9 +71,11 @@ class Runtime:
     choice: object = None  # plan.choose.Choice: what --mode auto compared and chose
     resident_work: dict = None  # {weight form: bytes} a token multiplies by outside the FFN (cost.py)
     attention: object = None  # stores.attention.AttentionStore: the layers whose attention is streamed
-    streamed: list = field(default_factory=list, repr=False)  # the StreamedQuantizedLinears it serves
+    streamed: list = field(default_factory=list, repr=False)  # the streamed modules it serves (attention, embedding)
     kv: object = None  # stores.kv.FlashKV: the KV cache on flash last made (its reads join the prediction)
     batch: int = 1  # the sequences its --memory-limit plan decodes together (auto priced their decode step)
+    embedding: object = None  # stores.embedding.EmbeddingStore: the input embedding read from flash
+    tied_embeddings: bool = False  # the input embedding is the output head too (held whole)
 
     @property
     def mode(self):
@@ -85,7 +93,8 @@ class Runtime:
             return None
         packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
         return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ,
-                          _attention_read(self.attention), kv_read=_kv_read(self.kv, DEFAULT_MAX_READ),
+                          _streamed_read(self.attention, self.embedding),
+                          kv_read=_kv_read(self.kv, DEFAULT_MAX_READ),
                           bundled=self.config.bundled, positions=positions)
 
     def predict(self, profile):
@@ -115,6 +124,10 @@ class Runtime:
             summary["streamed_attention"] = {"layers": list(self.attention.order),
                                              "bytes_per_token": self.attention.streamed_bytes,
                                              "buffer_bytes": self.attention.weights_bytes}
+        if self.embedding is not None:
+            summary["streamed_embedding"] = {"table_bytes": self.embedding.streamed_bytes,
+                                             "row_bytes": self.embedding.span.row_bytes,
+                                             "buffer_bytes": self.embedding.weights_bytes}
         if self.memory is not None:
             summary["memory_limit"] = self.memory.as_dict()
         from ..plan.cost import predict_at_disk_rate
@@ -173,6 +186,9 @@ class Runtime:
         if self.attention is not None:
             self.attention.close()
         self.attention = None
+        if self.embedding is not None:
+            self.embedding.close()
+        self.embedding = None
         if self.kv is not None:  # (the KV cache on flash last made: its reader and its file)
             self.kv.close()
         self.kv = None
@@ -243,13 +259,17 @@ def _header_resident(folder, manifest, config, streamed=()):
     kept = keep_quantized(config, on_cpu)
     native = kept and on_cpu and cpu_kernels() is not None
     spans = spans if kept else {}
-    gone = {n for i in streamed for n in spans[i].names}
+    table = _streamed_table(st, folder, config)  # (the input embedding, where it stays on flash)
+    gone = {n for i in streamed for n in spans[i].names} | (table.names if table is not None else set())
     shapes = value_shapes(st, {} if kept else quantization)
     resident = full = 0
+    if table is not None:  # its read buffers and checksums
+        resident += table.dram_bytes(_checked(config))
     if native:  # the kernels' float32 arena (models/quantized.py use_native_kernels)
         from ..models.quantized import arena_values
 
-        words = [st.shape(n) for n in st.names() if n.endswith(".weight") and n[:-7] + ".scales" in st.tensors]
+        words = [st.shape(n) for n in st.names() if n.endswith(".weight") and n[:-7] + ".scales" in st.tensors
+                 and n not in gone]
         if words:
             bits = {q["bits"] for q in quantization.values() if isinstance(q, dict)} or {32}
             resident += 4 * arena_values([(s[0], s[1] * 32 // min(bits)) for s in words])
@@ -288,12 +308,73 @@ def _may_stream(config, manifest):
 
 def loaded_resident_bytes(folder, manifest, config):
     """The least of the resident file a load reads into memory: all of it, less every layer's
-    attention where it may stay on flash (the check before loading under --memory-limit)."""
+    attention where it may stay on flash, and an untied input embedding table where it may (the
+    check before loading under --memory-limit)."""
     check_file(folder, manifest.resident, checksum=False)
     size = manifest.resident["size"]
-    if not _may_stream(config, manifest):
-        return size
-    return size - sum(s.nbytes for s in _resident_spans(folder, manifest)[1].values())
+    st, spans = _resident_spans(folder, manifest)
+    if _may_stream(config, manifest):
+        size -= sum(s.nbytes for s in spans.values())
+    budgeted = config.memory_budget is not None or config.memory_limit is not None
+    if config.stream_embeddings == "on" or (config.stream_embeddings == "auto" and budgeted):
+        table, tied = input_embedding(st, _quantization(folder))
+        if table is not None and not tied:
+            size -= table.nbytes
+    return size
+
+
+def _checked(config):
+    """Are the streamed weights' reads checked (and their checksums held)?"""
+    from ..io import native_available
+
+    return config.verify and native_available()
+
+
+def _streamed_table(st, folder, config):
+    """The input embedding's TableSpan where the config leaves it on flash (stream_embeddings
+    "on": refused for a table tied to the output head, or one the store cannot read), else None."""
+    if config.stream_embeddings != "on":
+        return None
+    table, tied = input_embedding(st, _quantization(folder))
+    check_streamable(table, tied, folder)
+    return table
+
+
+def embedding_on_flash(folder, manifest, config):
+    """The input embedding's TableSpan where the config leaves it on flash, else None (the loader
+    then loads every other tensor)."""
+    if config.stream_embeddings != "on":
+        return None
+    return _streamed_table(_resident_spans(folder, manifest)[0], folder, config)
+
+
+def embedding_to_stream(folder, manifest, config):
+    """Does the input embedding table stay on flash (a pass reads its tokens' rows: models/
+    quantized.py StreamedEmbedding)? Decided from the resident file's header before the weights
+    load. stream_embeddings "on": yes (refused for a table tied to the output head, which
+    multiplies by every row each token, so it stays whole); "off": no; "auto": under a budget,
+    for an untied table, where holding it costs the run something: with --mode naive where the
+    resident weights leave the least FFN plan too little, with --mode dense where the model fits
+    only with it on flash, in the other modes where the whole model (dense) does not fit with it
+    held (its bytes then hold FFN rows). It is the first weight left
+    on flash: one small read a token (a row of each of its tensors), where a layer's attention
+    is megabytes."""
+    if config.stream_embeddings != "auto":
+        embedding_on_flash(folder, manifest, config)  # ("on": refused here where it cannot be)
+        return config.stream_embeddings == "on"
+    if config.memory_budget is None or manifest.experts:
+        return False
+    table, tied = input_embedding(_resident_spans(folder, manifest)[0], _quantization(folder))
+    if table is None or tied or table.dram_bytes(_checked(config)) >= table.nbytes:  # (a tiny table: held)
+        return False
+    held = replace(config, stream_embeddings="off")
+    resident, budget, _, _ = _header_resident(folder, manifest, held)
+    if config.mode == "naive":  # (its FFN holds two layers' rows whatever the budget)
+        return resident + _least_ffn(manifest, held) > budget
+    need = dense_need(folder, manifest, held, rows16=config.mode == "auto")
+    if config.mode == "dense":  # (only where it lets dense fit: else the refusal stands either way)
+        return budget < need <= budget + table.nbytes - table.dram_bytes(_checked(config))
+    return need > budget
 
 
 def _quantization(folder):
@@ -334,9 +415,11 @@ def attention_to_stream(folder, manifest, config):
         least = resident - sum(s.nbytes for s in spans.values()) + _attention_buffers(spans, list(spans),
                                                                                       config.prefetch)
         need = least + least_ffn
-        reason = (f"even with every layer's attention read from flash, the resident weights (embeddings, norms, "
-                  f"two attention buffers) take {least / 1e6:.0f} MB and the least FFN plan (naive's two layer "
-                  f"buffers, the scale tables and checksums) {least_ffn / 1e6:.0f} MB")
+        held = ("the input embeddings and every layer's attention read from flash, the resident weights (the "
+                "output head, norms" if config.stream_embeddings == "on" else
+                "every layer's attention read from flash, the resident weights (embeddings, norms")
+        reason = (f"even with {held}, two attention buffers) take {least / 1e6:.0f} MB and the least FFN plan "
+                  f"(naive's two layer buffers, the scale tables and checksums) {least_ffn / 1e6:.0f} MB")
         raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget, need, reason)
     return {i: spans[i] for i in layers}
 
@@ -400,11 +483,13 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     resident_work = resident_computed(model)
     arena = _resident_arena(model)
     attention, streamed = _attention_store(model, folder, manifest, config, arena)
-    resident = _with_attention(resident, attention)
+    resident = _with_streamed(resident, "attention_bytes", attention)
+    embedding = _embedding_store(model, folder, manifest, config, dtype, resident, streamed)
+    resident = _with_streamed(resident, "embedding_bytes", embedding)
     if config.mode == "auto":
         rows16 = not held_ffn and may_hold_float16(config, manifest)
         choice = _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs,
-                         resident_work, _attention_read(attention), batch)
+                         resident_work, _streamed_read(attention, embedding), batch)
         config = replace(config, mode=choice.mode)
         held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
@@ -439,10 +524,13 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
         f.arena = arena  # (a prompt's packed rows dequantized into it: no new pages a chunk)
     if attention is not None:
         attention.stats = store.stats  # (its waits and bytes join the FFN's rows)
+    if embedding is not None:
+        embedding.stats = getattr(store, "stats", None)  # (its reads join the next pass's row)
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
                       budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work,
-                      attention=attention, streamed=streamed, batch=batch)
+                      attention=attention, streamed=streamed, batch=batch, embedding=embedding,
+                      tied_embeddings=not any(n.endswith("lm_head") for n, _ in model.named_modules()))
     model.runtime = runtime
     return runtime
 
@@ -515,18 +603,47 @@ def _attention_store(model, folder, manifest, config, arena=None):
     return store, flat
 
 
-def _with_attention(resident, attention):
-    """The resident weights plus the streamed attention's buffers and checksums (replacing a
-    rebuilt runtime's)."""
-    nbytes = attention.weights_bytes if attention is not None else 0
-    d = nbytes - resident.attention_bytes
+def _with_streamed(resident, field, store):
+    """The resident weights plus a streamed part's buffers and checksums (`store`: the streamed
+    attention's or embedding's, or None; `field`: its ResidentWeights count, replacing a rebuilt
+    runtime's)."""
+    nbytes = store.weights_bytes if store is not None else 0
+    d = nbytes - getattr(resident, field)
     return replace(resident, held_bytes=resident.held_bytes + d, parameter_bytes=resident.parameter_bytes + d,
-                   attention_bytes=nbytes)
+                   **{field: nbytes})
 
 
-def _attention_read(attention):
-    """(bytes, layers) of attention streamed from flash every token ((0, 0): none)."""
-    return (attention.streamed_bytes, len(attention.spans)) if attention is not None else (0, 0)
+def _streamed_read(attention, embedding):
+    """(bytes, batches) of resident weights read from flash every token: the streamed attention's
+    layers, a batch each, and the input embedding's row, a batch of each of its tensors ((0, 0): none)."""
+    att = (attention.streamed_bytes, len(attention.spans)) if attention is not None else (0, 0)
+    emb = (embedding.span.row_bytes, len(embedding.span.parts)) if embedding is not None else (0, 0)
+    return att[0] + emb[0], att[1] + emb[1]
+
+
+def _embedding_store(model, folder, manifest, config, dtype, resident, streamed):
+    """The EmbeddingStore of a model whose loader left its input embedding on flash
+    (embedding_to_stream), attached to its StreamedEmbedding (added to `streamed`), or None. The rows are dequantized as
+    the held table would be: scales widened to float32 where the native kernels would hold it
+    (a quantized model held at its bits on the CPU), else at the compute dtype."""
+    from ..models.quantized import streamed_embedding
+    from .stores.embedding import EmbeddingStore
+
+    module = streamed_embedding(model)
+    if module is None:
+        return None
+    st, _ = _resident_spans(folder, manifest)
+    table, tied = input_embedding(st, _quantization(folder))
+    check_streamable(table, tied, folder)
+    native = resident.quantized and cpu_kernels() is not None
+    reader = FlashReader(threads=EMBEDDING_READ_THREADS, direct=True)
+    store = EmbeddingStore(st.path, table, reader, dtype, mx.float32 if native else dtype, verify=config.verify)
+    module.attach(store)
+    streamed.append(module)
+    return store
+
+
+EMBEDDING_READ_THREADS = 4  # a decode token reads one row of each tensor; a prompt chunk at most a few hundred
 
 
 def rebuild_runtime(model, config, source=None):

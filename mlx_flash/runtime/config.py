@@ -81,6 +81,13 @@ class FlashConfig:
         "'quantized' holds them at their bits (1/7 of float32's DRAM; on the CPU the native quantized "
         "matvec, ~10x float32's decode), float32 dequantizes them at load; default: quantized (float32 "
         "on a CPU without the native kernels, unless --memory-budget is given)", "--resident-dtype", RESIDENT_DTYPES)
+    stream_embeddings: str = _opt(
+        "auto", "the input embedding table: 'on' leaves it in the resident file and reads, each pass, the "
+        "rows of its tokens (one small checked read a token; the table's DRAM freed); 'off' holds it in DRAM; "
+        "auto: on under --memory-limit / --memory-budget where the whole model does not fit (--mode naive: "
+        "where the resident weights leave the FFN too little), before any attention is read from flash. Never "
+        "a table tied to the output head, which multiplies by every row each token", "--stream-embeddings",
+        ("auto", "on", "off"))
     ffn_rows: str | None = _opt(
         None, "a quantized model's FFN rows in DRAM (caches, streaming buffers): 'quantized' keeps "
         "them at their bits as read (1/7 of float32's DRAM, computed on by the native kernels on the "
@@ -153,6 +160,8 @@ class FlashConfig:
             bad("--cache-writes is for the modes that read rows into caches (naive, hybrid, flash), not dense")
         if self.eviction not in EVICTIONS:
             bad(f"unknown eviction policy '{self.eviction}' (choose from {', '.join(EVICTIONS)})")
+        if self.stream_embeddings not in ("auto", "on", "off"):
+            bad(f"unknown --stream-embeddings '{self.stream_embeddings}' (choose from auto, on, off)")
         if self.resident_dtype is not None and self.resident_dtype not in RESIDENT_DTYPES:
             bad(f"unsupported resident dtype '{self.resident_dtype}' (choose from "
                 f"{', '.join(RESIDENT_DTYPES)})")
@@ -201,7 +210,7 @@ class FlashConfig:
         return self.prefetch if self.overlap is None else self.overlap
 
     def compute_dtype(self, flash_dtype, on_cpu):
-        # On the CPU only float32 matmuls use BLAS (FACTS.md): 16-bit is ~20x slower.
+        # On the CPU only float32 matmuls use BLAS (MLX's CPU backend): 16-bit is ~20x slower.
         return self.dtype or ("float32" if on_cpu else flash_dtype)
 
     def held_dtype(self, flash_dtype, compute_dtype):
@@ -254,7 +263,7 @@ def staged_caches(config, on_cpu):
     """The one place that chooses how rows enter the caches (cache/neuron_cache.py): in place
     from the host on the CPU (measured fastest: no copy, no scatter), staged on a GPU (the
     host never writes memory the device reads; on a discrete GPU every such write crosses the
-    bus and serialises host and device, issue 20). A Mac's unified memory would allow the host
+    bus and serialises host and device). A Mac's unified memory would allow the host
     path too; staged is the default there until a Metal run measures which is faster."""
     if config.cache_writes is None:
         return not on_cpu

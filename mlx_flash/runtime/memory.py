@@ -34,7 +34,7 @@ from ..sizes import parse_share
 from .stores.kv import chunk_positions, flash_kv_dram
 
 MLX_CACHE_LIMIT = 8 << 20  # MLX's buffer cache under a limit or a budget (bytes: 32 MB gave no faster
-# prompt or decode on SmolLM2, results/memory-slack-stop43/cache_ab.py)
+# prompt or decode on SmolLM2, benchmarks/memory-limit/mlx-cache/cache_ab.py)
 MARGIN_FIXED = 16 << 20  # allocator slack, reader / kernel temporaries, thread stacks
 MARGIN_SHARE = 0.03  # ... and this share of the limit
 DEFAULT_CONTEXT = 2048
@@ -195,7 +195,7 @@ class MemoryPlan:
                            kv_value_bytes(self.itemsize, 8), batch=self.batch)
             if kv8.weights >= e.needed:
                 hint = (f", or keep it with --kv-bits 8 (the KV cache at 8 bits: {kv8.kv / 1e6:.0f} MB instead of "
-                        f"{self.kv / 1e6:.0f}; not exact, close: results/kv/)")
+                        f"{self.kv / 1e6:.0f}; not exact, close: benchmarks/kv-cache/bits/)")
         return FlashError(f"--memory-limit {self.limit / 1e6:.0f} MB leaves {self.weights / 1e6:.0f} MB for "
                           f"weights (besides them {self.other / 1e6:.0f} MB: {self._besides()}), and {e.reason}: "
                           f"raise --memory-limit to at least {-(-need // 10**6)} MB{hint}{e.hint}")

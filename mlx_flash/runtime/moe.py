@@ -1,4 +1,4 @@
-"""A mixture-of-experts model's runtime (issue 12): the expert buffer sized from the budget,
+"""A mixture-of-experts model's runtime: the expert buffer sized from the budget,
 the store that fills it, attached to every layer's ExpertFFN.
 
 Modes: `dense` holds every expert (read once at load); `auto` is dense without a budget, and
@@ -77,6 +77,9 @@ def check_moe_config(config):
     if config.kv_cache == "flash" or config.batch_size > 1:
         raise FlashError("a mixture-of-experts model keeps one sequence's KV cache in DRAM (--kv-cache flash and "
                          "batches under --memory-limit are not written for experts yet)")
+    if config.stream_embeddings == "on":
+        raise FlashError("--stream-embeddings on: a mixture-of-experts model holds its input embeddings in DRAM "
+                         "(reading them from flash is not written for experts yet)")
     if config.mode == "dense" and (config.memory_budget is not None or config.memory_limit is not None):
         given = "--memory-budget" if config.memory_budget is not None else "--memory-limit"
         raise FlashError(f"--mode dense holds every expert: {given} does not apply (use --mode auto)")

@@ -29,6 +29,7 @@ class TokenStats:
         self.rows = []
         self.cur = None
         self.t_start = None
+        self._early = None  # (io_s, bytes_read, reads) of the next pass before its first layer (early)
 
     def begin(self, n_tokens):
         now = time.perf_counter()
@@ -38,6 +39,11 @@ class TokenStats:
         self.cur["tokens"] = n_tokens
         self.cur["windows"] = []
         self.t_start = now
+        if self._early is not None:  # (its reads came first: their time is the pass's too)
+            io_s, self.cur["bytes_read"], self.cur["reads"] = self._early
+            self.cur["io_ms"] = 1e3 * io_s
+            self.t_start -= io_s
+            self._early = None
 
     def end(self, now=None):
         if self.cur is None:
@@ -50,6 +56,12 @@ class TokenStats:
         c["window"] = float(np.mean(w)) if w else 0.0
         self.rows.append(c)
         self.cur = None
+
+    def early(self, io_s=0.0, bytes_read=0, reads=0):
+        """Reads a pass makes before its first layer asks for rows (the input embedding's, read
+        from flash): kept, and counted in that pass's row when it begins."""
+        e = self._early or (0.0, 0, 0)
+        self._early = (e[0] + io_s, e[1] + bytes_read, e[2] + reads)
 
     def add(self, predict_s=0.0, mem_s=0.0, io_s=0.0, bytes_read=0, reads=0, active=0, hits=0, share=0.0):
         """Add one layer's figures to the current pass. share: the part of the model's FFN

@@ -1,5 +1,8 @@
 """The HTTP side: routes, JSON bodies and server-sent events (the standard library's server).
 
+One file past 500 lines: the routes, the checks of a request and the access rules share one
+handler class.
+
 Handler threads parse and check a request, hand it to the engine's queue, and write what
 the engine's worker sends back: one JSON body, or `data: {chunk}` events ending with
 `data: [DONE]` (chunked transfer, so a connection stays open for the next request).

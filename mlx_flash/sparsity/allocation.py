@@ -1,4 +1,4 @@
-"""Calibrated thresholds for both sides of a SwiGLU FFN, per layer (issue 19; TEAL's idea).
+"""Calibrated thresholds for both sides of a SwiGLU FFN, per layer (TEAL's idea).
 
 A token reads the gate/up columns of the input dims with |x_i| >= t_in[layer] (the
 input side, 2/3 of the FFN's bytes) and the down rows of the neurons with
@@ -13,8 +13,8 @@ is chosen here, on calibration text (C4; never the evaluation text):
 3. search: greedy, from dense, one STEP of one layer's side at a time, taking the
    step that adds the least predicted loss per byte saved. Predicted loss of a
    layer's output error dy: E[(g . dy)^2] (an empirical-Fisher estimate: how much
-   the error moves the loss, which TEAL's |dy|^2 ignores; measured better on
-   SmolLM2, see scripts/sparsity_allocation.py).
+   the error moves the loss, which TEAL's |dy|^2 ignores; it allocates better on
+   SmolLM2).
 
 The manifest keeps the quantiles and the search's path (which side of which layer
 each step lowered), not one allocation: `--density` at run time is the average

@@ -34,7 +34,7 @@ def top_k_mask(scores, k):
 
 def device_top_k_mask(scores, k):
     """scores: an MLX [t, n] array -> the NumPy bool mask of each row's top-k, the top-k found
-    where MLX computes and only their ids read back (issue 20: k ints cross, not n scores)."""
+    where MLX computes and only their ids read back (k ints cross to the host, not n scores)."""
     import mlx.core as mx
 
     if k >= scores.shape[-1]:

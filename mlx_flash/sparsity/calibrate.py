@@ -31,7 +31,7 @@ from . import top_k_mask
 from .predictor import choose_threshold, metrics, probabilities, train_predictor
 
 PREDICTORS = "predictors.safetensors"
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # ../shared/data beside the checkout
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"  # shared/data in the checkout's parent folder
 SPARSE_ACTS = ("relu", "relu2", "fatrelu")
 WINDOWS = range(1, 9)
 

@@ -1,5 +1,5 @@
 """dip, dip-ca: Dynamic Input Pruning (Federici et al. §4-5), with cache-aware masking;
-calibrated, calibrated-ca: the same two sides with per-layer thresholds (issue 19);
+calibrated, calibrated-ca: the same two sides with per-layer thresholds (allocation.py);
 calibrated-uniform: their ablation, every layer at --density.
 
 These sources choose input dimensions and neurons from the FFN's own computation

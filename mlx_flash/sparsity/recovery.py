@@ -1,4 +1,4 @@
-"""Recovery adapters for the calibrated sources (issue 19, item 4; DIP's LoRA recovery, in
+"""Recovery adapters for the calibrated sources (DIP's LoRA recovery, in
 the cheapest form that serves a model read from flash).
 
 Beside every layer's sparse FFN sits a small resident low-rank adapter,

@@ -1,14 +1,14 @@
 """A batch's decode step past 32 sequences: the pass kernels' tiles (kernels.BATCH_PASS 256)
 against dequantized chunks + BLAS (BATCH_PASS 32), GB/s of a 7B FFN matrix (11008 x 4096)
 consumed by a step of 32 / 64 / 128 sequences, per weight form, through the profile's own timing
-(bench/profile.py _rates_at: the runtime's modules and FlashFFN's kernels, 128 MB of distinct
+(plan/measure.py _rates_at: the runtime's modules and FlashFFN's kernels, 128 MB of distinct
 copies cycled through). The two settings alternate, two rounds.
 
 usage: .venv/bin/python benchmarks/batch/tiles/pass_vs_blas.py
 """
 import mlx_flash  # noqa: F401 (before mlx.core)
 from mlx_flash import kernels as K
-from mlx_flash.bench import profile as bp
+from mlx_flash.plan import measure as bp
 
 FORMS = ("q4", "q4-rows", "q8", "q8-rows", "float16", "float32")
 with K.pass_notes_off():

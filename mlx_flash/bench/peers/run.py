@@ -1,7 +1,8 @@
 """The benchmark itself: Peers prepares the peers' files, probes each runtime's baseline,
 sizes mlx_flash's budget, alternates the runs (each child.py in its own cgroup) and
 builds the result; RunRecord and record_from turn a child's events into one run.
-Imports systems, cgroup, files and report."""
+Imports systems, cgroup, files and report. One file past 500 lines: the run is one sequence, from preparation to
+the record."""
 
 import datetime
 import json
@@ -297,7 +298,7 @@ class Peers:
         """The disk's uncached rates now ({read size: GB/s}; a few seconds, from this process,
         outside any cgroup): the cost model predicts each mlx_flash run with the rates of its
         moment, because this machine's disk was measured to vary ~2x from hour to hour."""
-        from ..profile import probe_file, disk_curve
+        from ...plan.measure import probe_file, disk_curve
 
         return disk_curve([probe_file()], DISK_NOW_SIZES, seconds=DISK_NOW_SECONDS)
 
@@ -504,7 +505,7 @@ class Peers:
 # llama.cpp's OpenMP threads spin while they wait for each other. On a shared
 # 2-core machine one of the two is often descheduled and the spinning one burns
 # its slice: llama.cpp F16 decoded 0.3 tok/s with 2 threads under a load of 4,
-# 28 tok/s with OMP_WAIT_POLICY=passive, 25 with 1 thread (2026-11-22). MLX's
+# 28 tok/s with OMP_WAIT_POLICY=passive, 25 with 1 thread. MLX's
 # OpenBLAS threads yield instead. A value set by the caller is kept.
 LLAMA_ENV = {"OMP_WAIT_POLICY": "passive"}
 

@@ -1,7 +1,10 @@
 """Measure this machine for the cost model (plan/profile.py holds the result): uncached reads
 by size, one decode step's matrix-vector products by weight form, what each layer and each
 token cost apart from their bytes, by mode, and how much prefetch hides, from small 4-bit
-models decoded through the real runtime."""
+models decoded through the real runtime.
+
+One file past 500 lines: every rate the cost model reads is measured here, through the same
+small models and timing loops."""
 
 import os
 import tempfile
@@ -14,7 +17,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import FlashError
-from ..plan.profile import VERSION, Profile, _device, curve_gbs, machine_key, profile_path, load_profile
+from .profile import VERSION, Profile, _device, curve_gbs, machine_key, profile_path, load_profile
 
 KiB, MiB = 1024, 1024 * 1024
 CHUNKS = (2 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB)  # (2 KiB: a 4-bit 7B's neuron row, unbundled)
@@ -166,7 +169,7 @@ def read_steal(file, threads=None, seconds=1.5, rounds=3, seed=3):
     alternating, the median kept; plus the checks' CPU time a GB (the reader checks every read
     on the CPU) over the cores, whose share of it the compute loses. Here 0.10-0.16 s a GB, the
     checks' 0.04 of it: a 4-bit OPT-6.7B batch of 16 at 50 % reads 1.2 GB during a 1.5 s step,
-    which took 0.25-0.3 s longer in hybrid than dense reading nothing (stop 46). Priced a GB at
+    which takes 0.25-0.3 s longer in hybrid than dense reading nothing. Priced a GB at
     256 KiB reads: reads of a few KiB (flash mode's rows) cost the block layer more a GB, and the
     reader's conversion of rows into float32 (convert_ns) takes from the cores too; neither is in
     it."""
@@ -279,7 +282,7 @@ def placed_reads(file, threads=None, seconds=1.5, rounds=3, seed=4):
     - the same byte ranges thrown away (read_discard, as the disk probe reads): place_s is the
       time a GB the placing adds to them. It depends on the disk's rate at the time, like the
       curve measured beside it: ~0.04 s here at 2.2-3.4 GB/s (1.08x and 1.13x their time,
-      results/cost-stop50/read_paths.txt), ~0 at 1.4, where the copies hide behind the other
+      benchmarks/cost-model/read_paths.txt), ~0 at 1.4, where the copies hide behind the other
       threads' reads;
     - placed, alone;
     - placed beside one-position 4-bit products without pause (a 16384 x 4096 matrix, past the
@@ -289,7 +292,7 @@ def placed_reads(file, threads=None, seconds=1.5, rounds=3, seed=4):
       and its products the memory bus, which the reads' block-layer work, completions, copies
       and DMA need too (the other way round from read_steal). Here 0.92-0.95 at 1.5-2.5 GB/s,
       0.995 at 1.4; a hybrid layer's reads of 4-bit OPT-6.7B, placed and checked as its decode
-      places them, kept 0.84 beside the same products at 3.4 (read_paths.txt).
+      places them, keep 0.84 beside the same products at 3.4 (benchmarks/cost-model/).
     rounds: the rounds measured; none (a file too small for a layer's batch, a stalled disk):
     busy 1.0 and place_s 0, which measure() notes."""
     from ..io import FlashReader
@@ -640,7 +643,7 @@ def ffn_row_bytes(d, bits):
 
 
 def ffn_rows(n, d, bits, count):
-    """FFNRows of `count` layers of n neurons of width d (scripts/bench_ffn_kernels.py too)."""
+    """FFNRows of `count` layers of n neurons of width d."""
     from ..layout.quant import QuantSpec
 
     spec = QuantSpec(bits, 64, "float16")
@@ -666,8 +669,8 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
 
     Each probe is decoded through the real runtime after a 64-token prompt, without prefetch,
     `rounds` times alternating (the median kept), less the time its store waited for its reads (as
-    the store measured it: the disk's drift and the I/O model's own error kept out; version 6
-    subtracted the predicted read time, and its per-layer costs moved with the disk) and the cost
+    the store measured it: the disk's drift and the I/O model's own error kept out, where a
+    predicted read time would move the per-layer costs with the disk) and the cost
     model's compute time for its bytes (`rates`: a Profile of the compute rates just measured, no
     other cost): the slope of the rest between 4 and 36 layers is
     the per-layer cost, what is left at 4 layers the per-token one. Then the deeper 576-wide
@@ -676,9 +679,9 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
     an overlap that could not be measured is said."""
     import mlx_flash
 
+    from ..convert.random_model import build_checkpoint
     from ..io import device
-    from ..plan.cost import predict, read_steal_ms
-    from .random_model import build_checkpoint
+    from .cost import predict, read_steal_ms
 
     layer_ms, token_ms = {}, {}
     with tempfile.TemporaryDirectory(prefix="mlx-flash-probe") as home:
@@ -713,8 +716,8 @@ def runtime_costs(rates, notes, tokens=32, rounds=3):
                     for shape in pair:
                         # the read time as the store waited it, not as predicted: the disk's
                         # minute-to-minute drift (and the model's error for it) then stays out of
-                        # the per-layer cost, which version 6 took it into: 0.74-1.32 ms a layer
-                        # for hybrid at d576 in two profiles an hour apart, 0.81-1.18x in its row
+                        # the per-layer cost (a predicted read time puts it in: 0.74-1.32 ms a
+                        # layer for hybrid at d576 in two profiles an hour apart)
                         ms, work, at, waited = decode(shape, mode, False)
                         rest.setdefault((width, mode, shape), ([], work.n_layers))[0].append(
                             ms - waited - predict(work, at).compute_ms)

@@ -1,7 +1,8 @@
-"""Checkpoints of real model shapes with random weights, for the paper benchmark.
+"""Checkpoints of real model shapes with random weights: for the benchmarks (`mlx_flash.benchmark
+paper`, `batch`, `moe`), the machine probe's models (plan/measure.py) and the tests.
 
-The paper measures OPT-6.7B (and Falcon 7B, Llama 2 7B...). No such model can
-be downloaded here, and for I/O and compute timings only the shapes matter:
+The paper measures OPT-6.7B (and Falcon 7B, Llama 2 7B...). For I/O and compute timings
+only the shapes matter:
 `RandomSource` is a converter source (config, tensor names, float32 tensors in
 Hugging Face orientation) whose tensors are seeded Gaussian noise (std 0.02,
 norms 1, biases 0), and `build_checkpoint` runs the real converter on it once
@@ -36,7 +37,7 @@ SHAPES = {
     "llama-2-7b": dict(LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
                        hidden_act="fatrelu", fatrelu_threshold=0.01),
-    # the machine profile's per-layer overhead probe (plan/profile.py), and tests
+    # the machine profile's per-layer overhead probe (plan/measure.py), and tests
     "tiny-llama": dict(LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=4, vocab_size=512, hidden_act="silu",
                        max_position_embeddings=256),
@@ -71,7 +72,7 @@ SHAPES.update({
                      num_experts=16, num_experts_per_tok=4, vocab_size=512, max_position_embeddings=256),
 })
 # the two probes at 36 layers: the per-layer cost is the slope between 4 and 36 layers, what a
-# token costs once (embedding, lm_head, sampling, Python) the rest (bench/profile.py)
+# token costs once (embedding, lm_head, sampling, Python) the rest (plan/measure.py)
 for _probe in ("tiny-llama", "probe-576"):
     SHAPES[f"{_probe}-36"] = dict(SHAPES[_probe], num_hidden_layers=36)
 
@@ -230,8 +231,8 @@ QUANTIZED = {"q4": 4, "q8": 8}  # checkpoint dtypes that are group-wise quantize
 def build_checkpoint(shape, dtype="float16", home=None, progress=True, seed=0):
     """The flash-layout checkpoint of `shape` with random weights; built once, then reused.
     dtype q4 / q8: quantized as mlx_lm.convert -q would (group 64, float16 scales)."""
-    from ..convert import convert
-    from ..convert.quantize import QuantOptions
+    from .convert import convert
+    from .quantize import QuantOptions
 
     quant = None
     if dtype in QUANTIZED:
@@ -255,9 +256,9 @@ def write_mlx_lm_folder(shape, folder, bits=4, seed=0, shard_bytes=4 << 30, prog
     a time) into `folder`.partial, then renamed: an interrupted run leaves no folder."""
     import shutil
 
-    from ..convert.writer import _progress
     from ..layout.safetensors_io import SafetensorsWriter
     from ..models.moe import ModelArgs, expert_tensors
+    from .writer import _progress
 
     if bits not in QUANTIZED.values():
         raise FlashError(f"bits {bits}: the random mlx-lm folders are written at 4 or 8 bits")

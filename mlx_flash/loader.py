@@ -24,7 +24,8 @@ from .io.reader import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
 from .plan.explain import explain
-from .plan.fit import fit_limit, fit_weights, refit_config
+from . import plan
+from .plan.fit import fit_limit, fit_weights
 from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
                              kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
@@ -81,27 +82,12 @@ def load(path_or_repo, progress=False, config=None, context_of=None, **options):
     if manifest.experts:  # a mixture of experts: its own runtime (runtime/moe.py)
         return _load_moe(folder, manifest, config, context_of)
     asked = config
-    build = partial(build_runtime, progress=progress, batch=asked.batch_size)  # (a batch: auto prices its step)
     model, tokenizer, resident, config, memory = _build_model(folder, manifest, asked, context_of)
-    refit = None
-    try:
-        runtime = build(model, folder, manifest, config, resident)
+    try:  # (the plan fitted before the weights loaded: fit_weights / fit_limit; a batch: auto prices its step)
+        runtime = build_runtime(model, folder, manifest, config, resident, progress=progress,
+                                batch=asked.batch_size, planner=plan)
     except BudgetTooSmall as e:
-        refit = refit_config(e, asked, config, manifest, memory)
-        if refit is None:
-            raise (e if memory is None else memory.restate(e)) from None
-    if refit is not None:
-        # Loaded again out of the except block: its traceback held build_runtime's frames, and through
-        # them the first model's weights (a float16 SmolLM2 under 516 MB: 245 MB "runtime", not 118)
-        del model, resident
-        release_heap()
-        model, tokenizer, resident, config, rebuilt = _build_model(folder, manifest, refit, context_of,
-                                                                   None if memory is None else memory.baseline)
-        memory = rebuilt or memory
-        try:
-            runtime = build(model, folder, manifest, config, resident)
-        except BudgetTooSmall as e:
-            raise (e if memory is None else memory.restate(e)) from None
+        raise (e if memory is None else memory.restate(e)) from None
     runtime.memory = memory
     if runtime.choice is not None and runtime.budget_bytes is not None and not config.explain:
         # (no limit: dense, which --explain says; with it, its first line says this)
@@ -215,7 +201,7 @@ def _with_context(config, tokenizer, context_of):
     return config
 
 
-def _build_model(folder, manifest, config: FlashConfig, context_of=None, baseline=None):
+def _build_model(folder, manifest, config: FlashConfig, context_of=None):
     """The model with its resident weights (embeddings, attention, norms) in DRAM, and the tokenizer."""
     dtype = compute_dtype(config, manifest)
     held = config.held_dtype(manifest.dtype, dtype)
@@ -228,7 +214,7 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None, baselin
     else:  # what the process holds besides weights, off the limit
         shape = model_shape(model, manifest.layout.d_model, manifest.layout.n_neurons)
         memory, config, held, streamed, lines = fit_limit(folder, manifest, config, held, shape,
-                                                           DTYPES[dtype].size, baseline)
+                                                           DTYPES[dtype].size)
         lines.insert(0, memory.describe())
     for line in lines:
         logging.getLogger("mlx_flash").warning("%s", line)
@@ -241,30 +227,8 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None, baselin
         from .models.quantized import stream_embedding
 
         stream_embedding(model, table.module, table.n_rows, table.dims)
-    try:
-        weights = mx.load(str(folder / manifest.resident["file"]))
-    except Exception as e:
-        raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
-    converted = {}
     gone = {n for s in streamed.values() for n in s.names} | (table.names if table is not None else set())
-    streamed_bytes = 0  # their bytes at the compute dtype: part of what "50%" is of
-    for k in list(weights):  # one tensor at a time: the file's copy of all of them never lives at once
-        if k in gone:  # left on flash (never read here: mx.load is lazy)
-            v = weights.pop(k)
-            streamed_bytes += v.size * (DTYPES[dtype].size if mx.issubdtype(v.dtype, mx.floating) else v.itemsize)
-            continue
-        converted[k] = weights.pop(k)
-        if not mx.issubdtype(converted[k].dtype, mx.floating):  # quantized weights' packed words
-            pass
-        elif held is None or converted[k].ndim != 2 or k.endswith((".scales", ".biases")):
-            # (2-D: weights a held model may keep as they are; its quantized ones' scales are not)
-            converted[k] = converted[k].astype(DTYPES[dtype])
-        mx.eval(converted[k])
-    weights = converted
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    weights, streamed_bytes = _load_resident(model, folder, manifest, DTYPES[dtype], held, gone)
     quantized = bool(quantized_modules(model))
     if quantized and held is not None:
         raise FlashError(f"--resident-dtype {config.resident_dtype}: {folder}'s resident weights are "
@@ -290,14 +254,7 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None, baselin
         arena = hold_at_16_bits(model, DTYPES[held], DTYPES[dtype], skip=(FlashFFN,),
                                 kernels=_half_kernels(dtype, on_cpu))
         weights = dict(tree_flatten(model.parameters())) | {"<float32 arena>": arena.array}
-    mx.eval(model.parameters())
-    # The file's float16 buffers, freed by the conversion, stay in MLX's buffer
-    # cache: give them back. Under a budget, also keep that cache small while
-    # decoding (the budget counts weights; the process's other memory is what
-    # a memory limit leaves for activations, the KV cache and this cache).
-    mx.clear_cache()
-    if config.memory_budget is not None:
-        mx.set_cache_limit(MLX_CACHE_LIMIT)
+    _settle(model, config)
     parameters = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     resident = ResidentWeights(sum(v.nbytes for v in weights.values()), compute_bytes, parameters, quantized)
     return model, tokenizer, resident, config, memory
@@ -327,26 +284,12 @@ def _load_moe(folder, manifest, config, context_of=None):
         logging.getLogger("mlx_flash").warning("of the weights' share, %.0f MB are the expert reader's buffers",
                                                buffers / 1e6)
         config = replace(config, memory_limit=None, memory_budget=str(memory.weights - buffers), ctx_size=None)
-    try:
-        weights = mx.load(str(folder / manifest.resident["file"]))
-    except Exception as e:
-        raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
-    for k in list(weights):  # one tensor at a time
-        v = weights[k]
-        weights[k] = v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v
-        mx.eval(weights[k])
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    weights, _ = _load_resident(model, folder, manifest, DTYPES[dtype])
     del weights
     held = "quantized" if quantized_modules(model) else dtype
     if held == "quantized" and mx.default_device() == mx.cpu:  # as a dense model's (_build_model)
         _on_native_kernels(model, dtype)
-    mx.eval(model.parameters())
-    mx.clear_cache()
-    if config.memory_budget is not None:
-        mx.set_cache_limit(MLX_CACHE_LIMIT)
+    _settle(model, config)
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     try:
         model.runtime = build_moe_runtime(model, folder, manifest, config, resident, held)
@@ -356,6 +299,45 @@ def _load_moe(folder, manifest, config, context_of=None):
     _set_caches(model, model.runtime, config, memory, None)
     model.eval()
     return delivered(model, folder), tokenizer
+
+
+def _load_resident(model, folder, manifest, dtype, held=None, gone=frozenset()):
+    """The resident file's weights into `model` (dense and mixture loaders alike), one tensor at a
+    time (the file's copy of all of them never lives at once): floating ones at the compute dtype,
+    except the 2-D weights a model held at 16 bits keeps as stored (`held`; their quantized ones'
+    scales are converted). `gone`: names left on flash, never read (mx.load is lazy).
+    -> ({name: array loaded}, the bytes of those left on flash at the compute dtype)."""
+    try:
+        weights = mx.load(str(folder / manifest.resident["file"]))
+    except Exception as e:
+        raise FlashError(f"{folder / manifest.resident['file']}: unreadable ({e})")
+    loaded, streamed_bytes = {}, 0  # (the streamed ones' bytes at the compute dtype: part of what "50%" is of)
+    for k in list(weights):
+        v = weights.pop(k)
+        floating = mx.issubdtype(v.dtype, mx.floating)
+        if k in gone:
+            streamed_bytes += v.size * (dtype.size if floating else v.itemsize)
+            continue
+        if floating and (held is None or v.ndim != 2 or k.endswith((".scales", ".biases"))):
+            v = v.astype(dtype)  # (else quantized weights' packed words, or a 16-bit weight held so)
+        mx.eval(v)
+        loaded[k] = v
+    try:
+        model.load_weights(list(loaded.items()), strict=True)
+    except ValueError as e:
+        raise FlashError(f"{folder}: resident weights do not match the model ({e})")
+    return loaded, streamed_bytes
+
+
+def _settle(model, config):
+    """The loaded weights evaluated; the file's buffers, freed by their conversion, given back from
+    MLX's buffer cache. Under a budget that cache is also kept small while decoding (the budget counts
+    weights; the process's other memory is what a memory limit leaves for activations, the KV cache
+    and this cache)."""
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    if config.memory_budget is not None:
+        mx.set_cache_limit(MLX_CACHE_LIMIT)
 
 
 def _half_kernels(dtype, on_cpu):

@@ -9,3 +9,9 @@ explain.py  --explain: the plan and its predicted breakdown
 fit.py      what --memory-limit / --memory-budget leave the weights, the KV cache's place and
             the prompt chunks, decided before the weights load (the loader calls it)
 """
+
+from .choose import choose_exact
+from .cost import predict, predict_at_disk_rate
+from .profile import load_profile
+
+__all__ = ["choose_exact", "load_profile", "predict", "predict_at_disk_rate"]

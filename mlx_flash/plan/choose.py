@@ -107,3 +107,27 @@ def choose_mode(config, budget, plan_of, candidates=None, predict=None):
     if chosen.mode == "hybrid":
         reason += f"; {chosen.plan.layer_capacity(0)} of {chosen.plan.n_neurons} neurons a layer held"
     return Choice(chosen.mode, reason, candidates, chosen.rows16)
+
+
+def choose_exact(config, budget, plan_of, rows16, layout, resident_work, attention_read=(0, 0), batch=1):
+    """--mode auto's Choice: the exact plans that fit (plan_of: a Candidate -> exact_plan's answer,
+    from the runtime), each predicted by the cost model where this machine's profile is cached
+    (never measured here), for a decode step of `batch` sequences. rows16: dense and hybrid are
+    compared with their FFN rows held at float16 too."""
+    from ..errors import FlashError
+    from ..io.reader import DEFAULT_MAX_READ
+    from .cost import exact_work, predict
+    from .profile import load_profile
+
+    profile = load_profile() if budget is not None else None
+
+    def predict_of(c):
+        if profile is None:
+            return None
+        try:
+            return predict(exact_work(c.plan, layout, c.packed, resident_work, DEFAULT_MAX_READ, attention_read,
+                                      bundled=config.bundled, positions=batch), profile)
+        except FlashError:  # (a profile without this weight form's rate)
+            return None
+
+    return choose_mode(config, budget, plan_of, variants(rows16), predict_of)

@@ -3,11 +3,10 @@ calls these; loader.py then loads what they chose).
 
 fit_weights: the resident weights' dtype under a budget, whether the input embedding and which
 layers' attention stay on flash. fit_limit: --memory-limit's plan (runtime/memory.py): where the KV
-cache lives, the prompt chunks, the weights' budget. refit_config: after the weights loaded and no
-FFN plan fitted, what to load again with.
+cache lives, the prompt chunks, the weights' budget. Each is decided once, from the files' headers:
+the loader then loads what they chose, and builds the runtime once.
 """
 
-import logging
 from dataclasses import replace
 
 import mlx.core as mx
@@ -16,14 +15,14 @@ from ..errors import BudgetTooSmall, FlashError
 from ..kernels import kernels_module
 from ..runtime import (attention_to_stream, check_resident_fits, dense_need, embedding_on_flash, embedding_to_stream,
                        may_hold_float16)
+from ..runtime.budget import over_budget
 from ..runtime.memory import kv_value_bytes, plan_memory
 
 
 def may_hold_at_16_bits(config, manifest):
     """--mode auto, no sparse mode asked for, may hold a float16 model's resident weights at
     float16 (runtime.may_hold_float16): from the start where the native kernels multiply 16-bit
-    rows (fit_weights), else only when a budget leaves no plan at float32 (refit_config, reached only
-    under one)."""
+    rows, else only when a budget leaves no plan at float32 (fit_weights)."""
     return config.mode == "auto" and not config.sparse_options and may_hold_float16(config, manifest)
 
 
@@ -35,8 +34,7 @@ def fit_weights(folder, manifest, config, held):
     --mode auto, a float16 model computed in float32: its weights are held at float16 as stored
     where the native kernels multiply them (the CPU); elsewhere its
     resident weights (embeddings, attention) when at float32 they do not fit the weights' share
-    (converted before use, exact). (Where they fit but no FFN plan does beside them, load()
-    loads them again at float16.) Under a budget the whole model does not fit, an untied input
+    (converted before use, exact), or at float32 leave no FFN plan room beside them. Under a budget the whole model does not fit, an untied input
     embedding table stays on flash, a pass reading its tokens' rows (runtime.embedding_to_stream:
     the config returned says stream_embeddings "on" or "off"); where the resident weights of a
     quantized model then leave too little, some layers' attention too, read every token
@@ -79,19 +77,18 @@ def fit_weights(folder, manifest, config, held):
     return config, held, streamed, lines
 
 
-def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
+def fit_limit(folder, manifest, config, held, shape, itemsize):
     """--memory-limit -> (MemoryPlan, config with its weights budget, held, streamed, lines).
     The KV cache in DRAM, or (--kv-cache flash, or auto where in DRAM it leaves the weights too
     little) on flash, read back every token; each with the prompt chunks the plan's rule chose,
     and only where neither fits so, shorter chunks (a prompt then reads the streamed weights more
-    often). baseline: the runtime a first load measured (a second load, after the first's plan did
-    not fit, measures what the first left behind)."""
+    often). The runtime is measured once, for every plan tried."""
     kv_itemsize = kv_value_bytes(itemsize, config.kv_bits, config.kv_group_size)
     if config.kv_cache == "auto" and config.kv_bits is None and config.batch_size == 1:
         places = (False, True)
     else:
         places = (config.kv_cache == "flash",)
-    rules, nothing = [], None  # each placement's plan at the rule's chunk
+    rules, nothing, baseline = [], None, None  # each placement's plan at the rule's chunk
     for on_flash in places:
         try:
             rules.append(plan_memory(config.memory_limit, shape, itemsize, config.ctx_size, baseline,
@@ -105,7 +102,6 @@ def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
     if len(rules) == 2 and rules[1].most_weights <= rules[0].most_weights:
         rules.pop()  # (a short context: the KV cache on flash's buffers and chunks take more than in DRAM)
     failed = {}  # placement -> (its rule's plan, BudgetTooSmall)
-    dense = None  # --mode auto: what dense needs, once a plan fits (its own held dtype decided)
     rows16 = config.mode == "auto"  # (dense's float16-rows variant: auto's alone)
     for memory in rules + [p for rule in rules for p in rule.shorter_chunks()]:
         try:
@@ -114,7 +110,8 @@ def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
             failed.setdefault(memory.kv_on_flash, (memory, e))
             continue
         # (--mode auto, or dense asked for: the whole model in DRAM wins over longer chunks)
-        if config.mode in ("auto", "dense") and not config.sparse_options and dense is None:
+        # (each placement's for an explicit dense, which goes on to the next where it does not fit)
+        if config.mode in ("auto", "dense") and not config.sparse_options:
             dense = dense_need(folder, manifest, fitted, rows16)
             shorter = [p for p in memory.shorter_chunks() if p.weights >= dense]
             if memory.weights < dense and shorter:  # the whole model in DRAM wins over longer chunks
@@ -125,6 +122,11 @@ def fit_limit(folder, manifest, config, held, shape, itemsize, baseline=None):
                     line = _chunk_line(shorter[0], memory, f"dense needs {dense / 1e6:.0f} MB")
                     memory, (fitted, held_as, streamed, lines) = shorter[0], refit
                     lines.insert(0, line)
+        if config.mode == "dense" and not config.sparse_options:  # (asked for: where else does it fit?)
+            need = dense_need(folder, manifest, fitted, rows16=False)
+            if need > memory.weights:
+                failed.setdefault(memory.kv_on_flash, (memory, over_budget("dense", need, memory.weights)))
+                continue
         if memory.kv_on_flash in failed:
             first, e = failed[memory.kv_on_flash]
             lines.insert(0, _chunk_line(memory, first, e.reason))
@@ -158,33 +160,3 @@ def _chunk_line(memory, longer, why):
 def _ranges(layers):
     shown = ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))}, ..., {layers[-1]}"
     return "layers " + shown
-
-
-def refit_config(e, asked, config, manifest, memory):
-    """No plan fits (BudgetTooSmall e) after the model loaded: the config to load it again with,
-    said in one line, or None. --mode auto may hold a float16 model's resident weights at
-    float16; --kv-cache auto may move the KV cache to flash."""
-    if may_hold_at_16_bits(config, manifest):
-        logging.getLogger("mlx_flash").warning(
-            "--mode auto: %s beside the resident weights at float32; holding those at float16 as stored "
-            "instead (converted into a float32 arena before use: the same values)", e.reason)
-        # (the embedding decided again beside weights held so)
-        return replace(config, resident_dtype="float16", stream_embeddings=asked.stream_embeddings)
-    if (memory is not None and not memory.kv_on_flash and asked.kv_cache == "auto" and asked.kv_bits is None
-            and asked.batch_size == 1 and flash_frees(memory)):
-        logging.getLogger("mlx_flash").warning(
-            "the KV cache on flash (--kv-cache auto): held in DRAM for %d tokens, it leaves the weights "
-            "%.0f MB, and %s", memory.context, memory.weights / 1e6, e.reason)
-        return replace(asked, kv_cache="flash")
-    return None
-
-
-def flash_frees(memory):
-    """Would the KV cache on flash (at its shortest prompt chunk) leave the weights more than this
-    plan in DRAM does? (A short context: its buffers and chunks take more than it does.)"""
-    try:
-        flash = plan_memory(str(memory.limit), memory.shape, memory.itemsize, memory.context, memory.baseline,
-                            kv_on_flash=True, warn=False)
-    except FlashError:
-        return False
-    return flash.most_weights > memory.weights

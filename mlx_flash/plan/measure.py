@@ -663,6 +663,7 @@ PROBES = {128: ("tiny-llama", "tiny-llama-36"), 576: ("probe-576", "probe-576-36
 MODES = ("dense", "hybrid", "naive")
 
 
+# long: one probe read top to bottom: its decode() step, then the slopes and the overlap fitted from it
 def runtime_costs(rates, notes, tokens=32, rounds=3):
     """-> (layer_ms, token_ms, overlap): what a decode token costs besides its bytes, by mode
     and width, and the share of min(I/O, compute) prefetch hides on this machine.

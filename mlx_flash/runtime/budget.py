@@ -94,56 +94,13 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
     elif mode == "naive":
         capacity, scratch = 0, n * (2 if prefetch else 1)
     elif mode == "hybrid":
-        # half of every layer's FFN resident, the rest read every token; under a
-        # budget, the largest resident share it allows (the paper's hybrid holds
-        # half of the model in DRAM)
-        bufs = 2 if prefetch else 1
-        capacity = n if hold_most else n // 2
-        if budget_bytes is not None and held_neuron_bytes:
-            # float16 caches: as much of every layer as the budget allows, up to all of it;
-            # cost: L * cap float16 rows + bufs arenas of cap + bufs buffers of n - cap
-            # float32 rows (with prefetch, the next layer's cache is converted, and its
-            # streamed rows read, while this layer computes)
-            capacity = max(0, min(n, (budget_bytes - fixed - bufs * n * neuron_bytes)
-                                  // (n_layers * held_neuron_bytes)))
-        elif budget_bytes is not None:
-            rows = (budget_bytes - fixed) // neuron_bytes
-            capacity = max(0, min(capacity, (rows - bufs * n) // max(n_layers - bufs, 1)))
-        if capacity < n:
-            capacity -= capacity % align
-        scratch = bufs * (n - capacity)
-        arena = bufs * capacity if held_neuron_bytes else 0
+        capacity, scratch, arena = _hybrid_rows(budget_bytes, fixed, n, n_layers, neuron_bytes, held_neuron_bytes,
+                                                prefetch, hold_most, align)
     elif dip is not None:
-        d, in_bytes, n_ff, down_bytes, k_in, k_out = dip
-        full = d * in_bytes + n_ff * down_bytes
-        if budget_bytes is None:
-            frac, scratch = 1.0, (0, 0)
-        else:
-            scratch = (k_in, k_out)
-            frac = (budget_bytes - fixed - k_in * in_bytes - k_out * down_bytes) / n_layers / full
-            if frac < 0:
-                raise budget_too_small(budget_bytes, fixed + k_in * in_bytes + k_out * down_bytes)
-        frac = min(frac, 1.0)
-        return Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
-                    0, 0, window, (int(frac * d), int(frac * n_ff)), (in_bytes, down_bytes), scratch)
+        return _dip_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n, window, dip)
     elif req is not None:
-        # Req_i (calibration, paper §3.3): layer i's cache is sized by what its
-        # window needs; a budget scales all of them down alike, and one scratch
-        # of a token's worth streams the overflow.
-        capacity = 0
-        req, one_token = req
-        if budget_bytes is None:
-            caps, scratch = [min(n, r) for r in req], 0
-        else:
-            scratch = min(n, one_token)  # a token never needs more than cache + scratch
-            rows = (budget_bytes - fixed) // neuron_bytes - scratch
-            if rows < n_layers:
-                raise budget_too_small(budget_bytes, fixed)
-            scale = min(1.0, rows / max(sum(req), 1))
-            caps = [max(1, min(n, int(r * scale))) for r in req]
-        plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
-                    capacity, scratch, window, capacities=caps)
-        return _check(plan, budget_bytes, mode)
+        return _calibrated_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
+                                window, req)
     else:
         if budget_bytes is None:
             capacity, scratch = n, 0
@@ -159,13 +116,75 @@ def make_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_
     return _check(plan, budget_bytes, mode)
 
 
+def _hybrid_rows(budget_bytes, fixed, n, n_layers, neuron_bytes, held_neuron_bytes, prefetch, hold_most, align):
+    """hybrid: (rows held a layer, streaming buffer rows, float32 arena rows). Half of every layer's
+    FFN resident, the rest read every token; under a budget, the largest resident share it allows
+    (the paper's hybrid holds half of the model in DRAM)."""
+    bufs = 2 if prefetch else 1
+    capacity = n if hold_most else n // 2
+    if budget_bytes is not None and held_neuron_bytes:
+        # float16 caches: as much of every layer as the budget allows, up to all of it;
+        # cost: L * cap float16 rows + bufs arenas of cap + bufs buffers of n - cap
+        # float32 rows (with prefetch, the next layer's cache is converted, and its
+        # streamed rows read, while this layer computes)
+        capacity = max(0, min(n, (budget_bytes - fixed - bufs * n * neuron_bytes)
+                              // (n_layers * held_neuron_bytes)))
+    elif budget_bytes is not None:
+        rows = (budget_bytes - fixed) // neuron_bytes
+        capacity = max(0, min(capacity, (rows - bufs * n) // max(n_layers - bufs, 1)))
+    if capacity < n:
+        capacity -= capacity % align
+    return capacity, bufs * (n - capacity), bufs * capacity if held_neuron_bytes else 0
+
+
+def _dip_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n, window, dip):
+    """The DIP sources' plan: one shared scratch holds a token's k_in / k_out rows, and the two
+    caches of every layer get the same fraction of their rows from the rest."""
+    fixed = resident_bytes + source_bytes
+    d, in_bytes, n_ff, down_bytes, k_in, k_out = dip
+    full = d * in_bytes + n_ff * down_bytes
+    if budget_bytes is None:
+        frac, scratch = 1.0, (0, 0)
+    else:
+        scratch = (k_in, k_out)
+        frac = (budget_bytes - fixed - k_in * in_bytes - k_out * down_bytes) / n_layers / full
+        if frac < 0:
+            raise budget_too_small(budget_bytes, fixed + k_in * in_bytes + k_out * down_bytes)
+    frac = min(frac, 1.0)
+    return Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
+                0, 0, window, (int(frac * d), int(frac * n_ff)), (in_bytes, down_bytes), scratch)
+
+
+def _calibrated_plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n, window, req):
+    """Req_i (calibration, paper §3.3): layer i's cache is sized by what its window needs; a budget
+    scales all of them down alike, and one scratch of a token's worth streams the overflow."""
+    fixed = resident_bytes + source_bytes
+    req, one_token = req
+    if budget_bytes is None:
+        caps, scratch = [min(n, r) for r in req], 0
+    else:
+        scratch = min(n, one_token)  # a token never needs more than cache + scratch
+        rows = (budget_bytes - fixed) // neuron_bytes - scratch
+        if rows < n_layers:
+            raise budget_too_small(budget_bytes, fixed)
+        scale = min(1.0, rows / max(sum(req), 1))
+        caps = [max(1, min(n, int(r * scale))) for r in req]
+    plan = Plan(mode, budget_bytes, resident_bytes, source_bytes, neuron_bytes, n_layers, n,
+                0, scratch, window, capacities=caps)
+    return _check(plan, budget_bytes, mode)
+
+
 def _check(plan, budget_bytes, mode):
     if budget_bytes is not None and plan.weights_bytes > budget_bytes:
-        reason = f"--mode {mode} needs {plan.weights_bytes / 1e6:.1f} MB of weights in DRAM"
-        raise BudgetTooSmall(
-            f"{reason}, over the budget of {budget_bytes / 1e6:.1f} MB" + ("; try --mode flash" if mode != "flash" else ""),
-            budget_bytes, plan.weights_bytes, reason)
+        raise over_budget(mode, plan.weights_bytes, budget_bytes)
     return plan
+
+
+def over_budget(mode, need, budget):
+    """The error for a plan of `mode` that needs `need` bytes of weights, over `budget`."""
+    reason = f"--mode {mode} needs {need / 1e6:.1f} MB of weights in DRAM"
+    return BudgetTooSmall(f"{reason}, over the budget of {budget / 1e6:.1f} MB" + ("; try --mode flash" if mode != "flash" else ""),
+                          budget, need, reason)
 
 
 def budget_too_small(budget, fixed):

@@ -23,13 +23,13 @@ from ..io import FlashReader
 from ..layout.format import check_file, read_checksums, read_tables
 from ..layout.quant import value_shapes
 from ..models.ffn import layer_ffn
-from ..plan.cost import resident_computed
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, budget_too_small, make_plan, parse_budget
 from .config import FlashConfig, keep_quantized, packed_ffn_rows, staged_caches
 from .stores.attention import buffer_shape
 from .stores.embedding import check_streamable, input_embedding
 from .stores.base import cpu_kernels, read_layer_file
+from .work import exact_work, resident_computed
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -76,6 +76,9 @@ class Runtime:
     batch: int = 1  # the sequences its --memory-limit plan decodes together (auto priced their decode step)
     embedding: object = None  # stores.embedding.EmbeddingStore: the input embedding read from flash
     tied_embeddings: bool = False  # the input embedding is the output head too (held whole)
+    # the planner (mlx_flash.plan, handed in by the loader: the runtime never imports it): its cost
+    # model predicts this runtime's token, its chooser picks --mode auto's plan
+    planner: object = None
 
     @property
     def mode(self):
@@ -86,7 +89,6 @@ class Runtime:
         of a batch's decode step of `positions` sequences, or None (flash mode: its reads depend
         on the sparsity, not on the plan alone)."""
         from ..io.reader import DEFAULT_MAX_READ
-        from ..plan.cost import exact_work
 
         plan = plan or self.plan
         if plan.mode == "flash" or self.resident_work is None:
@@ -98,11 +100,10 @@ class Runtime:
                           bundled=self.config.bundled, positions=positions)
 
     def predict(self, profile):
-        """The cost model's prediction for this runtime's plan (None in flash mode)."""
-        from ..plan.cost import predict
-
+        """The cost model's prediction for this runtime's plan (None in flash mode, or with no
+        planner handed in)."""
         work = self.work()
-        return None if work is None else predict(work, profile)
+        return None if work is None or self.planner is None else self.planner.predict(work, profile)
 
     def stats(self, disk_gbs=None):
         """{"tokens": per-pass rows, "summary": ...}: the paper's Table 3 columns, the budget,
@@ -130,10 +131,8 @@ class Runtime:
                                              "buffer_bytes": self.embedding.weights_bytes}
         if self.memory is not None:
             summary["memory_limit"] = self.memory.as_dict()
-        from ..plan.cost import predict_at_disk_rate
-        from ..plan.profile import load_profile
-
-        profile = load_profile()  # (a cached one: --stats never measures the machine)
+        # (a cached profile: --stats never measures the machine)
+        profile = self.planner.load_profile() if self.planner is not None else None
         try:
             prediction = self.predict(profile) if profile is not None else None
         except FlashError:  # (a profile without this weight form's rate: no prediction)
@@ -142,7 +141,7 @@ class Runtime:
             summary["predicted"] = prediction.as_dict()
             work = self.work()
             if disk_gbs is not None and work.read_bytes:
-                at = predict_at_disk_rate(work, profile, disk_gbs)
+                at = self.planner.predict_at_disk_rate(work, profile, disk_gbs)
                 summary["predicted_at_run_disk"] = at.as_dict() | {
                     "disk_gbs": disk_gbs, "profile_disk_gbs": profile.disk_gbs(work.read_size)}
         rows = []
@@ -221,7 +220,7 @@ def dense_need(folder, manifest, config, rows16=True):
     resident, _, _, _ = _header_resident(folder, manifest, config)
     dtype = compute_dtype(config, manifest)
     held_ffn = config.held_dtype(manifest.dtype, dtype) == "float16"
-    # (auto compares dense with float16 rows too where the resident weights stay at float32: _choose)
+    # (auto compares dense with float16 rows too where the resident weights stay at float32)
     rows = {held_ffn, held_ffn or (rows16 and may_hold_float16(config, manifest))}
     dense = min(exact_plan("dense", manifest, config, DTYPES[dtype], ResidentWeights(resident, 0, 0), None,
                            r)[0].weights_bytes for r in rows)
@@ -451,12 +450,15 @@ def _kv_read(kv, max_read):
     return nbytes, min(size, max_read), round(nbytes / size) if size else 0
 
 
-def build_runtime(model, folder, manifest, config, resident, source=None, progress=False, batch=1):
+# long: the one assembly point, read top to bottom: each store built beside the accounting of its memory
+def build_runtime(model, folder, manifest, config, resident, source=None, progress=False, batch=1, planner=None):
     """-> Runtime, also set as `model.runtime`, its store attached to every FlashFFN.
 
     source: a sparsity source object for the flash mode instead of config.sparsity's
     (the paper benchmark's traces). batch: the sequences a --memory-limit plan decodes
-    together (its MemoryPlan's): --mode auto compares the plans by their decode step."""
+    together (its MemoryPlan's): --mode auto compares the plans by their decode step.
+    planner: mlx_flash.plan (the runtime does not import the planner; the loader hands it in):
+    --mode auto's chooser (choose_exact) and the cost model the Runtime's predictions use."""
     from .config import DEFAULTS_BY_NAME
 
     for name in ("expert_eviction", "expert_predictor"):
@@ -487,9 +489,12 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     embedding = _embedding_store(model, folder, manifest, config, dtype, resident, streamed)
     resident = _with_streamed(resident, "embedding_bytes", embedding)
     if config.mode == "auto":
+        if planner is None:
+            raise FlashError("--mode auto: build_runtime needs the planner (load() passes mlx_flash.plan)")
         rows16 = not held_ffn and may_hold_float16(config, manifest)
-        choice = _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs,
-                         resident_work, _streamed_read(attention, embedding), batch)
+        plan_of = _auto_plan_of(manifest, config, dtype, resident, budget, held_ffn, tables, ffn_crcs)
+        choice = planner.choose_exact(config, budget, plan_of, rows16, lay, resident_work,
+                                      _streamed_read(attention, embedding), batch)
         config = replace(config, mode=choice.mode)
         held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
@@ -530,41 +535,20 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
                       budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work,
                       attention=attention, streamed=streamed, batch=batch, embedding=embedding,
-                      tied_embeddings=not any(n.endswith("lm_head") for n, _ in model.named_modules()))
+                      tied_embeddings=not any(n.endswith("lm_head") for n, _ in model.named_modules()),
+                      planner=planner)
     model.runtime = runtime
     return runtime
 
 
-def _choose(manifest, config, dtype, resident, budget, held_ffn, rows16, tables, ffn_crcs, resident_work,
-            attention_read=(0, 0), batch=1):
-    """--mode auto's Choice (plan/choose.py): the exact plans that fit, each predicted by the
-    cost model where this machine's profile is cached (never measured here), for a decode step
-    of `batch` sequences. rows16: dense and hybrid are compared with their FFN rows
-    held at float16 too."""
-    from ..io.reader import DEFAULT_MAX_READ
-    from ..plan.choose import choose_mode, variants
-    from ..plan.cost import exact_work, predict
-    from ..plan.profile import load_profile
-
-    lay = manifest.layout
-
+def _auto_plan_of(manifest, config, dtype, resident, budget, held_ffn, tables, ffn_crcs):
+    """--mode auto: a candidate (plan/choose.py's Candidate) -> (its Plan, whether its rows are
+    packed, ...) as exact_plan says, with what that plan holds beside the resident weights."""
     def plan_of(c):
         extra = (tables,) if c.mode == "dense" else (tables, ffn_crcs())
         return exact_plan(c.mode, manifest, config, dtype, _with_extra(resident, *extra), budget,
                           held_ffn or c.rows16, hold_most=True)
-
-    profile = load_profile() if budget is not None else None
-
-    def predict_of(c):
-        if profile is None:
-            return None
-        try:
-            return predict(exact_work(c.plan, lay, c.packed, resident_work, DEFAULT_MAX_READ, attention_read,
-                                      bundled=config.bundled, positions=batch), profile)
-        except FlashError:  # (a profile without this weight form's rate)
-            return None
-
-    return choose_mode(config, budget, plan_of, variants(rows16), predict_of)
+    return plan_of
 
 
 def _resident_arena(model):
@@ -651,7 +635,8 @@ def rebuild_runtime(model, config, source=None):
     (the paper benchmark runs many configurations on one loaded model)."""
     old = model.runtime
     old.close()
-    runtime = build_runtime(model, old.folder, old.manifest, config, old.resident, source=source)
+    runtime = build_runtime(model, old.folder, old.manifest, config, old.resident, source=source,
+                            planner=old.planner)
     runtime.memory = old.memory if config.memory_budget == old.config.memory_budget else None
     return runtime
 

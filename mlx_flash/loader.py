@@ -159,9 +159,8 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
     """config.json -> (the family's model, its resident modules quantized as config.json says but no
     weights loaded yet; the tokenizer; ModelArgs). Under --memory-limit, a limit that cannot hold the
     runtime, the tokenizer's load and `loaded_bytes()` of the resident file is an error first."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     from .models import model_args
+    from .tokenizer import load_tokenizer
 
     try:
         model_config = json.loads((folder / "config.json").read_text())

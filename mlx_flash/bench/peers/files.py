@@ -218,7 +218,7 @@ INSTRUCTION = "Read this passage, then continue the story in detail: what do the
 
 def prompt_ids(folder, n_tokens):
     """A fixed prompt of about n_tokens (chat template included) as token ids, and its text."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from ...tokenizer import load_tokenizer
 
     config = json.loads((Path(folder) / "config.json").read_text())
     tok = load_tokenizer(Path(folder), eos_token_ids=config.get("eos_token_id"))

@@ -112,6 +112,82 @@ class BatchResult:
         return self.generation_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+def _batch_ids(model, tokenizer, prompts):
+    """The prompts' token ids (strings encoded), each checked: not empty, in the vocabulary."""
+    from .errors import FlashError
+
+    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    for i, p in enumerate(ids):
+        if not p:
+            raise FlashError(f"batch_generate: prompt {i + 1} is empty")
+        check_token_ids(model, p, f"batch_generate: prompt {i + 1}")
+    return ids
+
+
+def _batch_prefill_step(memory, n, longest, max_tokens, step):
+    """The prompts' prefill step: under --memory-limit its plan's, whose KV caches must hold the
+    batch (n sequences of the longest prompt + max_tokens); else `step`."""
+    from .errors import FlashError
+
+    if memory is None:
+        return step
+    if n > memory.batch:
+        raise FlashError(f"{n} prompts, and the --memory-limit plan holds KV caches for {memory.batch}: load with "
+                         f"batch_size={n} (generate --batch-file sets it), or decode them in groups of {memory.batch}")
+    if longest + max_tokens > memory.context:
+        raise FlashError(f"the longest prompt ({longest} tokens) + max_tokens ({max_tokens}) exceed the "
+                         f"{memory.context} tokens of context the --memory-limit plan holds for each sequence: "
+                         "raise --ctx-size or shorten them")
+    return memory.prefill_step
+
+
+def _decode_batch(model, cache, y, ids, max_tokens, sampler, processors, ends):
+    """Decode steps of every sequence at once after its prompt (y: each one's last token) until each
+    has max_tokens or its end token (a finished sequence rides along) -> (each sequence's tokens,
+    why each ended, the steps)."""
+    import mlx.core as mx
+
+    n = len(ids)
+    out = [[] for _ in ids]
+    reasons = ["length"] * n
+    done = [False] * n
+    steps = 0
+    history = [list(p) for p in ids]
+    while steps < max_tokens and not all(done):
+        logits = model(y, cache=cache)[:, -1, :]
+        if processors:
+            logits = mx.concatenate([_process(processors, history[i], logits[i: i + 1]) for i in range(n)])
+        nxt = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        picked = nxt.tolist()
+        steps += 1
+        for i, t in enumerate(picked):
+            if done[i]:
+                continue
+            history[i].append(t)
+            if t in ends:
+                done[i], reasons[i] = True, "stop"
+                continue
+            out[i].append(t)
+            if len(out[i]) == max_tokens:
+                done[i] = True
+        y = nxt.reshape(n, 1)
+    return out, reasons, steps
+
+
+def _reads_per_step(stats_rows, before, n):
+    """The bytes and reads of a decode pass: the mean over the runtime's stats rows since `before`
+    of the passes of one position a sequence ({}: no stats, or none read)."""
+    if stats_rows is None:
+        return {}
+    stats_rows.end()
+    # the decode passes: one position per sequence (a prompt chunk's: its length each)
+    passes = [r for r in stats_rows.rows[before:] if r["tokens"] <= n]
+    if not passes:
+        return {}
+    return {"bytes_per_step": float(np.mean([r["bytes_read"] for r in passes])),
+            "reads_per_step": float(np.mean([r["reads"] for r in passes]))}
+
+
 def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwargs):
     """Decode many prompts together: left-padded to the longest, one batched KV cache allocated
     once for the longest prompt plus max_tokens, the prompts fed in chunks, then every decode
@@ -139,23 +215,10 @@ def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwarg
     if getattr(config, "kv_bits", None) is not None:
         raise FlashError("--kv-bits quantizes one sequence's KV cache: a batch's is held at the compute dtype")
     kwargs = _split_sampling(kwargs)
-    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    for i, p in enumerate(ids):
-        if not p:
-            raise FlashError(f"batch_generate: prompt {i + 1} is empty")
-        check_token_ids(model, p, f"batch_generate: prompt {i + 1}")
+    ids = _batch_ids(model, tokenizer, prompts)
     n, longest = len(ids), max(len(p) for p in ids)
-    step = kwargs.get("prefill_step_size", 2048)
-    memory = getattr(runtime, "memory", None)
-    if memory is not None:
-        if n > memory.batch:
-            raise FlashError(f"{n} prompts, and the --memory-limit plan holds KV caches for {memory.batch}: load with "
-                             f"batch_size={n} (generate --batch-file sets it), or decode them in groups of {memory.batch}")
-        if longest + max_tokens > memory.context:
-            raise FlashError(f"the longest prompt ({longest} tokens) + max_tokens ({max_tokens}) exceed the "
-                             f"{memory.context} tokens of context the --memory-limit plan holds for each sequence: "
-                             "raise --ctx-size or shorten them")
-        step = memory.prefill_step
+    step = _batch_prefill_step(getattr(runtime, "memory", None), n, longest, max_tokens,
+                               kwargs.get("prefill_step_size", 2048))
     sampler = kwargs.get("sampler") or (lambda logprobs: mx.argmax(logprobs, axis=-1))
     processors = kwargs.get("logits_processors") or []
     ends = set(tokenizer.eos_token_ids) if stop else set()
@@ -171,38 +234,9 @@ def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwarg
         model(tokens[:, a: min(a + step, longest - 1)], cache=cache)
         mx.eval([c.state for c in cache])
     t1 = time.perf_counter()
-    out = [[] for _ in ids]
-    reasons = ["length"] * n
-    done = [False] * n
-    y, steps = tokens[:, -1:], 0
-    history = [list(p) for p in ids]
-    while steps < max_tokens and not all(done):
-        logits = model(y, cache=cache)[:, -1, :]
-        if processors:
-            logits = mx.concatenate([_process(processors, history[i], logits[i: i + 1]) for i in range(n)])
-        nxt = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        picked = nxt.tolist()
-        steps += 1
-        for i, t in enumerate(picked):
-            if done[i]:
-                continue
-            history[i].append(t)
-            if t in ends:
-                done[i], reasons[i] = True, "stop"
-                continue
-            out[i].append(t)
-            if len(out[i]) == max_tokens:
-                done[i] = True
-        y = nxt.reshape(n, 1)
+    out, reasons, steps = _decode_batch(model, cache, tokens[:, -1:], ids, max_tokens, sampler, processors, ends)
     t2 = time.perf_counter()
-    per_step = {}
-    if stats_rows is not None:
-        stats_rows.end()
-        # the decode passes: one position per sequence (a prompt chunk's: its length each)
-        passes = [r for r in stats_rows.rows[before:] if r["tokens"] <= n]
-        if passes:
-            per_step = {"bytes_per_step": float(np.mean([r["bytes_read"] for r in passes])),
-                        "reads_per_step": float(np.mean([r["reads"] for r in passes]))}
+    per_step = _reads_per_step(stats_rows, before, n)
     return BatchResult(texts=[tokenizer.decode(t) for t in out], tokens=out, finish_reasons=reasons,
                        prompt_tokens=sum(len(p) for p in ids), prompt_seconds=t1 - t0,
                        generation_tokens=sum(len(t) for t in out), decode_seconds=t2 - t1, steps=steps, **per_step)

@@ -20,7 +20,7 @@ from .errors import BudgetTooSmall, FlashError
 from .home import default_home
 from .layout.format import MANIFEST, check_file, is_flash_folder, read_manifest
 from .layout.schema import missing_parts
-from .io.reader import log_once
+from .io.files import log_once
 from .kernels import kernels_module
 from .models.quantized import dequantize_modules, quantized_modules, use_native_kernels
 from .plan.explain import explain

@@ -4,6 +4,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -35,3 +36,29 @@ def smollm2_gguf():
     if not DEFAULT_GGUF.exists():
         pytest.skip("default GGUF not fetched (make model)")
     return DEFAULT_GGUF
+
+
+class TinyLlama(NamedTuple):
+    flash: Path  # the converted folder (<dir>/flash)
+    hf: Path  # the Hugging Face folder it was converted from (<dir>/hf)
+    config: dict
+    tensors: dict
+    dir: Path  # the fresh temporary folder holding both
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A factory: tiny_llama(name, dtype, dip=False, variant="llama", **overrides) writes a random
+    llama (helpers.make_llama_folder, its config changed by `overrides`) into a fresh temporary
+    folder named after `name`, converts it there at `dtype` (with DIP's orientation where dip)
+    and returns a TinyLlama."""
+    from helpers import make_llama_folder
+
+    from mlx_flash.convert import convert
+
+    def make(name, dtype, dip=False, variant="llama", **overrides):
+        d = tmp_path_factory.mktemp(name)
+        src, cfg, tensors = make_llama_folder(d / "hf", variant, **overrides)
+        return TinyLlama(convert(src, d / "flash", dtype=dtype, progress=False, dip=dip), src, cfg, tensors, d)
+
+    return make

@@ -38,6 +38,7 @@ def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_
     where the CPU has AVX2 or AVX-512, and through BLAS where not (level 0): each prompt gets its
     tokens alone at every level."""
     from mlx_flash import kernels as K
+    from mlx_flash.kernels import passes
 
     module, why = K.kernels_module()
     if module is None:
@@ -58,7 +59,7 @@ def test_a_batch_step_through_the_pass_kernels_decodes_what_each_prompt_decodes_
             module.simd(level)
             for name in calls:
                 calls[name] = 0
-            K._SAID.clear()
+            passes._SAID.clear()
             caplog.clear()
             r = mlx_flash.batch_generate(model, tok, EIGHT, max_tokens=5, stop=False)
             assert r.tokens == alone, level
@@ -81,6 +82,7 @@ def test_a_prompt_goes_through_the_pass_kernels_only_when_asked(smollm2, mode, b
     import mlx.core as mx
 
     from mlx_flash import kernels as K
+    from mlx_flash.kernels import passes
 
     module, why = K.kernels_module()
     if module is None or not K.batched(module):
@@ -93,17 +95,17 @@ def test_a_prompt_goes_through_the_pass_kernels_only_when_asked(smollm2, mode, b
     try:
         ids = tok.encode("The history of the printing press begins in the fifteenth century, when")
         x = mx.array([ids])
-        assert K.PROMPT_PASS == 0
+        assert passes.PROMPT_PASS == 0
         blas = model(x)
         want = greedy(model, ids, 6)
         assert not calls
-        monkeypatch.setattr(K, "PROMPT_PASS", len(ids))
+        monkeypatch.setattr(passes, "PROMPT_PASS", len(ids))
         tiles = model(x)
         assert calls  # (the FFN's rows: through the tiles)
         # the logits (magnitude ~20-30) move by float32 summation order alone (tests/test_quant.py)
         assert mx.abs(tiles - blas).max().item() < 1e-4 * max(1.0, mx.abs(blas).max().item())
         assert greedy(model, ids, 6) == want
-        monkeypatch.setattr(K, "PROMPT_PASS", len(ids) - 1)  # a chunk one longer than it: BLAS
+        monkeypatch.setattr(passes, "PROMPT_PASS", len(ids) - 1)  # a chunk one longer than it: BLAS
         calls.clear()
         model(x)
         assert not calls
@@ -119,18 +121,19 @@ def test_the_profile_s_timing_of_large_batches_leaves_the_fallback_note_to_the_u
     import mlx.core as mx
 
     from mlx_flash import kernels as K
+    from mlx_flash.kernels import passes
 
     module, why = K.kernels_module()
     if module is None:
         pytest.skip(f"native kernels: {why}")
-    monkeypatch.setattr(K, "_SAID", set())
-    x = mx.zeros((K.BATCH_PASS + 8, 1, 64))
+    monkeypatch.setattr(passes, "_SAID", set())
+    x = mx.zeros((passes.BATCH_PASS + 8, 1, 64))
     with caplog.at_level(logging.WARNING, logger="mlx_flash"):
         with K.pass_notes_off():
             assert not K.pass_kernels(module, x)
         assert not [r for r in caplog.records if "not the pass kernels" in r.getMessage()]
         assert not K.pass_kernels(module, x)
-        assert [r for r in caplog.records if f"more than the {K.BATCH_PASS} they take" in r.getMessage()]
+        assert [r for r in caplog.records if f"more than the {passes.BATCH_PASS} they take" in r.getMessage()]
 
 
 def test_batch_on_opt_positions_under_left_padding(tmp_path):

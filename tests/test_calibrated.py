@@ -22,10 +22,8 @@ PROMPT = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    d = tmp_path_factory.mktemp("calibrated")
-    src, cfg, t = make_llama_folder(d / "hf", "llama", intermediate_size=256, num_hidden_layers=4)
-    out = convert(src, d / "flash", dtype="float32", progress=False, dip=True)
+def folder(tiny_llama):
+    out, _, cfg, t, d = tiny_llama("calibrated", "float32", dip=True, intermediate_size=256, num_hidden_layers=4)
     rng = np.random.default_rng(0)
     (d / "cal.txt").write_text(" ".join(rng.choice(WORDS, 3000)))
     section = calibrate_thresholds(out, data=str(d / "cal.txt"), tokens=512, seq_len=64, progress=False,

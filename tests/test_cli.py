@@ -6,9 +6,6 @@ import sys
 
 import pytest
 
-from mlx_flash.convert import convert
-from helpers import make_llama_folder
-
 BIN = os.path.dirname(sys.executable)
 
 
@@ -17,10 +14,9 @@ def run(*args, stdin=None):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli")
-    src, _, _ = make_llama_folder(d / "hf", "llama")
-    return src, convert(src, d / "flash", dtype="float16", progress=False)
+def tiny(tiny_llama):
+    m = tiny_llama("cli", "float16")
+    return m.hf, m.flash
 
 
 def test_generate_cli(tiny):

@@ -20,10 +20,9 @@ def greedy(model, n=10):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dip")
-    src, cfg, t = make_llama_folder(d / "hf", "llama", intermediate_size=256)
-    return convert(src, d / "flash", dtype="float32", progress=False, dip=True), cfg, t
+def folder(tiny_llama):
+    m = tiny_llama("dip", "float32", dip=True, intermediate_size=256)
+    return m.flash, m.config, m.tensors
 
 
 def test_full_density_is_exact_even_when_streaming(folder):

@@ -8,19 +8,15 @@ import sys
 import pytest
 
 import mlx_flash
-from mlx_flash.convert import convert
 from mlx_flash.draft import Acceptance, load_draft, parse_layers
 from mlx_flash.errors import FlashError
-from helpers import make_llama_folder
 
 BIN = os.path.dirname(sys.executable)
 
 
 @pytest.fixture(scope="module")
-def six_layers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("draft")
-    src, _, _ = make_llama_folder(d / "hf", "llama", num_hidden_layers=6)
-    return convert(src, d / "flash", dtype="float32", progress=False)
+def six_layers(tiny_llama):
+    return tiny_llama("draft", "float32", num_hidden_layers=6).flash
 
 
 def test_parse_layers():

@@ -8,18 +8,13 @@ import sys
 
 import pytest
 
-from mlx_flash.convert import convert
-from helpers import make_llama_folder
-
 BIN = os.path.dirname(sys.executable)
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    d = tmp_path_factory.mktemp("err")
-    src, _, _ = make_llama_folder(d / "hf", "llama")
-    flash = convert(src, d / "flash", dtype="float32", progress=False)
-    return d, src, flash
+def folders(tiny_llama):
+    m = tiny_llama("err", "float32")
+    return m.dir, m.hf, m.flash
 
 
 def fails_cleanly(args, expect):

@@ -11,7 +11,6 @@ import mlx.core as mx
 
 import mlx_flash
 from mlx_flash.cli.eval import main as eval_main
-from mlx_flash.convert import convert
 from mlx_flash.eval import tasks
 from mlx_flash.eval.harness import (
     choice_metrics,
@@ -25,7 +24,6 @@ from mlx_flash.eval.harness import (
     tokenize_stream,
 )
 from mlx_flash.eval.tasks import MCItem
-from helpers import make_llama_folder
 
 DATA = tasks.default_data_dir()
 needs_data = pytest.mark.skipif(not (DATA / "SOURCES.md").exists(), reason=f"no data sets at {DATA}")
@@ -35,10 +33,8 @@ TEXT = ("the quick brown fox jumps over the lazy dog. hello world, paris is the 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("eval")
-    src, _, _ = make_llama_folder(d / "src")
-    return convert(src, d / "flash", dtype="float32", progress=False)
+def tiny(tiny_llama):
+    return tiny_llama("eval", "float32").flash
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,13 @@ from mlx_flash.cli import verify as verify_cli
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
 from mlx_flash.layout.format import read_manifest
-from helpers import make_llama_folder
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_llama):
     """(a Hugging Face folder, its conversion): a 2-layer random llama."""
-    d = tmp_path_factory.mktemp("safety")
-    src, _, _ = make_llama_folder(d / "hf", "llama")
-    return src, convert(src, d / "flash", dtype="float32", progress=False)
+    m = tiny_llama("safety", "float32")
+    return m.hf, m.flash
 
 
 def copy_model(flash, tmp_path, name="model"):

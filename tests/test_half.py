@@ -60,10 +60,8 @@ def test_held_neuron_cache_hands_out_float32_rows():
 
 
 @pytest.fixture(scope="module")
-def llama16(tmp_path_factory):
-    d = tmp_path_factory.mktemp("half")
-    src, _, _ = make_llama_folder(d / "hf", "llama", intermediate_size=256)
-    return convert(src, d / "flash", dtype="float16", progress=False)
+def llama16(tiny_llama):
+    return tiny_llama("half", "float16", intermediate_size=256).flash
 
 
 @pytest.fixture(scope="module")

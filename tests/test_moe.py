@@ -346,7 +346,7 @@ def test_a_missing_expert_that_fails_to_read_on_the_worker_is_said_and_forgotten
     """The worker's read of a layer's own missing experts fails (EIO injected): the error names the file
     and reaches the caller from the layer that waits for it; the experts it was reading leave the
     buffer, and the next token reads them again and matches a run that never failed."""
-    from mlx_flash.io.reader import ReadError
+    from mlx_flash.io import ReadError
 
     out = _quantized_moe(tmp_path)
     budget = _budget(out, 9)

@@ -135,16 +135,16 @@ def test_ffn_on_cache_equals_dense_ffn_restricted_to_those_neurons(gated):
 
 
 def test_move_rows_native_matches_numpy():
-    from mlx_flash.io import reader
+    from mlx_flash.io import native
 
     rng = np.random.default_rng(3)
     v = rng.standard_normal((50, 7)).astype(np.float32)
     dst, src = np.array([1, 4, 9]), np.array([40, 45, 49])
     want = v.copy()
     want[dst] = want[src]
-    reader.move_rows(v, dst, src)
+    native.move_rows(v, dst, src)
     assert (v == want).all()
-    mod = reader._native_module()[0]
+    mod = native.native_module()[0]
     if mod is None:
         pytest.skip("native extension not built")
     with pytest.raises(IndexError):

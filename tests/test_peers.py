@@ -210,14 +210,8 @@ def test_float_ggufs_hold_the_float16_values(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_flash(tmp_path_factory):
-    from helpers import make_llama_folder
-
-    from mlx_flash.convert import convert
-
-    d = tmp_path_factory.mktemp("peers")
-    src, _, _ = make_llama_folder(d / "hf", "llama", intermediate_size=256)
-    return convert(src, d / "flash", dtype="float16", progress=False)
+def tiny_flash(tiny_llama):
+    return tiny_llama("peers", "float16", intermediate_size=256).flash
 
 
 def test_several_limits_expand_every_system_without_its_own(tiny_flash):

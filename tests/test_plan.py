@@ -398,7 +398,7 @@ def test_explain_and_stats_show_the_plan_and_the_prediction(smollm2, tmp_path):
                           layer_ms={"dense": {128: 1.0}, "hybrid": {128: 1.0}, "naive": {128: 1.5}}),
                  home / "profile.json")
     r = subprocess.run([sys.executable, "-m", "mlx_flash", "generate", "--model", str(smollm2), "--prompt", "Hi",
-                        "--max-tokens", "4", "--memory-budget", "60MB", "--explain", "--stats"],
+                        "--max-tokens", "4", "--memory-budget", "72MB", "--explain", "--stats"],
                        capture_output=True, text=True, timeout=300, env=_env(home))
     assert r.returncode == 0, r.stderr
     assert "plan: --mode auto: hybrid (the fastest predicted" in r.stderr and "dense   does not fit" in r.stderr, r.stderr
@@ -451,7 +451,7 @@ def test_explain_without_a_profile_says_so(smollm2, tmp_path, monkeypatch, capsy
     """load(explain=True) from Python never measures the machine: with none cached it lists the
     modes, what each holds and reads, and says where predicted times come from."""
     monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "empty"))
-    model, _ = mlx_flash.load(smollm2, memory_budget="60MB", explain=True, progress=False)
+    model, _ = mlx_flash.load(smollm2, memory_budget="72MB", explain=True, progress=False)
     err = capsys.readouterr().err
     assert "plan: --mode auto: hybrid" in err and "(no profile)" in err and "no machine profile is cached" in err
     assert not (tmp_path / "empty" / "profile.json").exists()

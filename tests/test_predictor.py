@@ -22,10 +22,8 @@ def text(seed, n=6000):
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pred")
-    src, _, _ = make_llama_folder(d / "hf", "llama", hidden_act="relu", intermediate_size=256)
-    out = convert(src, d / "flash", dtype="float32", progress=False)
+def calibrated(tiny_llama):
+    out, _, _, _, d = tiny_llama("pred", "float32", hidden_act="relu", intermediate_size=256)
     (d / "cal.txt").write_text(text(0))
     cal = calibrate(out, data=str(d / "cal.txt"), tokens=3072, seq_len=128, rank=64, max_rank=128,
                     epochs=6, progress=False, log=lambda m: None)

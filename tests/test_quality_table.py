@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 
 from mlx_flash.sparsity.calibrate import calibrate
-from mlx_flash.convert import convert
 from mlx_flash.sparsity.allocation import calibrate_thresholds
 from mlx_flash.eval.tasks import MCItem
-from helpers import make_llama_folder
 
 WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
 
@@ -35,10 +33,8 @@ ITEMS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("quality")
-    src, _, _ = make_llama_folder(d / "hf", "llama")  # SwiGLU
-    out = convert(src, d / "flash", dtype="float32", progress=False, dip=True)
+def tiny(tiny_llama):
+    out, _, _, _, d = tiny_llama("quality", "float32", dip=True)  # SwiGLU
     (d / "cal.txt").write_text(words(0, 1500))
     calibrate(out, data=str(d / "cal.txt"), tokens=512, seq_len=64, rank=16, max_rank=16, epochs=1,
               progress=False, log=lambda m: None)

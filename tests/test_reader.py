@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mlx_flash.io import FlashReader, ReadError, logical_block_size, native_available
-from mlx_flash.io.reader import plan_runs
+from mlx_flash.io.plan import plan_runs
 from mlx_flash.layout.format import BundleLayout
 
 BACKENDS = ["native", "python"]
@@ -472,7 +472,7 @@ def test_bundles_bridge_the_readers_gap(disk_dir):
 def _refuse_odirect_at_open(monkeypatch):
     """A file system that refuses O_DIRECT (tmpfs before Linux 6.6, some network
     file systems): open(O_DIRECT) fails with EINVAL."""
-    import mlx_flash.io.reader as reader_mod
+    import mlx_flash.io.files as files_mod
 
     real_open = os.open
 
@@ -481,16 +481,16 @@ def _refuse_odirect_at_open(monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a, **kw)
 
-    monkeypatch.setattr(reader_mod.os, "open", fake_open)
+    monkeypatch.setattr(files_mod.os, "open", fake_open)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux")
 def test_page_cache_fallback_is_logged_once(caplog, monkeypatch, disk_dir, data_file):
-    import mlx_flash.io.reader as reader_mod
+    import mlx_flash.io.files as files_mod
 
     path, data = data_file
     _refuse_odirect_at_open(monkeypatch)
-    reader_mod._logged.discard(("odirect", str(path.parent)))
+    files_mod._logged.discard(("odirect", str(path.parent)))
     with caplog.at_level(logging.WARNING, logger="mlx_flash.io"):
         with FlashReader(threads=2) as r:
             f1, f2 = r.open(path), r.open(path)
@@ -502,11 +502,11 @@ def test_page_cache_fallback_is_logged_once(caplog, monkeypatch, disk_dir, data_
 
 def test_uncached_reads_refused_at_read_time(caplog, disk_dir, backend):
     """open(O_DIRECT) succeeded but reads fail with EINVAL: reopen buffered, retry, log."""
-    import mlx_flash.io.reader as reader_mod
+    import mlx_flash.io.files as files_mod
 
     path, layout, rows = _bundle_file(disk_dir, f"einval_{backend}.bin")
     dst, segs = _segs(layout)
-    reader_mod._logged.discard(("odirect-read", str(path.parent)))
+    files_mod._logged.discard(("odirect-read", str(path.parent)))
     with caplog.at_level(logging.WARNING, logger="mlx_flash.io"):
         with FlashReader(threads=2, backend=backend) as r:
             f = r.open(path)

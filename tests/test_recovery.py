@@ -22,10 +22,8 @@ WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the ca
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    d = tmp_path_factory.mktemp("recovery")
-    src, cfg, t = make_llama_folder(d / "hf", "llama", intermediate_size=256, num_hidden_layers=4)
-    out = convert(src, d / "flash", dtype="float32", progress=False, dip=True)
+def folder(tiny_llama):
+    out, _, cfg, t, d = tiny_llama("recovery", "float32", dip=True, intermediate_size=256, num_hidden_layers=4)
     (d / "cal.txt").write_text(" ".join(np.random.default_rng(0).choice(WORDS, 4000)))
     calibrate_thresholds(out, data=str(d / "cal.txt"), tokens=256, seq_len=32, progress=False, log=lambda m: None)
     logs = []

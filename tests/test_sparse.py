@@ -20,10 +20,8 @@ def greedy(model, n=16):
 
 
 @pytest.fixture(scope="module")
-def relu_llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sparse")
-    src, _, _ = make_llama_folder(d / "hf", "llama", hidden_act="relu", intermediate_size=256)
-    return convert(src, d / "flash", dtype="float16", progress=False)
+def relu_llama(tiny_llama):
+    return tiny_llama("sparse", "float16", hidden_act="relu", intermediate_size=256).flash
 
 
 @pytest.fixture(scope="module")

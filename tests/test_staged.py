@@ -9,22 +9,18 @@ import mlx.core as mx
 
 import mlx_flash
 from mlx_flash.cache import NeuronCache
-from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
 from mlx_flash.runtime import FlashConfig
 from mlx_flash.runtime.config import staged_caches
 from mlx_flash.sparsity.allocation import calibrate_thresholds
-from helpers import make_llama_folder
 
 PROMPT = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
 WORDS = "the quick brown fox jumps over the lazy dog hello world paris is the capital".split()
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    d = tmp_path_factory.mktemp("staged")
-    src, _, _ = make_llama_folder(d / "hf", "llama", intermediate_size=256, num_hidden_layers=4)
-    out = convert(src, d / "flash", dtype="float32", progress=False, dip=True)
+def folder(tiny_llama):
+    out, _, _, _, d = tiny_llama("staged", "float32", dip=True, intermediate_size=256, num_hidden_layers=4)
     (d / "cal.txt").write_text(" ".join(np.random.default_rng(0).choice(WORDS, 2000)))
     calibrate_thresholds(out, data=str(d / "cal.txt"), tokens=256, seq_len=32, progress=False, log=lambda m: None)
     return out

@@ -12,7 +12,7 @@ import mlx_flash
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
-from mlx_flash import kernels as K
+from mlx_flash.kernels import passes as K  # (the pass kernels' caps: BATCH_PASS, PROMPT_PASS, SMALL_PASS)
 from mlx_flash.layout.export import export_hf
 
 model, tok = mlx_flash.load("models/smollm2-135m-instruct", progress=False)

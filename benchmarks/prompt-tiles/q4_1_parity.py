@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx_flash
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_flash import kernels as K
+from mlx_flash.kernels import passes as K  # (the pass kernels' caps: BATCH_PASS, PROMPT_PASS, SMALL_PASS)
 from mlx_flash.convert import convert
 from mlx_flash.models.quantized import dequantize_modules
 from test_quant import _reference_from_gguf

@@ -17,6 +17,8 @@ the limit, so a larger batch holds fewer weights; the model is loaded again when
 size changes (load time is not decode time).
 """
 
+import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -29,6 +31,110 @@ from ..layout.format import read_manifest
 EXACT_MODES = ("naive", "hybrid", "dense")
 
 
+def release_batch_model(held):
+    """Close the held model's runtime and give its memory back (before the next load measures
+    this process's memory as its runtime)."""
+    import mlx.core as mx
+
+    from ..loader import release_heap
+
+    held["model"].runtime.close()
+    held.clear()
+    gc.collect()
+    mx.clear_cache()
+    release_heap()
+
+
+def load_for_batch(held, plans, b, folder, mode, memory_budget, memory_limit, ctx_size, resident_dtype,
+                   random_prompts):
+    """The model for batch size `b`: under a memory limit each size has a plan of its own, else one
+    model serves every size. held: {"key", "model", "tok"} of the loaded one, replaced when it is
+    not that; plans: {key: (budget, weights, cost.Work of one position)} of each plan loaded.
+    A model just loaded runs one short batch, untimed (MLX's kernels and the store's buffers
+    warmed). -> (model, tokenizer)."""
+    import mlx_flash
+
+    key = b if memory_limit is not None else 1
+    if held.get("key") != key:
+        if held:  # (gone before the next load measures this process's memory as its runtime)
+            release_batch_model(held)
+        opts = ({"memory_limit": memory_limit, "batch_size": b, "ctx_size": ctx_size}
+                if memory_limit is not None else
+                {"memory_budget": None if mode == "dense" else memory_budget})
+        model, tok = mlx_flash.load(folder, mode=mode, progress=False, resident_dtype=resident_dtype, **opts)
+        held.update(key=key, model=model, tok=tok)
+        rt = model.runtime
+        plans[key] = (rt.budget_bytes, rt.plan.weights_bytes if rt.plan is not None else None, rt.work())
+        # one short batch, untimed: MLX's kernels and the store's buffers warmed
+        mlx_flash.batch_generate(model, tok, random_prompts(min(b, 2) if memory_limit is not None else 2),
+                                 max_tokens=2, stop=False)
+    return held["model"], held["tok"]
+
+
+def time_batch(model, tokenizer, prompts, tokens, folder):
+    """One batch decoded, `tokens` a sequence -> its figures, with the rate the disk holding
+    `folder` delivered during it."""
+    import mlx_flash
+    from ..io import device
+
+    t, before = time.perf_counter(), device.counters(folder)
+    res = mlx_flash.batch_generate(model, tokenizer, prompts, max_tokens=tokens, stop=False)
+    return {"decode_s": res.decode_seconds, "steps": res.steps,
+            "generated": res.generation_tokens, "prompt_s": res.prompt_seconds,
+            "wall_s": time.perf_counter() - t, "bytes_per_step": res.bytes_per_step,
+            "reads_per_step": res.reads_per_step,
+            # what the disk delivered during the run (its prompt's reads too: the same rows)
+            "disk_gbs": device.rate(before, device.counters(folder))}
+
+
+def batch_rows(batches, runs):
+    """{batch size: its runs} -> a row per size: the runs' medians, the speed against one by one."""
+    rows = []
+    for b in batches:
+        tps = [x["generated"] / x["decode_s"] for x in runs[b]]
+        step_ms = [1e3 * x["decode_s"] / x["steps"] for x in runs[b]]
+        rows.append({"batch": b, "decode_tps": float(np.median(tps)), "step_ms": float(np.median(step_ms)),
+                     "bytes_per_step": float(np.median([x["bytes_per_step"] for x in runs[b]])),
+                     "reads_per_step": float(np.median([x["reads_per_step"] for x in runs[b]])), "runs": runs[b]})
+    base = rows[0]["decode_tps"]
+    for row in rows:
+        row["vs_one_by_one"] = row["decode_tps"] / base
+    return rows
+
+
+def add_batch_prediction(row, work, profile, curves):
+    """The cost model's step for the row's batch size beside the measured one (work: one position's
+    under its plan): at the profile's rates, at each round's disk, and at the rate the disk gave
+    during the row's runs."""
+    from ..plan.cost import predict, predict_at_disk_rate
+
+    work = dataclasses.replace(work, positions=row["batch"])
+    try:
+        pred = predict(work, profile)
+    except FlashError:  # (a profile without one of the plan's weight forms: no prediction)
+        return
+    row["predicted"] = pred.as_dict() | {"batch_priced": pred.batch_priced}
+    row["measured_over_predicted"] = row["step_ms"] / pred.total_ms
+    # again at each round's disk (the median): the model's error apart from the disk's drift
+    # since the profile, as `benchmark paper` gives it; none from a curve whose sizes stop
+    # below the step's reads (files smaller than them: the curve held flat past its last size)
+    at = [predict(work, dataclasses.replace(profile, disk=dict(c))).total_ms for c in curves
+          if c and max(c) >= work.read_size]
+    if at:
+        row["predicted_run_curve_ms"] = float(np.median(at))
+        row["measured_over_predicted_run_curve"] = row["step_ms"] / row["predicted_run_curve_ms"]
+    # and at the rate the device's counters gave while the row's runs read, prompt and decode
+    # (io/device.py; the median of its runs'), as `benchmark paper` gives it: the probe a
+    # minute before can be far from the disk the decode got (a step 1.42x its prediction
+    # at the probed disk)
+    rates = [x["disk_gbs"] for x in row["runs"] if x.get("disk_gbs")]
+    if rates and work.read_bytes:
+        row["decode_disk_gbs"] = float(np.median(rates))
+        got = predict_at_disk_rate(work, profile, row["decode_disk_gbs"])
+        row["predicted_run_disk_ms"] = got.total_ms
+        row["measured_over_predicted_run_disk"] = row["step_ms"] / got.total_ms
+
+
 def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", batches=(1, 16), tokens=4,
                     prompt_tokens=16, rounds=2, seed=0, progress=True, memory_limit=None, profile=None,
                     resident_dtype=None, disk_seconds=1.0):
@@ -36,16 +142,7 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     again from the disk probed at the start of each round (`disk_seconds` a read size, as the
     profile probes it, on the checkpoint's files). resident_dtype: mlx_flash.load's (float16: a
     float16 checkpoint's weights held as stored)."""
-    import dataclasses
-    import gc
-
-    import mlx.core as mx
-
-    import mlx_flash
     from ..convert.random_model import build_checkpoint, shape_config
-    from ..io import device
-    from ..loader import release_heap
-    from ..plan.cost import predict, predict_at_disk_rate
     from ..plan.measure import model_disk_curve
 
     if mode not in EXACT_MODES:
@@ -55,34 +152,13 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
         batches = (1,) + tuple(batches)  # the one-by-one baseline, always in the same run
     folder = build_checkpoint(shape, dtype, progress=progress)
     held = {}  # the loaded model: (batch size it was planned for, model, tokenizer)
-    plans = {}  # batch size -> (budget, weights) of its plan
-    works = {}  # batch size -> cost.Work of one position under its plan
-
-    def model_for(b):
-        key = b if memory_limit is not None else 1
-        if held.get("key") != key:
-            if held:  # (gone before the next load measures this process's memory as its runtime)
-                held["model"].runtime.close()
-                held.clear()
-                gc.collect()
-                mx.clear_cache()
-                release_heap()
-            opts = ({"memory_limit": memory_limit, "batch_size": b, "ctx_size": prompt_tokens + tokens}
-                    if memory_limit is not None else
-                    {"memory_budget": None if mode == "dense" else memory_budget})
-            model, tok = mlx_flash.load(folder, mode=mode, progress=False, resident_dtype=resident_dtype, **opts)
-            held.update(key=key, model=model, tok=tok)
-            rt = model.runtime
-            plans[key] = (rt.budget_bytes, rt.plan.weights_bytes if rt.plan is not None else None)
-            works[key] = rt.work()
-            # one short batch, untimed: MLX's kernels and the store's buffers warmed
-            mlx_flash.batch_generate(model, tok, [rng.integers(1, vocab, prompt_tokens).tolist()
-                                                  for _ in range(min(b, 2) if memory_limit is not None else 2)],
-                                     max_tokens=2, stop=False)
-        return held["model"], held["tok"]
-
+    plans = {}  # batch size -> (budget, weights, cost.Work of one position) of its plan
     vocab = shape_config(shape)["vocab_size"]
     rng = np.random.default_rng(seed)
+
+    def random_prompts(n):
+        return [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(n)]
+
     runs = {b: [] for b in batches}
     # each round's disk, probed as the profile probes it (for the prediction at it); not under a
     # memory limit: the probe's reader threads would leave what a load then measures as its runtime
@@ -101,17 +177,10 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
                           + " GB/s", flush=True)
             order = list(batches) if r % 2 == 0 else list(reversed(batches))
             for b in order:
-                prompts = [rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(b)]
-                model_and_tokenizer = model_for(b)
-                t, before = time.perf_counter(), device.counters(folder)
-                res = mlx_flash.batch_generate(*model_and_tokenizer, prompts, max_tokens=tokens, stop=False)
-                del model_and_tokenizer
-                runs[b].append({"decode_s": res.decode_seconds, "steps": res.steps,
-                                "generated": res.generation_tokens, "prompt_s": res.prompt_seconds,
-                                "wall_s": time.perf_counter() - t, "bytes_per_step": res.bytes_per_step,
-                                "reads_per_step": res.reads_per_step,
-                                # what the disk delivered during the run (its prompt's reads too: the same rows)
-                                "disk_gbs": device.rate(before, device.counters(folder))})
+                prompts = random_prompts(b)
+                runs[b].append(time_batch(*load_for_batch(held, plans, b, folder, mode, memory_budget, memory_limit,
+                                                          prompt_tokens + tokens, resident_dtype, random_prompts),
+                                          prompts, tokens, folder))
                 if progress:
                     x = runs[b][-1]
                     print(f"round {r + 1} batch {b}: {x['generated']} tokens in {x['steps']} steps, "
@@ -120,45 +189,11 @@ def run_batch_bench(shape, dtype="float16", mode="hybrid", memory_budget="50%", 
     finally:
         if held:
             held["model"].runtime.close()
-    rows = []
-    for b in batches:
-        tps = [x["generated"] / x["decode_s"] for x in runs[b]]
-        step_ms = [1e3 * x["decode_s"] / x["steps"] for x in runs[b]]
-        rows.append({"batch": b, "decode_tps": float(np.median(tps)), "step_ms": float(np.median(step_ms)),
-                     "bytes_per_step": float(np.median([x["bytes_per_step"] for x in runs[b]])),
-                     "reads_per_step": float(np.median([x["reads_per_step"] for x in runs[b]])), "runs": runs[b]})
-    base = rows[0]["decode_tps"]
+    rows = batch_rows(batches, runs)
     for row in rows:
-        row["vs_one_by_one"] = row["decode_tps"] / base
-    for row in rows:
-        key = row["batch"] if memory_limit is not None else 1
-        row["budget_bytes"], row["weights_bytes"] = plans[key]
-        if profile is not None and works.get(key) is not None:
-            work = dataclasses.replace(works[key], positions=row["batch"])
-            try:
-                pred = predict(work, profile)
-            except FlashError:  # (a profile without one of the plan's weight forms: no prediction)
-                continue
-            row["predicted"] = pred.as_dict() | {"batch_priced": pred.batch_priced}
-            row["measured_over_predicted"] = row["step_ms"] / pred.total_ms
-            # again at each round's disk (the median): the model's error apart from the disk's drift
-            # since the profile, as `benchmark paper` gives it; none from a curve whose sizes stop
-            # below the step's reads (files smaller than them: the curve held flat past its last size)
-            at = [predict(work, dataclasses.replace(profile, disk=dict(c))).total_ms for c in curves
-                  if c and max(c) >= work.read_size]
-            if at:
-                row["predicted_run_curve_ms"] = float(np.median(at))
-                row["measured_over_predicted_run_curve"] = row["step_ms"] / row["predicted_run_curve_ms"]
-            # and at the rate the device's counters gave while the row's runs read, prompt and decode
-            # (io/device.py; the median of its runs'), as `benchmark paper` gives it: the probe a
-            # minute before can be far from the disk the decode got (a step 1.42x its prediction
-            # at the probed disk)
-            rates = [x["disk_gbs"] for x in row["runs"] if x.get("disk_gbs")]
-            if rates and work.read_bytes:
-                row["decode_disk_gbs"] = float(np.median(rates))
-                got = predict_at_disk_rate(work, profile, row["decode_disk_gbs"])
-                row["predicted_run_disk_ms"] = got.total_ms
-                row["measured_over_predicted_run_disk"] = row["step_ms"] / got.total_ms
+        row["budget_bytes"], row["weights_bytes"], work = plans[row["batch"] if memory_limit is not None else 1]
+        if profile is not None and work is not None:
+            add_batch_prediction(row, work, profile, curves)
     return {"shape": shape, "dtype": dtype, "mode": mode, "resident_dtype": resident_dtype,
             "memory_budget": memory_budget if memory_limit is None else None, "memory_limit": memory_limit,
             "budget_bytes": rows[0]["budget_bytes"], "weights_bytes": rows[0]["weights_bytes"],

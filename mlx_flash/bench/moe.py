@@ -133,12 +133,73 @@ def _decode(model, prompt, tokens, warmup):
     return out
 
 
-def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, rounds=2, warmup=4,
-                  rows=ROWS, out="results/moe", progress=True, home=None, routing="trace", lookahead_width=None):
+def _sizes(folder, lay, top_k, n_files):
+    """The model's bytes as the runtime holds them (what a share is of) and a slot's, from the
+    refusal of a budget of one byte (nothing of the experts read) -> (resident, slot, model bytes)."""
     import mlx.core as mx
 
     import mlx_flash
-    from ..errors import BudgetTooSmall, FlashError
+    from ..errors import BudgetTooSmall
+    from ..runtime.moe import slot_bytes
+
+    slot = slot_bytes(lay, mx.float32)
+    try:
+        mlx_flash.load(folder, memory_budget="1")
+        raise AssertionError("a budget of 1 byte was accepted")
+    except BudgetTooSmall as e:
+        resident = e.needed - top_k * slot
+    model_bytes = resident + n_files * lay.n_experts * slot
+    mx.clear_cache()
+    return resident, slot, model_bytes
+
+
+def _measure_row(folder, options, routing, n_all, lay, top_k, predictor, lookahead_width, prompt, tokens, warmup):
+    """One row's model loaded, its routing driven (trace routing: the same for every row and
+    round), its tokens decoded and measured, the model closed -> (its slots, the measured tokens,
+    the experts it asked for)."""
+    import mlx.core as mx
+
+    import mlx_flash
+
+    model, _ = mlx_flash.load(folder, **options)
+    model.runtime.store.stats.trace = []  # (recorded for the offline policies)
+    if routing == "trace":  # the same routing for every row and round
+        drive_routing(model, RoutingTrace(n_all, lay.n_experts, top_k), predictor, lookahead_width)
+    slots = model.runtime.store.slots
+    measured = _decode(model, prompt, tokens, warmup)
+    trace = list(model.runtime.store.stats.trace)
+    model.runtime.close()
+    del model
+    mx.clear_cache()
+    return slots, measured, trace
+
+
+def _table_row(budget, row, res, gbps):
+    """A row of the table: the medians of its measured tokens (rates over all of them), its floor
+    at the disk's `gbps`."""
+    dt = np.median([t for t, _ in res["tokens"]])
+
+    def median(c):
+        return float(np.median([d[c] for _, d in res["tokens"]]))
+
+    def total(c):  # (rates over all measured tokens)
+        return float(sum(d[c] for _, d in res["tokens"]))
+
+    io, read, wait, pre_s = median("io_s"), median("read_s"), median("wait_s"), median("prefetch_s")
+    read_bytes = median("bytes") + median("prefetched_bytes")
+    asked, pred = total("asked"), total("predicted")
+    return {"budget": budget, "row": row, "slots": res["slots"], "ms_per_token": 1e3 * dt,
+            "tokens_per_s": 1 / dt, "io_ms": 1e3 * (io + wait), "compute_ms": 1e3 * (dt - io - wait),
+            "read_mb_per_token": read_bytes / 1e6, "hit_rate": total("hits") / asked if asked else None,
+            "floor_ms": 1e3 * read_bytes / (gbps * 1e9), "predicted": pred,
+            "precision": total("predicted_used") / pred if pred else None,
+            "cancelled": total("cancelled"),
+            "hidden_share": hidden_share(io, read, wait, pre_s)}
+
+
+def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, rounds=2, warmup=4,
+                  rows=ROWS, out="results/moe", progress=True, home=None, routing="trace", lookahead_width=None):
+    from ..errors import FlashError
 
     if lookahead_width is not None and (routing != "trace" or lookahead_width < 1):
         raise FlashError("lookahead_width: a positive number, with trace routing (the model's routers' look-ahead "
@@ -147,7 +208,6 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     from ..layout.format import read_manifest
     from ..plan.measure import disk_curve
     from ..runtime.budget import parse_budget
-    from ..runtime.moe import slot_bytes
 
     t0 = time.perf_counter()
     folder = build_checkpoint(shape, "q4", home=home, progress=progress)
@@ -159,17 +219,8 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
     cfg = shape_config(shape)
     top_k = cfg["num_experts_per_tok"]
     prompt = [1, 2, 3, 4]
-    # the model's bytes as the runtime holds them (what a share is of) and a slot's, from the
-    # refusal of a budget of one byte (nothing of the experts read)
-    slot = slot_bytes(lay, mx.float32)
-    try:
-        mlx_flash.load(folder, memory_budget="1")
-        raise AssertionError("a budget of 1 byte was accepted")
-    except BudgetTooSmall as e:
-        resident = e.needed - top_k * slot
+    resident, slot, model_bytes = _sizes(folder, lay, top_k, len(files))
     n_all = len(manifest.experts["files"])  # (layers; ids are layer * n_experts + expert)
-    model_bytes = resident + len(files) * lay.n_experts * slot
-    mx.clear_cache()
     disk = {"at_start": disk_curve(files[:4], [lay.stride], seconds=2.0)[lay.stride]}
     predictor = None
     if routing == "trace":  # EdgeMoE's path statistics, from other tokens of the same generator
@@ -184,42 +235,15 @@ def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, round
             order = list(rows) if r % 2 == 0 else list(reversed(rows))
             for row in order:
                 options = _row_options(row, budget_bytes, resident + top_k * slot)
-                model, _ = mlx_flash.load(folder, **options)
-                model.runtime.store.stats.trace = []  # (recorded for the offline policies)
-                if routing == "trace":  # the same routing for every row and round
-                    drive_routing(model, RoutingTrace(n_all, lay.n_experts, top_k), predictor, lookahead_width)
-                slots = model.runtime.store.slots
-                measured = _decode(model, prompt, tokens, warmup)
-                trace = list(model.runtime.store.stats.trace)
-                model.runtime.close()
-                del model
-                mx.clear_cache()
+                slots, measured, trace = _measure_row(folder, options, routing, n_all, lay, top_k, predictor,
+                                                      lookahead_width, prompt, tokens, warmup)
                 results.setdefault((budget, row), {"slots": slots, "tokens": [], "trace": trace})["tokens"] += measured
                 if progress:
                     ms = 1e3 * np.median([t for t, _ in measured])
                     print(f"[moe] {shape} {budget} {row}: {ms:.0f} ms/token ({slots} slots)", flush=True)
     disk["at_end"] = disk_curve(files[:4], [lay.stride], seconds=2.0)[lay.stride]
-    table = []
     gbps = min(disk.values())
-    for (budget, row), res in results.items():
-        dt = np.median([t for t, _ in res["tokens"]])
-
-        def median(c):
-            return float(np.median([d[c] for _, d in res["tokens"]]))
-
-        def total(c):  # (rates over all measured tokens)
-            return float(sum(d[c] for _, d in res["tokens"]))
-
-        io, read, wait, pre_s = median("io_s"), median("read_s"), median("wait_s"), median("prefetch_s")
-        read_bytes = median("bytes") + median("prefetched_bytes")
-        asked, pred = total("asked"), total("predicted")
-        table.append({"budget": budget, "row": row, "slots": res["slots"], "ms_per_token": 1e3 * dt,
-                      "tokens_per_s": 1 / dt, "io_ms": 1e3 * (io + wait), "compute_ms": 1e3 * (dt - io - wait),
-                      "read_mb_per_token": read_bytes / 1e6, "hit_rate": total("hits") / asked if asked else None,
-                      "floor_ms": 1e3 * read_bytes / (gbps * 1e9), "predicted": pred,
-                      "precision": total("predicted_used") / pred if pred else None,
-                      "cancelled": total("cancelled"),
-                      "hidden_share": hidden_share(io, read, wait, pre_s)})
+    table = [_table_row(budget, row, res, gbps) for (budget, row), res in results.items()]
     simulated = _simulate(results, n_all, lay, top_k)
     naive = {e["budget"]: e["ms_per_token"] for e in table if e["row"] == "naive"}
     for e in table:

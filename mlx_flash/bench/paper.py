@@ -38,6 +38,7 @@ import json
 import platform
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -340,6 +341,144 @@ def row_name(config, dtype, dtypes):
     return config if len(dtypes) == 1 else f"{config} [{dtype}]"
 
 
+def measure_machine(first, subjects, disk_seconds, log):
+    """The disk (uncached random reads of the first checkpoint, at every read size the subjects'
+    rows make) and the memory bandwidth -> (files, chunk sizes, disk curve, memory GB/s, float32
+    matvec GB/s)."""
+    lay = first.manifest.layout
+    log("measuring the disk (uncached random reads of the checkpoint) and memory bandwidth")
+    files = [first.folder / e["file"] for e in first.manifest.ffn_files]
+    chunks = sorted({4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB}
+                    | {b for s in subjects for b in (s.manifest.layout.bundle_bytes,
+                                                    s.manifest.layout.kind_bytes(lay.kinds[0]))})
+    curve = disk_curve(files, chunks, seconds=disk_seconds)
+    mv_bw = matvec_bandwidth(lay.n_neurons, lay.d_model)
+    mem_bw = max(memory_bandwidth(), mv_bw)  # the fastest the weights were seen to stream
+    log("disk GB/s: " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items())
+        + f"; memory {mem_bw:.1f} GB/s (sum), {mv_bw:.1f} GB/s (float32 matvec)")
+    return files, chunks, curve, mem_bw, mv_bw
+
+
+def cached_profile(log):
+    """The machine profile the rows' predictions use, or None (said)."""
+    from ..plan.profile import load_profile
+
+    profile = load_profile()
+    if profile is None:
+        log("no machine profile is cached: no cost-model prediction beside the rows (mlx_flash.benchmark profile)")
+    return profile
+
+
+def measure_row(sub, config, name, attach_to, prompt, tokens, warmup, mem_bw, curve, profile, run_curve,
+                round_text, log):
+    """One row of one round on the subject's loaded model: a fresh runtime for `config`, its
+    warm-up, its measured decode tokens (a quarter of `tokens` for naive / hybrid), summarized with
+    its floor and the cost model's times; the runtime released -> (the row, the memory GB/s
+    measured for it)."""
+    lay = sub.manifest.layout
+    store = attach_to(sub.model, config)
+    plan = store.plan
+    sparse = CONFIGS[row_config(config)[0]][0] == "flash"
+    n_tok = tokens if sparse else max(1, tokens // 4)
+    n_warm = warmup if sparse else 1
+    bw = max(mem_bw, matvec_bandwidth(lay.n_neurons, lay.d_model))  # now, for this row
+    log(f"{round_text} {name}: {n_warm} warm-up + {n_tok} decode tokens")
+    r, walls, disk_gbs = decode(sub.model, store, prompt, n_warm, n_tok, sub.folder)
+    src_stats = sub.model.runtime.source.stats if sub.model.runtime.source is not None else None
+    row = summarize(name, r, walls, store, plan, sub.resident_bytes, curve, bw, src_stats)
+    row["dtype"] = sub.dtype
+    add_prediction(row, sub.model.runtime, store, profile, disk_gbs, run_curve)
+    log(f"  {row['total_ms']:.0f} ms/token: I/O {row['io_ms']:.0f}, mem {row['mem_ms']:.0f}, "
+        f"predictor {row['predict_ms']:.0f}, compute {row['compute_ms']:.0f}; "
+        f"{row['flash_to_dram_gb']:.3f} GB read at {row['throughput_gbs']:.2f} GB/s; "
+        f"floor {row['floor_ms']:.0f} ms (memory {bw:.1f} GB/s)")
+    del store, plan  # its caches go with the runtime, not at the next row's attach
+    release(sub.model)
+    return row, bw
+
+
+def median_rows(per, curve, best_bw):
+    """{row name: its rounds' rows} -> one row per name: each round refloored with the best disk
+    curve and memory bandwidth the run saw, then their medians."""
+    for rs in per.values():
+        for r in rs:
+            refloor(r, curve, best_bw)
+    rows = [median_row(per[name]) for name in per]
+    for r in rows:  # (the median time over the median prediction, not the median of the ratios)
+        if r.get("predicted_ms"):
+            r["measured_over_predicted"] = r["total_ms"] / r["predicted_ms"]
+        if r.get("predicted_run_disk_ms"):
+            r["measured_over_predicted_run_disk"] = r["total_ms"] / r["predicted_run_disk_ms"]
+        if r.get("predicted_run_curve_ms"):
+            r["measured_over_predicted_run_curve"] = r["total_ms"] / r["predicted_run_curve_ms"]
+    return rows
+
+
+def measure_rows(subjects, configs, dtypes, rounds, attach_to, prompt, tokens, warmup, mem_bw, disk, profile, log):
+    """Every configuration's row for every subject, round after round (the rows alternate: a
+    shared machine drifts), the disk measured again each round. disk: (files, chunk sizes,
+    seconds a size, the curve measured at the start). -> (the rows, their rounds' medians; the
+    disk curves of the rounds; the best curve; the best memory GB/s; the curves measured a layer's
+    reads at a time, as the profile measures them)."""
+    files, chunks, disk_seconds, curve = disk
+    names = [(c, s) for s in subjects for c in configs]  # a subject's rows together: one model at a time
+    per = {row_name(c, s.dtype, dtypes): [] for c, s in names}
+    curves, best_bw, layer_curves = [curve], mem_bw, []
+    for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
+        if rnd:  # the disk again: the floor takes the best the device showed in the run (other offsets
+            # each probe: a cache below the guest's, a VM host's or the drive's, would serve a repeat)
+            curves.append(disk_curve(files, chunks, seconds=disk_seconds, seed=rnd))
+            curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
+            log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
+        # and as the profile measures it (a layer's reads at a time, the sizes in turn three times,
+        # medians: a short stall of the disk then spoils one pass, not a size), for the prediction
+        # at this round's disk: the disk's drift since the profile set apart from the model's error
+        if profile is not None:
+            layer_curves.append(model_disk_curve(files, chunks, seconds=disk_seconds, seed=100 + rnd))
+        for config, sub in names:
+            for other in subjects:
+                if other is not sub and len(subjects) > 1:
+                    close_subject(other)
+            open_subject(sub)  # (no local name for the model: a closed subject's must be freed)
+            row, bw = measure_row(sub, config, row_name(config, sub.dtype, dtypes), attach_to, prompt, tokens,
+                                  warmup, mem_bw, curve, profile, layer_curves[-1] if layer_curves else None,
+                                  f"[round {rnd + 1}/{rounds}]", log)
+            per[row["config"]].append(row)
+            best_bw = max(best_bw, bw)
+    return median_rows(per, curve, best_bw), curves, curve, best_bw, layer_curves
+
+
+def figure7(model, attach_to, windows, d_model, window_tokens, log):
+    """Figure 7: the store alone under "all" at each window size -> a row per window."""
+    fig7 = []
+    for w in windows or ():
+        store = attach_to(model, "all", window=w)
+        r = drive_store(store, d_model, window_tokens)
+        fig7.append({"window": w, "io_ms": float(np.mean([x["io_ms"] for x in r])),
+                     "mem_ms": float(np.mean([x["mem_ms"] for x in r])),
+                     "load_ms": float(np.mean([x["total_ms"] for x in r])),
+                     "flash_to_dram_gb": float(np.mean([x["bytes_read"] for x in r])) / 1e9,
+                     "ffn_dram_gb": store.held_rows * store.plan.neuron_bytes / 1e9,
+                     "window_kept": float(np.mean([x["window"] for x in r]))})
+        log(f"window {w}: FFN in DRAM {fig7[-1]['ffn_dram_gb']:.2f} GB, "
+            f"{fig7[-1]['flash_to_dram_gb'] * 1e3:.0f} MB/token, I/O {fig7[-1]['io_ms']:.0f} ms")
+        release(model)
+    return fig7
+
+
+def figure8(model, attach_to, long_tokens, d_model, log):
+    """Figure 8: the store alone under "all" for `long_tokens` tokens -> a row per token ([]: none)."""
+    fig8 = []
+    if long_tokens:
+        store = attach_to(model, "all")
+        log(f"long generation: {long_tokens} tokens through the store")
+        r = drive_store(store, d_model, long_tokens)
+        fig8 = [{"token": i, "io_ms": x["io_ms"], "mem_ms": x["mem_ms"],
+                 "flash_to_dram_mb": x["bytes_read"] / 1e6} for i, x in enumerate(r)]
+        release(model)
+    return fig8
+
+
 def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup=6, rounds=2,
         prompt_tokens=8, configs=tuple(CONFIGS), windows=(0, 1, 2, 3, 4, 5, 6, 8),
         window_tokens=12, long_tokens=1000, threads=READ_THREADS, predictor_rank=128, active=0.03,
@@ -365,16 +504,7 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
     model_bytes = model_float32_bytes(first.folder)
     budget_text, memory_budget = memory_budget, str(parse_budget(memory_budget, model_bytes))
 
-    log("measuring the disk (uncached random reads of the checkpoint) and memory bandwidth")
-    files = [first.folder / e["file"] for e in first.manifest.ffn_files]
-    chunks = sorted({4 * KiB, 8 * KiB, 16 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB}
-                    | {b for s in subjects for b in (s.manifest.layout.bundle_bytes,
-                                                    s.manifest.layout.kind_bytes(lay.kinds[0]))})
-    curve = disk_curve(files, chunks, seconds=disk_seconds)
-    mv_bw = matvec_bandwidth(lay.n_neurons, lay.d_model)
-    mem_bw = max(memory_bandwidth(), mv_bw)  # the fastest the weights were seen to stream
-    log("disk GB/s: " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items())
-        + f"; memory {mem_bw:.1f} GB/s (sum), {mv_bw:.1f} GB/s (float32 matvec)")
+    files, chunks, curve, mem_bw, mv_bw = measure_machine(first, subjects, disk_seconds, log)
 
     trace = TraceModel(n_layers, lay.n_neurons, active=active, new=new, k=k)
     trace_stats = trace.statistics()
@@ -382,92 +512,21 @@ def run(shape="opt-6.7b", dtype="float32", memory_budget="50%", tokens=8, warmup
         f"window union {trace_stats['union']:.1%}")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 256, prompt_tokens).tolist()
-    from ..plan.profile import load_profile
-
-    profile = load_profile()
-    if profile is None:
-        log("no machine profile is cached: no cost-model prediction beside the rows (mlx_flash.benchmark profile)")
+    profile = cached_profile(log)
+    attach_to = partial(attach, trace=trace, budget=memory_budget, threads=threads, predictor_rank=predictor_rank,
+                        verify=verify)
 
     for config in configs:
         row_config(config)
-    names = [(c, s) for s in subjects for c in configs]  # a subject's rows together: one model at a time
-    per = {row_name(c, s.dtype, dtypes): [] for c, s in names}
-    curves, best_bw, layer_curves = [curve], mem_bw, []
-    for rnd in range(rounds):  # rounds alternate the rows: a shared machine drifts
-        if rnd:  # the disk again: the floor takes the best the device showed in the run (other offsets
-            # each probe: a cache below the guest's, a VM host's or the drive's, would serve a repeat)
-            curves.append(disk_curve(files, chunks, seconds=disk_seconds, seed=rnd))
-            curve = {c: max(cv[c] for cv in curves) for c in curves[0]}
-            log("disk GB/s (best so far): " + ", ".join(f"{c // KiB} KiB {v:.2f}" for c, v in curve.items()))
-        # and as the profile measures it (a layer's reads at a time, the sizes in turn three times,
-        # medians: a short stall of the disk then spoils one pass, not a size), for the prediction
-        # at this round's disk: the disk's drift since the profile set apart from the model's error
-        if profile is not None:
-            layer_curves.append(model_disk_curve(files, chunks, seconds=disk_seconds, seed=100 + rnd))
-        for config, sub in names:
-            name = row_name(config, sub.dtype, dtypes)
-            for other in subjects:
-                if other is not sub and len(subjects) > 1:
-                    close_subject(other)
-            open_subject(sub)  # (no local name for the model: a closed subject's must be freed)
-            store = attach(sub.model, config, trace, memory_budget, threads, predictor_rank, verify=verify)
-            plan = store.plan
-            sparse = CONFIGS[row_config(config)[0]][0] == "flash"
-            n_tok = tokens if sparse else max(1, tokens // 4)
-            n_warm = warmup if sparse else 1
-            bw = max(mem_bw, matvec_bandwidth(lay.n_neurons, lay.d_model))  # now, for this row
-            log(f"[round {rnd + 1}/{rounds}] {name}: {n_warm} warm-up + {n_tok} decode tokens")
-            r, walls, disk_gbs = decode(sub.model, store, prompt, n_warm, n_tok, sub.folder)
-            src_stats = sub.model.runtime.source.stats if sub.model.runtime.source is not None else None
-            row = summarize(name, r, walls, store, plan, sub.resident_bytes, curve, bw, src_stats)
-            row["dtype"] = sub.dtype
-            add_prediction(row, sub.model.runtime, store, profile, disk_gbs,
-                           layer_curves[-1] if layer_curves else None)
-            per[name].append(row)
-            best_bw = max(best_bw, bw)
-            log(f"  {row['total_ms']:.0f} ms/token: I/O {row['io_ms']:.0f}, mem {row['mem_ms']:.0f}, "
-                f"predictor {row['predict_ms']:.0f}, compute {row['compute_ms']:.0f}; "
-                f"{row['flash_to_dram_gb']:.3f} GB read at {row['throughput_gbs']:.2f} GB/s; "
-                f"floor {row['floor_ms']:.0f} ms (memory {bw:.1f} GB/s)")
-            del store, plan  # its caches go with the runtime, not at the next row's attach
-            release(sub.model)
-    for rs in per.values():
-        for r in rs:
-            refloor(r, curve, best_bw)
-    rows = [median_row(per[name]) for name in per]
-    for r in rows:  # (the median time over the median prediction, not the median of the ratios)
-        if r.get("predicted_ms"):
-            r["measured_over_predicted"] = r["total_ms"] / r["predicted_ms"]
-        if r.get("predicted_run_disk_ms"):
-            r["measured_over_predicted_run_disk"] = r["total_ms"] / r["predicted_run_disk_ms"]
-        if r.get("predicted_run_curve_ms"):
-            r["measured_over_predicted_run_curve"] = r["total_ms"] / r["predicted_run_curve_ms"]
+    rows, curves, curve, best_bw, layer_curves = measure_rows(
+        subjects, configs, dtypes, rounds, attach_to, prompt, tokens, warmup, mem_bw,
+        (files, chunks, disk_seconds, curve), profile, log)
 
     for sub in subjects[1:]:
         close_subject(sub)
     model = open_subject(first)
-    fig7 = []
-    for w in windows or ():
-        store = attach(model, "all", trace, memory_budget, threads, predictor_rank, window=w, verify=verify)
-        r = drive_store(store, lay.d_model, window_tokens)
-        fig7.append({"window": w, "io_ms": float(np.mean([x["io_ms"] for x in r])),
-                     "mem_ms": float(np.mean([x["mem_ms"] for x in r])),
-                     "load_ms": float(np.mean([x["total_ms"] for x in r])),
-                     "flash_to_dram_gb": float(np.mean([x["bytes_read"] for x in r])) / 1e9,
-                     "ffn_dram_gb": store.held_rows * store.plan.neuron_bytes / 1e9,
-                     "window_kept": float(np.mean([x["window"] for x in r]))})
-        log(f"window {w}: FFN in DRAM {fig7[-1]['ffn_dram_gb']:.2f} GB, "
-            f"{fig7[-1]['flash_to_dram_gb'] * 1e3:.0f} MB/token, I/O {fig7[-1]['io_ms']:.0f} ms")
-        release(model)
-
-    fig8 = []
-    if long_tokens:
-        store = attach(model, "all", trace, memory_budget, threads, predictor_rank, verify=verify)
-        log(f"long generation: {long_tokens} tokens through the store")
-        r = drive_store(store, lay.d_model, long_tokens)
-        fig8 = [{"token": i, "io_ms": x["io_ms"], "mem_ms": x["mem_ms"],
-                 "flash_to_dram_mb": x["bytes_read"] / 1e6} for i, x in enumerate(r)]
-        release(model)
+    fig7 = figure7(model, attach_to, windows, lay.d_model, window_tokens, log)
+    fig8 = figure8(model, attach_to, long_tokens, lay.d_model, log)
 
     return {
         "shape": shape, "flash_dtype": ",".join(dtypes), "compute_dtype": model.runtime.compute_dtype, "verify": verify,

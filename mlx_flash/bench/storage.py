@@ -220,6 +220,60 @@ def _cell(d, chunk, threads):
     return d.setdefault(str(chunk), {}).setdefault(str(threads), {})
 
 
+def measure_grid(res, path, reader_for, chunks, threads, duration, use_fio, rng, echo):
+    """The grid of random uncached reads, FlashReader / fio psync per chunk size and thread count
+    (alternating order), into res; then the latency/throughput model at 32 threads."""
+    echo(f"\ngrid: {duration:.1f} s per cell, FlashReader / fio psync (alternating order); GB/s")
+    for ti, t in enumerate(threads):
+        r, f = reader_for(t, coalesce_gap=-1)
+        line = []
+        for ci, c in enumerate(chunks):
+            fio_first = use_fio and (ti + ci) % 2 == 1  # checkerboard order
+            if fio_first:
+                fm = fio_throughput(path, c, t, duration)
+            m = reader_throughput(r, f, c, duration, rng)
+            _cell(res["flashreader"], c, t).update(m)
+            txt = f"{m['gbps']:.2f}"
+            if use_fio:
+                if not fio_first:
+                    fm = fio_throughput(path, c, t, duration)
+                _cell(res["fio_psync"], c, t).update(fm)
+                txt += f"/{fm['gbps']:.2f}"
+            line.append(f"{fmt_size(c)}: {txt}")
+        echo(f"  {t:>2} threads  " + "  ".join(line))
+    print_tables(res, chunks, threads, echo)
+    at32 = [(c, res["flashreader"][str(c)]["32"]["gbps"]) for c in chunks
+            if "32" in res["flashreader"].get(str(c), {})]
+    model = fit_latency_model(at32) if len(at32) >= 2 else None
+    res["model_32_threads"] = model
+    if model:
+        echo(f"\nlatency/throughput model at 32 threads (1/X = l/chunk + 1/B): "
+             f"l = {model['latency_us']:.2f} us, B = {model['stream_gbps']:.2f} GB/s -> "
+             f"coalescing pays for gaps under l*B = {model['gap_bytes'] / KiB:.1f} KiB "
+             f"(FlashReader default {DEFAULT_COALESCE_GAP / KiB:.0f} KiB)")
+
+
+def measure_overhead(res, path, token_reads, bundle, rng, echo):
+    """Each backend's per-read cost (page-cached), and a token-like batch through the Python
+    pool (uncached) where both backends exist, into res."""
+    ov = per_read_overhead(path, token_reads, bundle, 32)
+    res["per_read_overhead"] = ov
+    echo(f"\nper-read overhead ({token_reads} x {fmt_size(bundle)} bundles, float16 -> "
+         "float32, page-cached, 32 threads):")
+    for b, v in ov.items():
+        echo(f"  {b:>6}: raw read {v['read']['wall_us']:.2f} us wall, "
+             f"{v['read']['cpu_us']:.2f} us CPU; bundle read + convert "
+             f"{v['bundles']['wall_us']:.2f} us wall, {v['bundles']['cpu_us']:.2f} us CPU")
+    if "python" in ov and "native" in ov:
+        # the same uncached token-like batch through the Python pool
+        with FlashReader(threads=32, backend="python") as rp:
+            tb = token_batch(rp, rp.open(path), token_reads, bundle, rng)
+        res["token_batch_python_backend"] = tb
+        echo(f"  token-like batch through the Python pool (uncached): "
+             f"{tb['seconds'] * 1e3:.0f} ms, {tb['gbps']:.3f} GB/s, "
+             f"{tb['cpu_us_per_read']:.1f} us CPU per bundle")
+
+
 def run(path, size=None, chunks=DEFAULT_CHUNKS, threads=DEFAULT_THREADS, duration=1.0,
         repeat=5, acc_duration=2.0, token_reads=12000, bundle=16 * KiB, use_fio=True,
         backend="auto", grid=True, overhead=True, progress=True, echo=print):
@@ -251,53 +305,11 @@ def run(path, size=None, chunks=DEFAULT_CHUNKS, threads=DEFAULT_THREADS, duratio
              f"{'uncached (O_DIRECT/F_NOCACHE)' if f0.direct else 'BUFFERED (figures are the page cache)'}, "
              f"align {f0.align}; load average {os.getloadavg()[0]:.2f}")
         if grid:
-            echo(f"\ngrid: {duration:.1f} s per cell, FlashReader / fio psync (alternating order); GB/s")
-            for ti, t in enumerate(threads):
-                r, f = reader_for(t, coalesce_gap=-1)
-                line = []
-                for ci, c in enumerate(chunks):
-                    fio_first = use_fio and (ti + ci) % 2 == 1  # checkerboard order
-                    if fio_first:
-                        fm = fio_throughput(path, c, t, duration)
-                    m = reader_throughput(r, f, c, duration, rng)
-                    _cell(res["flashreader"], c, t).update(m)
-                    txt = f"{m['gbps']:.2f}"
-                    if use_fio:
-                        if not fio_first:
-                            fm = fio_throughput(path, c, t, duration)
-                        _cell(res["fio_psync"], c, t).update(fm)
-                        txt += f"/{fm['gbps']:.2f}"
-                    line.append(f"{fmt_size(c)}: {txt}")
-                echo(f"  {t:>2} threads  " + "  ".join(line))
-            print_tables(res, chunks, threads, echo)
-            at32 = [(c, res["flashreader"][str(c)]["32"]["gbps"]) for c in chunks
-                    if "32" in res["flashreader"].get(str(c), {})]
-            model = fit_latency_model(at32) if len(at32) >= 2 else None
-            res["model_32_threads"] = model
-            if model:
-                echo(f"\nlatency/throughput model at 32 threads (1/X = l/chunk + 1/B): "
-                     f"l = {model['latency_us']:.2f} us, B = {model['stream_gbps']:.2f} GB/s -> "
-                     f"coalescing pays for gaps under l*B = {model['gap_bytes'] / KiB:.1f} KiB "
-                     f"(FlashReader default {DEFAULT_COALESCE_GAP / KiB:.0f} KiB)")
+            measure_grid(res, path, reader_for, chunks, threads, duration, use_fio, rng, echo)
         res["acceptance"] = acceptance(path, reader_for, token_reads, bundle, repeat,
                                        acc_duration, use_fio, rng, echo)
         if overhead:
-            ov = per_read_overhead(path, token_reads, bundle, 32)
-            res["per_read_overhead"] = ov
-            echo(f"\nper-read overhead ({token_reads} x {fmt_size(bundle)} bundles, float16 -> "
-                 "float32, page-cached, 32 threads):")
-            for b, v in ov.items():
-                echo(f"  {b:>6}: raw read {v['read']['wall_us']:.2f} us wall, "
-                     f"{v['read']['cpu_us']:.2f} us CPU; bundle read + convert "
-                     f"{v['bundles']['wall_us']:.2f} us wall, {v['bundles']['cpu_us']:.2f} us CPU")
-            if "python" in ov and "native" in ov:
-                # the same uncached token-like batch through the Python pool
-                with FlashReader(threads=32, backend="python") as rp:
-                    tb = token_batch(rp, rp.open(path), token_reads, bundle, rng)
-                res["token_batch_python_backend"] = tb
-                echo(f"  token-like batch through the Python pool (uncached): "
-                     f"{tb['seconds'] * 1e3:.0f} ms, {tb['gbps']:.3f} GB/s, "
-                     f"{tb['cpu_us_per_read']:.1f} us CPU per bundle")
+            measure_overhead(res, path, token_reads, bundle, rng, echo)
     finally:
         for r, _ in readers.values():
             r.close()

@@ -30,7 +30,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..io.reader import move_rows
+from ..io.native import move_rows
 
 
 class NeuronCache:

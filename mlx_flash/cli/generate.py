@@ -362,9 +362,11 @@ def build_prompt(tokenizer, prompt, system_prompt=None, ignore_template=False):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
+# long: the command read top to bottom: its body is one closure inside, for run()'s error handling
 def main(argv=None):
     args = build_parser().parse_args(argv)
 
+    # long: one linear pass, read top to bottom: the options checked, the model loaded, the tokens streamed, --stats
     def body():
         import mlx.core as mx
 

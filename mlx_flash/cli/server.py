@@ -55,9 +55,11 @@ def build_parser():
     return p
 
 
+# long: the command read top to bottom: its body is one closure inside, for run()'s error handling
 def main(argv=None):
     args = build_parser().parse_args(argv)
 
+    # long: one linear pass, read top to bottom: each option checked, the model loaded, the server run and stopped
     def body():
         from ..errors import FlashError
         from ..server import Engine, Limits, Server

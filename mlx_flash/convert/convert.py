@@ -254,16 +254,9 @@ def _write_tables(path, tables):
 
 
 
-def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, journal=None, options=None):
-    options = options or QuantOptions()
-    family, args = model_args(src.config)
-    if hasattr(family, "expert_tensors"):  # a mixture of experts: expert bundles (convert/experts.py)
-        from .experts import write_moe_folder
-
-        return write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal, options, family, args)
-    kinds = family.ffn_kinds(args)
-    n_layers = args.num_hidden_layers
-    options.check_layers(n_layers)
+def _ffn_tensor_names(src, family, args, n_layers):
+    """-> ({FFN tensor's name: (layer, kind, transposed)}, {every tensor's canonical name: the
+    source's}); FlashError for an FFN tensor the source lacks."""
     ffn_names = {}
     for layer in range(n_layers):
         for kind, (name, transposed) in family.ffn_tensors(args, layer).items():
@@ -275,7 +268,12 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     missing = [n for n in ffn_names if n not in original]
     if missing:
         raise FlashError(f"source has no tensor {missing[0]} (is config.json right for these weights?)")
+    return ffn_names, original
 
+
+def _precisions(src, original, ffn_names, options, dtype, source_name):
+    """Every tensor's precision (quantize.target) -> ({name: decision}, the FFN's QuantSpec or
+    None, the notes to report)."""
     notes = set()
     decisions = {name: target(src, original[name], src.shape(original[name]), options, dtype, notes)
                  for name in original}
@@ -286,6 +284,11 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     ffn_decisions = {n: decisions[n] for n in ffn_names}
     quant = ffn_spec(ffn_decisions, source_name, notes, bits=options.ffn_bits)
     decisions.update(ffn_decisions)
+    return decisions, quant, notes
+
+
+def _ffn_layouts(src, family, args, original, kinds, quant, dtype, align, source_name):
+    """-> the bundle layouts of the FFN files, DIP's input files and DIP's down files."""
     d_model = args.hidden_size
     first = src.shape(original[family.ffn_tensors(args, 0)[kinds[0]][0]])
     n_neurons = first[0]
@@ -295,7 +298,15 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     transposed = tuple(k for k, (_, t) in family.ffn_tensors(args, 0).items() if t)
     cols = transposed if quant is not None else ()
     layout = BundleLayout(tuple(kinds), d_model, n_neurons, dtype, align, quant, cols, "ffn" if cols else "")
+    in_kinds = tuple(k for k in kinds if k != "down")
+    in_cols = in_kinds if quant is not None else ()
+    in_layout = BundleLayout(in_kinds, n_neurons, d_model, dtype, align, quant, in_cols, "dip" if in_cols else "")
+    down_layout = BundleLayout(("down",), d_model, n_neurons, dtype, align, quant, cols, layout.tables)
+    return layout, in_layout, down_layout
 
+
+def _resident_tensors(src, family, args, original, ffn_names, decisions):
+    """(source name, resident name, shape, decision) of every tensor held resident."""
     resident = []
     for name, orig in original.items():
         if name in ffn_names:
@@ -303,11 +314,79 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         new = family.resident_name(args, name)
         if new is not None:
             resident.append((orig, new, src.shape(orig), decisions[name]))
+    return resident
+
+
+def _read_layer(src, family, args, layer, original, decisions, layout, in_layout, dip):
+    """A layer's FFN weights, read and checked -> (rows {kind: [neurons, row]}, their scale tables,
+    DIP's input-orientation columns and their tables: quantized only)."""
+    d_model, n_neurons, quant = layout.d_model, layout.n_neurons, layout.quant
+    rows, tables, dip_in, dip_tables = {}, {}, {}, {}
+    for kind, (name, tr) in family.ffn_tensors(args, layer).items():
+        w = read_weight(src, original[name], decisions[name])
+        shape = w.shape
+        if shape != ((d_model, n_neurons) if tr else (n_neurons, d_model)):
+            raise FlashError(f"tensor {name} has shape {tuple(shape)}, expected "
+                             f"{'d_model x neurons' if tr else 'neurons x d_model'} ({d_model}, {n_neurons})")
+        if quant is None:
+            rows[kind] = w.T if tr else w
+        elif tr:  # a column per neuron, its scales in the layer's table
+            rows[kind], tables[layout.table_name(kind)] = column_parts(w)
+        else:
+            rows[kind] = row_parts(w)
+            if dip:  # the input orientation: a column per input dimension
+                dip_in[kind], dip_tables[in_layout.table_name(kind)] = column_parts(w)
+    return rows, tables, dip_in, dip_tables
+
+
+def _write_layer(src, tmp, family, args, layer, original, decisions, layouts, dip, bar, journal):
+    """A layer's FFN file, its scales file (quantized) and its two DIP files (dip), or those an
+    earlier run wrote -> (the FFN file's manifest entry, the scales file's entries, {"in" / "down":
+    its DIP file's entry})."""
+    layout, in_layout, down_layout = layouts
+    quant = layout.quant
+    rel = f"ffn/layer_{layer:03d}.bin"
+    scales_rel = [f"ffn/scales_{layer:03d}.safetensors"] if quant is not None else []
+    dip_rels = [f"dip/{name}_{layer:03d}.bin" for name in ("in", "down")] if dip else []
+    if all(journal.has(r) and journal.has(checksum_name(r)) for r in [rel] + dip_rels) and \
+            all(journal.has(r) for r in scales_rel):  # written by an earlier run
+        kept = (bundle_entry(tmp, rel, journal), [_entry(tmp, r, journal.done[r][1]) for r in scales_rel],
+                {name: bundle_entry(tmp, r, journal) for name, r in zip(("in", "down"), dip_rels)})
+        bar.update(sum(journal.done[r][0] for r in [rel] + dip_rels))
+        return kept
+    rows, tables, dip_in, dip_tables = _read_layer(src, family, args, layer, original, decisions, layout,
+                                                   in_layout, dip)
+    entry = _write_bundles(tmp, rel, layout, rows, bar, journal)
+    scale_files, dip_files = [], {}
+    if quant is not None:
+        digest = _write_tables(tmp / scales_rel[0], tables | dip_tables)
+        scale_files.append(_entry(tmp, scales_rel[0], digest))
+        journal.record(scales_rel[0], digest)
+    if dip:
+        if quant is None:
+            dip_in = {k: np.ascontiguousarray(rows[k].T) for k in in_layout.kinds}
+        for name, lay, part in (("in", in_layout, dip_in), ("down", down_layout, {"down": rows["down"]})):
+            dip_files[name] = _write_bundles(tmp, f"dip/{name}_{layer:03d}.bin", lay, part, bar, journal)
+    return entry, scale_files, dip_files
+
+
+def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, journal=None, options=None):
+    options = options or QuantOptions()
+    family, args = model_args(src.config)
+    if hasattr(family, "expert_tensors"):  # a mixture of experts: expert bundles (convert/experts.py)
+        from .experts import write_moe_folder
+
+        return write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal, options, family, args)
+    kinds = family.ffn_kinds(args)
+    n_layers = args.num_hidden_layers
+    options.check_layers(n_layers)
+    ffn_names, original = _ffn_tensor_names(src, family, args, n_layers)
+    decisions, quant, notes = _precisions(src, original, ffn_names, options, dtype, source_name)
+    layout, in_layout, down_layout = _ffn_layouts(src, family, args, original, kinds, quant, dtype, align,
+                                                  source_name)
+
+    resident = _resident_tensors(src, family, args, original, ffn_names, decisions)
     resident_specs = [e for _, new, shape, dec in resident for e in _resident_specs(new, shape, dtype, dec)]
-    in_kinds = tuple(k for k in kinds if k != "down")
-    in_cols = in_kinds if quant is not None else ()
-    in_layout = BundleLayout(in_kinds, n_neurons, d_model, dtype, align, quant, in_cols, "dip" if in_cols else "")
-    down_layout = BundleLayout(("down",), d_model, n_neurons, dtype, align, quant, cols, layout.tables)
     dip_files = {"in": [], "down": []}
     total = sum(_nbytes(shape, dt) for _, shape, dt in resident_specs) + layout.file_size * n_layers
     if dip:
@@ -325,44 +404,12 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
     (tmp / "ffn").mkdir(exist_ok=True)
     ffn_files, scale_files = [], []
     for layer in range(n_layers):
-        rel = f"ffn/layer_{layer:03d}.bin"
-        scales_rel = [f"ffn/scales_{layer:03d}.safetensors"] if quant is not None else []
-        dip_rels = [f"dip/{name}_{layer:03d}.bin" for name in ("in", "down")] if dip else []
-        if all(journal.has(r) and journal.has(checksum_name(r)) for r in [rel] + dip_rels) and \
-                all(journal.has(r) for r in scales_rel):  # written by an earlier run
-            ffn_files.append(bundle_entry(tmp, rel, journal))
-            scale_files += [_entry(tmp, r, journal.done[r][1]) for r in scales_rel]
-            for name, r in zip(("in", "down"), dip_rels):
-                dip_files[name].append(bundle_entry(tmp, r, journal))
-            bar.update(sum(journal.done[r][0] for r in [rel] + dip_rels))
-            continue
-        rows, tables, dip_in, dip_tables = {}, {}, {}, {}
-        for kind, (name, tr) in family.ffn_tensors(args, layer).items():
-            w = read_weight(src, original[name], decisions[name])
-            shape = w.shape
-            if shape != ((d_model, n_neurons) if tr else (n_neurons, d_model)):
-                raise FlashError(f"tensor {name} has shape {tuple(shape)}, expected "
-                                 f"{'d_model x neurons' if tr else 'neurons x d_model'} ({d_model}, {n_neurons})")
-            if quant is None:
-                rows[kind] = w.T if tr else w
-            elif tr:  # a column per neuron, its scales in the layer's table
-                rows[kind], tables[layout.table_name(kind)] = column_parts(w)
-            else:
-                rows[kind] = row_parts(w)
-                if dip:  # the input orientation: a column per input dimension
-                    dip_in[kind], dip_tables[in_layout.table_name(kind)] = column_parts(w)
-        entry = _write_bundles(tmp, rel, layout, rows, bar, journal)
-        if quant is not None:
-            digest = _write_tables(tmp / scales_rel[0], tables | dip_tables)
-            scale_files.append(_entry(tmp, scales_rel[0], digest))
-            journal.record(scales_rel[0], digest)
-        if dip:
-            if quant is None:
-                dip_in = {k: np.ascontiguousarray(rows[k].T) for k in in_layout.kinds}
-            for name, lay, part in (("in", in_layout, dip_in), ("down", down_layout, {"down": rows["down"]})):
-                dip_files[name].append(_write_bundles(tmp, f"dip/{name}_{layer:03d}.bin", lay, part, bar, journal))
+        entry, scales, dips = _write_layer(src, tmp, family, args, layer, original, decisions,
+                                           (layout, in_layout, down_layout), dip, bar, journal)
         ffn_files.append(entry)
-        del rows, tables, dip_in, dip_tables
+        scale_files += scales
+        for name, e in dips.items():
+            dip_files[name].append(e)
 
     resident_entry = _write_config(src, tmp, journal, quantized_modules)
     manifest = Manifest(

@@ -177,6 +177,59 @@ def _output_importance(experts, seen, high, low):
     return out
 
 
+def _importance(kind, model, experts, ppl, shape, high, low, t0, log):
+    """{(layer, e): how much expert e of the layer at `low` costs, the rest at `high`} ({}: no
+    lower width): kind "output", from the layers' outputs on one pass's recorded routing; else
+    the perplexity each costs alone (a pass an expert)."""
+    importance = {}
+    if low is not None and kind == "output":
+        experts.set_all(lambda layer, e: high)
+        seen, off = _record_routing(model)
+        try:
+            ppl()
+        finally:
+            off()
+        importance = _output_importance(experts, seen, high, low)
+        log(f"[expert-bits] importance from the layers' outputs ({time.perf_counter() - t0:.0f} s)")
+    elif low is not None:
+        experts.set_all(lambda layer, e: high)
+        base = ppl()
+        for i, (layer, e) in enumerate(shape):
+            experts.set(layer, e, low)
+            importance[(layer, e)] = ppl() - base
+            experts.set(layer, e, high)
+            if (i + 1) % max(1, len(shape) // 10) == 0:
+                log(f"[expert-bits] importance: {i + 1}/{len(shape)} experts ({time.perf_counter() - t0:.0f} s)")
+    return importance
+
+
+def _most_at_low(order, experts, ppl, high, low, limit, uniform, log):
+    """The most experts at `low` (the least important first, `order`), the rest at `high`, whose
+    perplexity stays within `limit`: a binary search on their number -> (that number, its
+    perplexity)."""
+
+    def with_k(k):
+        lows = set(order[:k])
+        experts.set_all(lambda layer, e: low if (layer, e) in lows else high)
+        return ppl()
+
+    k, best = 0, uniform[high]
+    if low is not None:
+        lo_k, hi_k = 0, len(order)  # invariant: lo_k fits (k = 0 is every expert at `high`)
+        results = {}
+        while lo_k < hi_k:
+            mid = (lo_k + hi_k + 1) // 2
+            results[mid] = with_k(mid)
+            if results[mid] <= limit:
+                lo_k = mid
+            else:
+                hi_k = mid - 1
+        k = lo_k
+        best = results.get(k, uniform[high])
+        log(f"[expert-bits] {k} of {len(order)} experts at {low}-bit, the rest at {high}-bit: {best:.3f}")
+    return k, best
+
+
 def choose_expert_bits(folder, tolerance=0.05, data="c4", tokens=2048, seq_len=256, candidates=EXPERT_BITS,
                        group_size=64, importance="output", log=print):
     """-> ExpertBitsChoice for the float-expert flash folder `folder`."""
@@ -219,47 +272,11 @@ def choose_expert_bits(folder, tolerance=0.05, data="c4", tokens=2048, seq_len=2
         below = [b for b in candidates if b < high]
         low = max(below) if below else None
         shape = [(layer, e) for layer in experts.layers for e in range(experts.E)]
-        kind, importance = importance, {}
+        kind = importance
         experts.keep = (high, low)
-        if low is not None and kind == "output":
-            experts.set_all(lambda layer, e: high)
-            seen, off = _record_routing(model)
-            try:
-                ppl()
-            finally:
-                off()
-            importance = _output_importance(experts, seen, high, low)
-            log(f"[expert-bits] importance from the layers' outputs ({time.perf_counter() - t0:.0f} s)")
-        elif low is not None:
-            experts.set_all(lambda layer, e: high)
-            base = ppl()
-            for i, (layer, e) in enumerate(shape):
-                experts.set(layer, e, low)
-                importance[(layer, e)] = ppl() - base
-                experts.set(layer, e, high)
-                if (i + 1) % max(1, len(shape) // 10) == 0:
-                    log(f"[expert-bits] importance: {i + 1}/{len(shape)} experts ({time.perf_counter() - t0:.0f} s)")
+        importance = _importance(kind, model, experts, ppl, shape, high, low, t0, log)
         order = sorted(shape, key=lambda le: importance.get(le, 0.0))
-
-        def with_k(k):
-            lows = set(order[:k])
-            experts.set_all(lambda layer, e: low if (layer, e) in lows else high)
-            return ppl()
-
-        k, best = 0, uniform[high]
-        if low is not None:
-            lo_k, hi_k = 0, len(order)  # invariant: lo_k fits (k = 0 is every expert at `high`)
-            results = {}
-            while lo_k < hi_k:
-                mid = (lo_k + hi_k + 1) // 2
-                results[mid] = with_k(mid)
-                if results[mid] <= limit:
-                    lo_k = mid
-                else:
-                    hi_k = mid - 1
-            k = lo_k
-            best = results.get(k, uniform[high])
-            log(f"[expert-bits] {k} of {len(order)} experts at {low}-bit, the rest at {high}-bit: {best:.3f}")
+        k, best = _most_at_low(order, experts, ppl, high, low, limit, uniform, log)
         lows = set(order[:k])
         n_layers = rt.store.n_layers
         bits = tuple(tuple(low if (layer, e) in lows else high for e in range(experts.E))

@@ -269,18 +269,9 @@ def speed_configs(configs, budget):
     return out
 
 
-def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_densities=(0.5,),
-              context=512, spread=True, resume=False, progress=True, meta=None, log=print, speed=None):
-    """Run every configuration not already in <out>.json (with resume), write .json/.csv/.md after each.
-
-    tasks: {name: load_task() result}; configs: plan_configs(); checks: (source, density, budget,
-    tokens) run token by token against that source's batch row at the same density; speed:
-    (tokens, rounds, budget) of the decode-speed measurement of every row (speed_configs), or None.
-    """
-    from tqdm import tqdm
-
-    out = Path(out)
-    path = out.with_suffix(".json")
+def open_state(path, resume, meta, context, configs, model_path):
+    """The table's state: the JSON of an earlier run (with resume) or a new one, its meta
+    completed and the order of `configs`."""
     state = json.loads(path.read_text()) if resume and path.exists() else {}
     state.setdefault("rows", {})
     state.setdefault("checks", {})
@@ -290,26 +281,12 @@ def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_
     state["meta"].setdefault("budget", next((c["budget"] for c in configs if c.get("budget")), None))
     state["meta"].setdefault("flash_dtype", read_manifest(Path(model_path)).dtype)
     state["order"] = [c["key"] for c in configs]
-    t_start = time.perf_counter()
-    before = state["meta"].get("seconds", 0.0) if resume else 0.0  # work of the runs this one resumes
+    return state
 
-    def save():
-        state["meta"]["seconds"] = before + time.perf_counter() - t_start
-        write_outputs(state, out)
 
-    def have(key, limits):
-        r = state["rows"].get(key)
-        return r is not None and r.get("limits") == limits
-
-    todo = [c for c in configs if not have(c["key"], c["limits"])]
-    check_keys = [f"{s}@{d:g}/{b or 'none'}/{n}" for s, d, b, n in checks]
-    state["checks"] = {k: v for k, v in state["checks"].items() if k in check_keys}
-    steps = (sum(sum(1 for v in c["limits"].values() if v) for c in todo)
-             + sum(k not in state["checks"] for k in check_keys)
-             + (1 if probe_tokens and state.get("predictor", {}).get("tokens_asked") != probe_tokens else 0))
-    bar = tqdm(total=steps, desc="quality table", unit="step", disable=not progress, file=sys.stderr,
-               mininterval=5)
-    todo_keys = {c["key"] for c in todo}
+def run_rows(state, configs, todo_keys, model_path, tasks, context, spread, progress, bar, save, log):
+    """Every configuration of `todo_keys` run (one failing is its row's error, not the table's),
+    each row saved as it ends; the others kept."""
     for c in configs:
         if c["key"] not in todo_keys:
             log(f"[resume] {c['key']}: kept")
@@ -323,6 +300,10 @@ def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_
         state["rows"][c["key"]] = row
         save()
         bar.write(row_line(row))
+
+
+def run_checks(state, checks, check_keys, model_path, context, tasks, progress, bar, save, log):
+    """The token-by-token checks not yet in the state, each against its source's batch row."""
     for (s, d, b, n), key in zip(checks, check_keys):
         if key in state["checks"]:
             continue
@@ -338,30 +319,76 @@ def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_
                       f"{ch['mean_predict_ms']:.1f} of {ch['mean_total_ms']:.1f} ms/token")
             save()
         bar.update(1)
-    if probe_tokens and state.get("predictor", {}).get("tokens_asked") != probe_tokens:
-        bar.set_postfix_str("predictor probe")
-        pr = predictor_layers(model_path, tasks["wikitext"][1], probe_tokens, context, probe_densities,
-                              progress)
-        pr["tokens_asked"] = probe_tokens
-        state["predictor"] = pr
+
+
+def run_probe(state, model_path, tasks, probe_tokens, context, probe_densities, progress, bar, save):
+    """The predictor probe on `probe_tokens` WikiText tokens, into the state."""
+    bar.set_postfix_str("predictor probe")
+    pr = predictor_layers(model_path, tasks["wikitext"][1], probe_tokens, context, probe_densities,
+                          progress)
+    pr["tokens_asked"] = probe_tokens
+    state["predictor"] = pr
+    save()
+    bar.update(1)
+    bar.write(f"predictor probe: {pr['tokens']} WikiText tokens, mean FN rate "
+              f"{np.mean([r['fn_rate'] for r in pr['layers']]):.3f}, predicted density "
+              f"{np.mean([r['predicted_density'] for r in pr['layers']]):.3f}")
+
+
+def run_speed(state, configs, speed, model_path, out, save, log):
+    """The decode-speed measurement of every row (speed: (tokens, rounds, budget)), unless the
+    state holds one of the same arguments; then its plot."""
+    tokens, rounds, budget = speed
+    plan = speed_configs(configs, budget)
+    args = dict(tokens=tokens, rounds=rounds, budget=budget, configs=list(plan))
+    if state.get("speed", {}).get("args") != args:
+        log(f"decode speed: {len(plan)} configurations under --memory-budget {budget}, {rounds} alternating "
+            f"rounds of {tokens} tokens")
+        state["speed"] = dict(args=args, rows=decode_speed(model_path, plan, tokens, rounds, log=log))
         save()
-        bar.update(1)
-        bar.write(f"predictor probe: {pr['tokens']} WikiText tokens, mean FN rate "
-                  f"{np.mean([r['fn_rate'] for r in pr['layers']]):.3f}, predicted density "
-                  f"{np.mean([r['predicted_density'] for r in pr['layers']]):.3f}")
+    else:
+        log("[resume] decode speed: kept")
+    write_plot(state, out)
+
+
+def run_table(model_path, out, tasks, configs, checks=(), probe_tokens=0, probe_densities=(0.5,),
+              context=512, spread=True, resume=False, progress=True, meta=None, log=print, speed=None):
+    """Run every configuration not already in <out>.json (with resume), write .json/.csv/.md after each.
+
+    tasks: {name: load_task() result}; configs: plan_configs(); checks: (source, density, budget,
+    tokens) run token by token against that source's batch row at the same density; speed:
+    (tokens, rounds, budget) of the decode-speed measurement of every row (speed_configs), or None.
+    """
+    from tqdm import tqdm
+
+    out = Path(out)
+    state = open_state(out.with_suffix(".json"), resume, meta, context, configs, model_path)
+    t_start = time.perf_counter()
+    before = state["meta"].get("seconds", 0.0) if resume else 0.0  # work of the runs this one resumes
+
+    def save():
+        state["meta"]["seconds"] = before + time.perf_counter() - t_start
+        write_outputs(state, out)
+
+    def have(key, limits):
+        r = state["rows"].get(key)
+        return r is not None and r.get("limits") == limits
+
+    todo = [c for c in configs if not have(c["key"], c["limits"])]
+    check_keys = [f"{s}@{d:g}/{b or 'none'}/{n}" for s, d, b, n in checks]
+    state["checks"] = {k: v for k, v in state["checks"].items() if k in check_keys}
+    probe = probe_tokens and state.get("predictor", {}).get("tokens_asked") != probe_tokens
+    steps = (sum(sum(1 for v in c["limits"].values() if v) for c in todo)
+             + sum(k not in state["checks"] for k in check_keys) + (1 if probe else 0))
+    bar = tqdm(total=steps, desc="quality table", unit="step", disable=not progress, file=sys.stderr,
+               mininterval=5)
+    run_rows(state, configs, {c["key"] for c in todo}, model_path, tasks, context, spread, progress, bar, save, log)
+    run_checks(state, checks, check_keys, model_path, context, tasks, progress, bar, save, log)
+    if probe:
+        run_probe(state, model_path, tasks, probe_tokens, context, probe_densities, progress, bar, save)
     bar.close()
     if speed:
-        tokens, rounds, budget = speed
-        plan = speed_configs(configs, budget)
-        args = dict(tokens=tokens, rounds=rounds, budget=budget, configs=list(plan))
-        if state.get("speed", {}).get("args") != args:
-            log(f"decode speed: {len(plan)} configurations under --memory-budget {budget}, {rounds} alternating "
-                f"rounds of {tokens} tokens")
-            state["speed"] = dict(args=args, rows=decode_speed(model_path, plan, tokens, rounds, log=log))
-            save()
-        else:
-            log("[resume] decode speed: kept")
-        write_plot(state, out)
+        run_speed(state, configs, speed, model_path, out, save, log)
     state["meta"]["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     save()
     return state

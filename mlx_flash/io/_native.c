@@ -13,7 +13,7 @@
  * One file past 500 lines: an extension module's pool, plan checks and conversions share
  * their structures.
  *
- * The plan (built and validated by reader.py, all int64):
+ * The plan (built and validated by plan.py, all int64):
  *   runs   R:   file offset, length to read, bytes that must arrive, offset
  *              in the shared staging buffer (lengths and offsets aligned for
  *              O_DIRECT)
@@ -58,7 +58,7 @@
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-enum { QUANT = 3 }; /* with quant.h's F32, F16, BF16: the dtype codes of reader.py */
+enum { QUANT = 3 }; /* with quant.h's F32, F16, BF16: the dtype codes of formats.py */
 
 typedef struct {
     int64_t off, n, src, dst, dst_addr, dst_stride;

@@ -9,10 +9,12 @@ when every destination row is in place:
                         [(0, d, "float16", up), (2 * d, d, "float16", down)], dst_rows)
 
 A segment's source is float32/float16/bfloat16, or Quantized (MLX's group-wise
-affine quantization, dequantized on copy; see Quantized).
+affine quantization, dequantized on copy; see quantized_rows.Quantized).
 
-One file past 500 lines: the batch plan (its runs, rows and segments) is built, validated and
-run here, by the native pool or the pure-Python one, and both must read the same plan.
+The batch plan (its runs, rows and segments) is built and validated by plan.py and run by
+the native pool or the pure-Python one (pool.py), which both read the same plan; files.py
+opens the files (uncached) and names the errors, formats.py and quantized_rows.py the
+values a segment holds.
 
 How, and why (measured figures: `mlx_flash.benchmark storage`):
 
@@ -45,22 +47,20 @@ How, and why (measured figures: `mlx_flash.benchmark storage`):
 
 import errno
 import hashlib
-import itertools
-import logging
 import mmap
 import os
 import stat
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..errors import FlashError, ModelFileError
-from .native import native_module as _native_module
-
-log = logging.getLogger("mlx_flash.io")
+from ..errors import FlashError
+from .files import ChecksumError, FlashFile, ReadError, log_once, logical_block_size, open_uncached
+from .native import native_module
+from .plan import NO_CHECKS, NO_CRC, NO_SEGS, Plan, compile_checks, compile_segments, plan_runs
+from .pool import NativePool, PyBatch, PyPool
 
 # Merge two neighbouring reads when the gap between them is at most this many
 # bytes. Model: with t threads busy, a batch of N reads of c bytes takes about
@@ -89,156 +89,6 @@ DEFAULT_COALESCE_GAP = 16 * 1024
 # beyond 256 KiB (`mlx_flash.benchmark storage`), and smaller pieces keep more threads busy.
 DEFAULT_MAX_READ = 256 * 1024
 
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-DST_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
-QUANT_CODE = 3  # a Quantized segment's src code in the seg table
-QUANT_BITS = (2, 3, 4, 5, 6, 8)
-QUANT_GROUPS = (32, 64, 128)
-# the seg table's columns (int64), as _native.c's seg_t
-SEG_FIELDS = ("off", "n", "src", "dst", "dst_addr", "dst_stride",
-              "bits", "group", "scale", "scales_addr", "biases_addr", "table_stride")
-
-_F_NOCACHE = 48  # <sys/fcntl.h> on macOS, when Python's fcntl module lacks them
-_F_RDAHEAD = 45
-
-_logged = set()
-
-
-def log_once(key, msg, *args):
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(msg, *args)
-
-
-class ReadError(ModelFileError):
-    """A read that did not deliver: names the file, the offset and why."""
-
-    def __init__(self, file, offset, reason):
-        self.file, self.offset, self.reason = str(file), offset, reason
-        where = f" at offset {offset}" if offset is not None else ""
-        super().__init__(f"{file}: read failed{where}: {reason}")
-
-
-class ChecksumError(ReadError):
-    """A bundle part whose bytes do not match its checksum, read twice."""
-
-    def __init__(self, file, bundle, part, offset):
-        self.bundle, self.part = bundle, part
-        super().__init__(file, offset, f"bundle {bundle} (part {part}) does not match its checksum, "
-                         "read twice: the file is damaged (mlx_flash.verify checks a whole folder; "
-                         "convert the model again)")
-
-
-
-
-def native_available():
-    return _native_module()[0] is not None
-
-
-def move_rows(v, dst, src):
-    """v[dst] = v[src] for a C-contiguous 2-D array and disjoint int64 row sets (C when built)."""
-    mod = _native_module()[0]
-    if mod is not None and v.flags.c_contiguous and hasattr(mod, "move_rows"):
-        mod.move_rows(v, v.strides[0], np.ascontiguousarray(dst, dtype=np.int64),
-                      np.ascontiguousarray(src, dtype=np.int64))
-    else:
-        v[dst] = v[src]
-
-
-def native_convert():
-    """convert(src, src_code, dst, dst_code, n): 16-bit rows -> float32 (codes 1 float16,
-    2 bfloat16; 0 float32), F16C in C when the extension is built, NumPy otherwise."""
-    mod = _native_module()[0]
-    if mod is not None:
-        return mod.convert
-
-    def convert(src, src_code, dst, dst_code, n):
-        stage = np.asarray(src).reshape(-1).view(np.uint8)
-        _convert_py(stage, 0, n, "bfloat16" if src_code == 2 else "float16", dst.reshape(-1)[:n])
-
-    return convert
-
-
-@dataclass(frozen=True, eq=False)
-class Quantized:
-    """Group-wise affine quantized values (MLX's mx.quantize layout), dequantized on copy.
-
-    A read_bundles segment (off, n, Quantized(...), dst): the bundle holds n values
-    of `bits` bits at byte `off`, packed as one little-endian bit stream (value j in
-    bits j*bits .. j*bits+bits-1: MLX's uint32 words viewed as bytes; n*bits a
-    multiple of 8), and each arrives as w_j = scale * q_j + bias, computed in float32
-    (a multiply, then an add: bit for bit MLX's CPU dequantize with float32 scales)
-    and stored as float32 or rounded to float16.
-
-    table None, the row form: the n / group_size scales, then the n / group_size
-    biases (scale_dtype) follow the packed bytes; value j is in group j // group_size.
-    table (scales, biases), the column form: C-contiguous 2-D arrays [T, >= n] of
-    scale_dtype (bfloat16 as uint16), kept in memory; value j of bundle id i (the
-    neuron id as passed to read_bundles, without `base`) uses scales[i // group_size, j]
-    and biases[i // group_size, j].
-    """
-
-    bits: int  # 2, 3, 4, 5, 6 or 8
-    group_size: int  # 32, 64 or 128
-    scale_dtype: str  # 'float32' | 'float16' | 'bfloat16': dtype of scales and biases
-    table: tuple | None = None  # None, or (scales, biases): C-contiguous 2-D numpy arrays [T, n]
-
-    def packed_bytes(self, n):
-        return n * self.bits // 8
-
-    def __repr__(self):  # the tables by shape, not by value (error messages show segments)
-        t = "" if self.table is None else ", table=" + "/".join(
-            f"{getattr(a, 'shape', '?')}" for a in self.table)
-        return f"Quantized({self.bits}, {self.group_size}, {self.scale_dtype!r}{t})"
-
-    def nbytes(self, n):
-        """Bytes of a segment of n values in the bundle (packed values, inline scales)."""
-        inline = 0 if self.table is not None else 2 * (n // self.group_size) * ITEMSIZE[self.scale_dtype]
-        return self.packed_bytes(n) + inline
-
-
-_TABLE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-                 "bfloat16": np.dtype(np.uint16)}
-
-
-def _scales_f32(raw, scale_dtype):
-    """Scale/bias values as stored (uint8 bytes or a table's row) -> float32, exactly."""
-    if scale_dtype == "bfloat16":
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return raw.view(_TABLE_DTYPES[scale_dtype]).astype(np.float32)
-
-
-def _unpack_py(packed, bits, n):
-    """uint8 bytes of a little-endian bit stream -> its n values (uint8)."""
-    if bits == 8:
-        return packed[:n]
-    if bits == 4:
-        q = np.empty(2 * len(packed), dtype=np.uint8)
-        q[0::2] = packed & 15
-        q[1::2] = packed >> 4
-        return q[:n]
-    b = np.unpackbits(packed, bitorder="little")[: n * bits].reshape(n, bits)
-    return (b << np.arange(bits, dtype=np.uint8)).sum(axis=1, dtype=np.uint8)
-
-
-def _dequant_py(stage, a, n, q, neuron, out):
-    """stage[a:] holds a Quantized segment of n values (bundle id `neuron`) -> out."""
-    pb = q.packed_bytes(n)
-    vals = _unpack_py(stage[a : a + pb], q.bits, n).astype(np.float32)
-    if q.table is None:
-        g, ssz = n // q.group_size, ITEMSIZE[q.scale_dtype]
-        sb = _scales_f32(stage[a + pb : a + pb + 2 * g * ssz], q.scale_dtype)
-        scales = np.repeat(sb[:g], q.group_size)
-        biases = np.repeat(sb[g:], q.group_size)
-    else:
-        t = neuron // q.group_size
-        scales = _scales_f32(q.table[0][t, :n], q.scale_dtype)
-        biases = _scales_f32(q.table[1][t, :n], q.scale_dtype)
-    w = vals * scales  # float32, rounded; then the add, rounded: as the C code
-    w += biases
-    out[:] = w
-
 
 @dataclass
 class ReaderStats:
@@ -257,311 +107,6 @@ class ReaderStats:
 
     def as_dict(self):
         return asdict(self)
-
-
-class FlashFile:
-    """An open file of a FlashReader (from reader.open)."""
-
-    __slots__ = ("path", "fd", "size", "direct", "align")
-
-    def __init__(self, path, fd, size, direct, align):
-        self.path, self.fd, self.size, self.direct, self.align = path, fd, size, direct, align
-
-    def close(self):
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __repr__(self):
-        mode = f"uncached, align {self.align}" if self.direct else "buffered"
-        return f"FlashFile({self.path!r}, {self.size} bytes, {mode})"
-
-
-def logical_block_size(fd):
-    """The alignment uncached reads of this file need (4096 when unknown)."""
-    if sys.platform.startswith("linux"):
-        st = os.fstat(fd)
-        dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-        # a whole disk has queue/, a partition's parent has it
-        for q in (f"{dev}/queue/logical_block_size", f"{dev}/../queue/logical_block_size"):
-            try:
-                with open(q) as fh:
-                    v = int(fh.read())
-                if v > 0 and v & (v - 1) == 0:
-                    return v
-            except (OSError, ValueError):
-                pass
-    return 4096
-
-
-def _open_uncached(path, direct):
-    """-> (fd, uncached?) ; raises OSError for a missing or unreadable file."""
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    if direct and sys.platform.startswith("linux"):
-        try:
-            return os.open(path, flags | os.O_DIRECT), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            log_once(("odirect", os.path.dirname(path)),
-                     "FlashReader: the file system of %s refuses O_DIRECT; reading through "
-                     "the page cache instead (figures will not be the device's)", path)
-    fd = os.open(path, flags)
-    if direct and sys.platform == "darwin":
-        import fcntl
-
-        try:
-            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE), 1)
-            fcntl.fcntl(fd, getattr(fcntl, "F_RDAHEAD", _F_RDAHEAD), 0)
-            return fd, True
-        except OSError as e:
-            log_once(("nocache", os.path.dirname(path)),
-                     "FlashReader: F_NOCACHE refused for %s (%s); reading through the page cache",
-                     path, e)
-    elif direct and not sys.platform.startswith("linux"):
-        log_once("platform", "FlashReader: no uncached reads on %s; using the page cache",
-                 sys.platform)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead on random reads
-    return fd, False
-
-
-def plan_runs(starts, need, align, gap, max_read):
-    """Coalesce sorted items into aligned reads.
-
-    starts: int64 item offsets, sorted unless gap < 0 (no coalescing);
-    need: int64 bytes per item.
-    -> run_off, run_len, run_need, run_stage, row_start, row_src (all int64):
-    run i reads run_len[i] bytes at run_off[i] (into stage[run_stage[i]:] when
-    the runs share one staging buffer), of which run_need[i] must arrive; it
-    holds items row_start[i]:row_start[i+1]; item k starts row_src[k] bytes
-    into its run's buffer.
-    """
-    n = len(starts)
-    ends = starts + need
-    new = np.empty(n, dtype=bool)
-    new[0] = True
-    if gap < 0:  # no coalescing: one read per item, in the given order
-        new[:] = True
-    elif n > 1:
-        reach = np.maximum.accumulate(ends)  # overlapping/duplicate items join the run
-        new[1:] = starts[1:] - reach[:-1] > gap
-        # cap a merged read at max_read: split where it crosses a max_read boundary
-        rid = np.cumsum(new) - 1
-        first = starts[new][rid]
-        piece = (starts - first) // max_read
-        new[1:] |= piece[1:] != piece[:-1]
-    ridx = np.flatnonzero(new)
-    rid = np.cumsum(new) - 1
-    run_off = starts[ridx] // align * align
-    run_end = ends if len(ridx) == n else np.maximum.reduceat(ends, ridx)
-    run_need = run_end - run_off
-    run_len = (run_need + align - 1) // align * align
-    run_stage = np.zeros(len(ridx), dtype=np.int64)
-    np.cumsum(run_len[:-1], out=run_stage[1:])
-    row_start = np.append(ridx, n).astype(np.int64)
-    row_src = starts - run_off[rid]
-    return run_off, run_len, run_need, run_stage, row_start, row_src
-
-
-class _Plan:
-    """One batch, ready for a pool: run arrays, row arrays, segment table."""
-
-    __slots__ = ("run_off", "run_len", "run_need", "run_stage", "row_start", "row_src",
-                 "row_dst", "row_id", "segs", "seg_table", "stage_bytes", "slot_bytes",
-                 "checks", "crc", "base", "stride")
-
-
-class _PyPool:
-    """The fallback: Python threads, each taking the next run of the batch."""
-
-    def __init__(self, threads):
-        self.nthreads = threads
-        lock = threading.Lock()
-        self._work = threading.Condition(lock)
-        self._done = threading.Condition(lock)
-        self._tickets = 0
-        self._stop = False
-        self._job = None
-        self._threads = [threading.Thread(target=self._worker, daemon=True, name=f"flash-{i}")
-                         for i in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _worker(self):
-        with self._work:
-            while True:
-                while not self._stop and self._tickets == 0:
-                    self._work.wait()
-                if self._stop:
-                    return
-                self._tickets -= 1
-                job = self._job
-                self._work.release()
-                try:
-                    job.work()
-                finally:
-                    self._work.acquire()
-                job.active -= 1
-                if job.active == 0:
-                    self._done.notify()
-
-    def run(self, job):
-        with self._work:
-            n = min(self.nthreads, job.nruns)
-            job.active = n
-            self._job = job
-            self._tickets = n
-            self._work.notify(n)
-            while job.active:
-                self._done.wait()
-            self._job = None
-
-    def close(self):
-        with self._work:
-            self._stop = True
-            self._work.notify_all()
-        for t in self._threads:
-            t.join()
-
-
-_tls = threading.local()
-
-
-class _PyBatch:
-    """A batch for _PyPool: os.preadv into the staging buffer, NumPy conversion."""
-
-    def __init__(self, fd, align, plan, stage, fault):
-        self.fd, self.align = fd, align
-        self.slot_bytes = plan.slot_bytes
-        self.stage = stage
-        self.run_off = plan.run_off.tolist()
-        self.run_len = plan.run_len.tolist()
-        self.run_need = plan.run_need.tolist()
-        self.run_stage = plan.run_stage.tolist()
-        self.row_start = plan.row_start.tolist()
-        self.row_src = plan.row_src.tolist()
-        self.row_dst = plan.row_dst.tolist() if plan.row_dst is not None else None
-        self.row_id = plan.row_id.tolist() if plan.row_id is not None else None
-        self.segs = plan.segs
-        self.checks = plan.checks.tolist()
-        self.crc = plan.crc
-        self.nruns = len(self.run_off)
-        self.fault_off, self.fault_errno = fault
-        self.failure = None
-        self.error = None
-        self.active = 0
-        self._next = itertools.count().__next__  # atomic under the GIL
-
-    def work(self):
-        with np.errstate(over="ignore"):  # float32 -> float16 overflows to inf, as in C
-            while self.failure is None:
-                i = self._next()
-                if i >= self.nruns:
-                    return
-                try:
-                    self._run(i)
-                except Exception as e:  # a bug, not an I/O error: re-raised by the caller
-                    self.error = e
-                    self.failure = (i, 0, 0)
-
-    def _buffer(self, i):
-        """-> (uint8 array, start offset): where run i lands."""
-        if not self.slot_bytes:
-            return self.stage, self.run_stage[i]
-        slot = getattr(_tls, "slot", None)  # this worker's own slot, kept between batches
-        if slot is None or len(slot[0]) < self.slot_bytes:
-            mm = mmap.mmap(-1, self.slot_bytes)
-            _tls.slot = slot = (np.frombuffer(mm, dtype=np.uint8), mm)
-        return slot[0], 0
-
-    def _run(self, i):
-        off, ln, need = self.run_off[i], self.run_len[i], self.run_need[i]
-        stage, so = self._buffer(i)
-        mv = memoryview(stage)
-        got, err = 0, 0
-        if off <= self.fault_off < off + ln:
-            err = self.fault_errno
-        else:
-            while got < need:
-                try:
-                    r = os.preadv(self.fd, [mv[so + got : so + ln]], off + got)
-                except InterruptedError:
-                    continue
-                except OSError as e:
-                    err = e.errno
-                    break
-                if r == 0:
-                    break
-                got += r
-                if got % self.align:
-                    break
-        if err or got < need:
-            if self.failure is None:
-                self.failure = (i, err, got)
-            return
-        if self.checks:
-            from .checksum import crc32c
-
-            for k in range(self.row_start[i], self.row_start[i + 1]):
-                for c, (off, n, col) in enumerate(self.checks):
-                    a = so + self.row_src[k] + off
-                    if crc32c(stage[a : a + n].tobytes()) != int(self.crc[self.row_id[k], col]):
-                        if self.failure is None:
-                            self.failure = (i, errno.EBADMSG, k * len(self.checks) + c)
-                        return
-        if not self.segs:
-            return
-        for k in range(self.row_start[i], self.row_start[i + 1]):
-            src, row = so + self.row_src[k], self.row_dst[k]
-            for seg_off, n, src_dtype, dst in self.segs:
-                a = src + seg_off
-                if isinstance(src_dtype, Quantized):
-                    _dequant_py(stage, a, n, src_dtype, self.row_id[k], dst[row, :n])
-                else:
-                    _convert_py(stage, a, n, src_dtype, dst[row, :n])
-
-
-def _convert_py(stage, a, n, src_dtype, out):
-    """stage[a:] holds n values of src_dtype -> out (float32 or float16), converted."""
-    if src_dtype == "bfloat16":
-        bits = stage[a : a + 2 * n].view(np.uint16)
-        if out.dtype == np.float32:
-            o = out.view(np.uint32)
-            o[:] = bits
-            o <<= 16
-        else:
-            out[:] = (bits.astype(np.uint32) << 16).view(np.float32)
-    else:
-        isz = ITEMSIZE[src_dtype]
-        out[:] = stage[a : a + isz * n].view(src_dtype)
-
-
-class _NativePool:
-    def __init__(self, mod, threads):
-        self.nthreads = threads
-        self._pool = mod.Pool(threads)
-
-    def run_plan(self, fd, align, plan, stage, fault):
-        # plan.segs holds the Quantized tables whose addresses plan.seg_table carries:
-        # the caller keeps the plan (so the arrays) alive for the call
-        return self._pool.run(
-            fd, align, len(plan.run_off), plan.run_off, plan.run_len, plan.run_need,
-            plan.run_stage, plan.row_start, plan.row_src,
-            plan.row_dst if plan.row_dst is not None else _EMPTY,
-            plan.row_id if plan.row_id is not None else _EMPTY, plan.seg_table,
-            stage if not plan.slot_bytes else _NO_STAGE, plan.slot_bytes, fault[0], fault[1],
-            plan.checks, plan.crc, plan.crc.shape[1] if plan.crc.ndim == 2 else 0)
-
-    def close(self):
-        self._pool.close()
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-_NO_CHECKS = np.zeros((0, 3), dtype=np.int64)
-_NO_CRC = np.zeros(0, dtype=np.uint32)
-_NO_STAGE = bytearray(0)
-_NO_SEGS = np.zeros((0, len(SEG_FIELDS)), dtype=np.int64)
 
 
 class FlashReader:
@@ -590,7 +135,7 @@ class FlashReader:
         self._stage = None
         self._fault = (-1, 0)  # test hook: fail reads covering this offset with this errno
         self._compiled = {}  # segments / checks tuples -> their validated tables (_memo)
-        mod, why = _native_module()
+        mod, why = native_module()
         if backend == "native" and mod is None:
             raise FlashError(f"FlashReader: native backend requested but {why}")
         if backend not in ("auto", "native", "python"):
@@ -617,7 +162,7 @@ class FlashReader:
         try:
             if not stat.S_ISREG(os.stat(path).st_mode):
                 raise ReadError(path, None, "not a regular file (a folder, a device or a pipe)")
-            fd, uncached = _open_uncached(path, self.direct)
+            fd, uncached = open_uncached(path, self.direct)
         except FileNotFoundError:
             raise ReadError(path, None, "missing (no such file)")
         except OSError as e:
@@ -706,23 +251,12 @@ class FlashReader:
 
     def _check_checks(self, checks, ids, need):
         if checks is None:
-            return _NO_CHECKS, _NO_CRC
+            return NO_CHECKS, NO_CRC
         crc, parts = checks
-        table = self._memo(("checks", checks, need), lambda: self._compile_checks(crc, parts, need))
+        table = self._memo(("checks", checks, need), lambda: compile_checks(crc, parts, need))
         if len(ids) and int(ids.max()) >= crc.shape[0]:
             raise ValueError(f"checks: bundle {int(ids.max())} has no checksum ({crc.shape[0]} rows)")
         return table, crc
-
-    @staticmethod
-    def _compile_checks(crc, parts, need):
-        if not (isinstance(crc, np.ndarray) and crc.dtype == np.uint32 and crc.ndim == 2
-                and crc.flags.c_contiguous):
-            raise ValueError("checks: crc must be a C-contiguous 2-D uint32 array")
-        table = np.array(parts, dtype=np.int64).reshape(-1, 3)
-        if ((table[:, 0] < 0) | (table[:, 1] < 0) | (table[:, 0] + table[:, 1] > need)
-                | (table[:, 2] < 0) | (table[:, 2] >= crc.shape[1])).any():
-            raise ValueError(f"checks: a part outside the {need} bytes read per bundle, or no such column")
-        return table
 
     def read(self, f, offsets, lengths, copy=True):
         """Plain batch read -> list of bytes-like, in the order asked.
@@ -742,8 +276,8 @@ class FlashReader:
             src = np.repeat(plan.run_stage, counts) + plan.row_src  # in the shared staging
             if order is not None:
                 src[order] = src.copy()
-            plan.row_dst, plan.row_id, plan.segs, plan.seg_table = None, None, (), _NO_SEGS
-            plan.checks, plan.crc = _NO_CHECKS, _NO_CRC
+            plan.row_dst, plan.row_id, plan.segs, plan.seg_table = None, None, (), NO_SEGS
+            plan.checks, plan.crc = NO_CHECKS, NO_CRC
             self._execute(f, plan)
             mv = memoryview(self._stage_mm)[: plan.stage_bytes]
             if copy:
@@ -767,8 +301,8 @@ class FlashReader:
             if order is not None:
                 offs, lens = offs[order], lens[order]
             plan = self._plan(f, offs, lens, private=True)
-            plan.row_dst, plan.row_id, plan.segs, plan.seg_table = None, None, (), _NO_SEGS
-            plan.checks, plan.crc = _NO_CHECKS, _NO_CRC
+            plan.row_dst, plan.row_id, plan.segs, plan.seg_table = None, None, (), NO_SEGS
+            plan.checks, plan.crc = NO_CHECKS, NO_CRC
             self._execute(f, plan)
             self._account(int(lens.sum()), plan, t0)
 
@@ -806,7 +340,7 @@ class FlashReader:
             raise ValueError("read_bundles needs at least one segment")
         if len(ids) and ids.min() < 0:
             raise ValueError("negative neuron id")
-        c = self._memo(("segs", segments, stride), lambda: self._compile_segments(segments, stride))
+        c = self._memo(("segs", segments, stride), lambda: compile_segments(segments, stride))
         segs, table, need, dst_rows, tables = c
         if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= dst_rows):
             raise ValueError(f"dst_rows outside 0..{dst_rows - 1}")
@@ -833,86 +367,11 @@ class FlashReader:
         self._compiled[k] = (key[1], value)
         return value
 
-    def _compile_segments(self, segments, stride):
-        segs, table, need, dst_rows, tables = [], [], 0, None, []
-        for off, n, src_dtype, dst in segments:
-            quant = isinstance(src_dtype, Quantized)
-            if not quant and src_dtype not in DTYPE_CODES:
-                raise ValueError(f"src dtype {src_dtype!r}: not one of {list(DTYPE_CODES)} "
-                                 "or a Quantized")
-            if not isinstance(dst, np.ndarray) or dst.dtype not in DST_CODES or dst.ndim != 2:
-                raise ValueError("dst must be a 2-D float32 or float16 numpy array")
-            if not (dst.flags.c_contiguous and dst.flags.aligned and dst.flags.writeable):
-                raise ValueError("dst must be C-contiguous, aligned and writeable")
-            if quant:
-                qcols, nbytes, table_rows = self._check_quantized(off, n, src_dtype)
-                if table_rows is not None:
-                    tables.append((f"quantized segment ({off}, {n}, bits={src_dtype.bits}, "
-                                   f"group_size={src_dtype.group_size})", src_dtype.group_size, table_rows))
-                isz = 1
-            else:
-                qcols, isz = (0,) * 6, ITEMSIZE[src_dtype]
-                nbytes = n * isz
-            if off < 0 or off % isz or stride % isz or n < 0 or n > dst.shape[1]:
-                raise ValueError(f"segment ({off}, {n}, {src_dtype}) does not fit "
-                                 f"stride {stride} / dst {dst.shape}")
-            if off + nbytes > stride:
-                raise ValueError(f"segment ({off}, {n}, {src_dtype}) overruns the bundle stride "
-                                 f"{stride} ({nbytes} bytes at {off})")
-            dst_rows = dst.shape[0] if dst_rows is None else min(dst_rows, dst.shape[0])
-            need = max(need, off + nbytes)
-            segs.append((int(off), int(n), src_dtype, dst))
-            table.append((off, n, QUANT_CODE if quant else DTYPE_CODES[src_dtype],
-                          DST_CODES[dst.dtype], dst.__array_interface__["data"][0],
-                          dst.strides[0]) + qcols)
-        table = np.array(table, dtype=np.int64).reshape(-1, len(SEG_FIELDS))
-        return segs, table, need, dst_rows, tables
-
-    @staticmethod
-    def _check_quantized(off, n, q):
-        """-> (seg table columns bits .. table_stride, bytes in the bundle, the column form's table
-        rows or None); ValueError if bad."""
-        what = f"quantized segment ({off}, {n}, bits={q.bits}, group_size={q.group_size})"
-        if q.bits not in QUANT_BITS:
-            raise ValueError(f"{what}: {q.bits}-bit values are not supported (bits: {QUANT_BITS})")
-        if q.group_size not in QUANT_GROUPS:
-            raise ValueError(f"{what}: group size {q.group_size} is not supported "
-                             f"(group_size: {QUANT_GROUPS})")
-        if q.scale_dtype not in DTYPE_CODES:
-            raise ValueError(f"{what}: scale_dtype {q.scale_dtype!r} is not one of {list(DTYPE_CODES)}")
-        if n < 0 or n * q.bits % 8:
-            raise ValueError(f"{what}: {n} values of {q.bits} bits are not a whole number of bytes")
-        if q.table is None:
-            if n % q.group_size:
-                raise ValueError(f"{what}: inline scales need n a multiple of the group size")
-            return (q.bits, q.group_size, DTYPE_CODES[q.scale_dtype], 0, 0, 0), q.nbytes(n), None
-        if not (isinstance(q.table, tuple) and len(q.table) == 2):
-            raise ValueError(f"{what}: table must be None or a (scales, biases) tuple")
-        want = _TABLE_DTYPES[q.scale_dtype]
-        shape = None
-        for name, t in zip(("scales", "biases"), q.table):
-            if not isinstance(t, np.ndarray) or t.ndim != 2:
-                raise ValueError(f"{what}: table {name} must be a 2-D numpy array")
-            if t.dtype != want:
-                raise ValueError(f"{what}: table {name} is {t.dtype}, scale_dtype {q.scale_dtype} "
-                                 f"needs {want}")
-            if not (t.flags.c_contiguous and t.flags.aligned):
-                raise ValueError(f"{what}: table {name} must be C-contiguous and aligned")
-            if t.shape[1] < n:
-                raise ValueError(f"{what}: table {name} {t.shape} is narrower than the {n} values")
-            if shape is not None and t.shape != shape:
-                raise ValueError(f"{what}: table scales {shape} and biases {t.shape} differ in shape")
-            shape = t.shape
-        scales, biases = q.table
-        return (q.bits, q.group_size, DTYPE_CODES[q.scale_dtype],
-                scales.__array_interface__["data"][0], biases.__array_interface__["data"][0],
-                scales.strides[0]), q.nbytes(n), shape[0]
-
     def _plan(self, f, starts, need, private=False, gap=None):
         """private: each pool thread reads into its own small slot and copies
         the rows out at once (read_bundles); else the runs share one staging
         buffer that outlives the batch (read)."""
-        plan = _Plan()
+        plan = Plan()
         (plan.run_off, plan.run_len, plan.run_need, plan.run_stage, plan.row_start,
          plan.row_src) = plan_runs(starts, need, f.align, self.coalesce_gap if gap is None else gap,
                                    max(self.max_read, f.align))
@@ -936,9 +395,9 @@ class FlashReader:
     def _get_pool(self):
         if self._pool is None or self._pid != os.getpid():  # threads do not survive fork
             if self._mod is not None:
-                self._pool = _NativePool(self._mod, self.threads)
+                self._pool = NativePool(self._mod, self.threads)
             else:
-                self._pool = _PyPool(self.threads)
+                self._pool = PyPool(self.threads)
             self._pid = os.getpid()
         return self._pool
 
@@ -949,7 +408,7 @@ class FlashReader:
         if self._mod is not None:
             failure = pool.run_plan(f.fd, f.align, plan, self._stage, self._fault)
         else:
-            job = _PyBatch(f.fd, f.align, plan, self._stage, self._fault)
+            job = PyBatch(f.fd, f.align, plan, self._stage, self._fault)
             pool.run(job)
             if job.error is not None:
                 raise job.error
@@ -989,7 +448,7 @@ class FlashReader:
                         "changed since?)")
 
     def _reopen_buffered(self, f):
-        fd, _ = _open_uncached(f.path, direct=False)
+        fd, _ = open_uncached(f.path, direct=False)
         os.close(f.fd)
         f.fd, f.direct, f.align = fd, False, 1
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..io import reader as _reader
+from ..io.native import native_convert
 from ..kernels import SMALL_PASS, gather_mm, host_f32, pass_kernels
 
 HELD_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -45,7 +45,7 @@ class Arena:
     """A float32 scratch that 16-bit weights are converted into just before use."""
 
     def __init__(self, values=ARENA_VALUES):
-        self.convert = _reader.native_convert()
+        self.convert = native_convert()
         self.values = values
         self.array = mx.zeros((values,), dtype=mx.float32)
         mx.eval(self.array)

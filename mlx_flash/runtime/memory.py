@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FlashError
-from .. import kernels
-from ..kernels import SMALL_PASS, default_threads
+from ..kernels import SMALL_PASS, default_threads, passes
 from ..sizes import parse_share
 from .stores.kv import chunk_positions, flash_kv_dram
 
@@ -244,10 +243,10 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
     never computed: mlx_lm's prefill drops them, and every lm_head computes a chunk of more
     positions lazily: models/half.py head_product). A decode step of more than SMALL_PASS
     sequences through the pass kernels holds float32 host arrays of the FFN's width for each:
-    the gate, the up, their product and x transposed in C (kernels.BATCH_PASS), at least
+    the gate, the up, their product and x transposed in C (kernels.passes.BATCH_PASS), at least
     that whatever the chunk, and each kernel thread's tile of 64 columns (_matvec.c
     MM16_KBLOCK x d_model floats, rounded up to 16: 1 MiB a thread at d_model 4,096); so does a
-    prompt chunk of more than SMALL_PASS and up to kernels.PROMPT_PASS positions (0 unless set), for each."""
+    prompt chunk of more than SMALL_PASS and up to kernels.passes.PROMPT_PASS positions (0 unless set), for each."""
     if kv_on_flash:
         width = 2 * shape.n_heads * (chunk_positions(kv_row_bytes(shape, itemsize)) + chunk) * 4 // itemsize
         width += 4 * shape.kv_per_token // shape.n_layers
@@ -255,7 +254,7 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
         width = 2 * shape.n_heads * context
     per = 3 * shape.n_ff + 8 * shape.d_model + width
     step = 0
-    tiled = max(sequences if sequences > SMALL_PASS else 0, chunk if SMALL_PASS < chunk <= kernels.PROMPT_PASS else 0)
+    tiled = max(sequences if sequences > SMALL_PASS else 0, chunk if SMALL_PASS < chunk <= passes.PROMPT_PASS else 0)
     if tiled:
         tiles = default_threads() * 64 * -(-shape.d_model // 16) * 16 * 4  # (a thread's, kept by the pool)
         step = tiled * (4 * shape.n_ff + 2 * shape.d_model) * 4 + tiles

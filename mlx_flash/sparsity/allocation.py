@@ -172,6 +172,7 @@ def score_norms(W):
     return out
 
 
+# long: one greedy search; its closures (h_at, err, candidates) share the recorded arrays and the densities
 def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print, score="magnitude"):
     """Record on `seqs` (token id lists, each one longer than the scored part) and search.
     -> (the `thresholds` manifest section without the data description, the score norms per

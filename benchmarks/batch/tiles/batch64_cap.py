@@ -7,7 +7,7 @@ usage: .venv/bin/python benchmarks/batch/tiles/batch64_cap.py 32|256 [rounds, de
 import sys
 
 import mlx_flash  # noqa: F401 (before mlx.core)
-from mlx_flash import kernels as K
+from mlx_flash.kernels import passes as K  # (the pass kernels' caps: BATCH_PASS, PROMPT_PASS, SMALL_PASS)
 from mlx_flash.bench import batch
 from mlx_flash.plan.profile import load_profile
 

@@ -12,7 +12,7 @@ import time
 
 import mlx_flash
 import numpy as np
-from mlx_flash import kernels as K
+from mlx_flash.kernels import passes as K  # (the pass kernels' caps: BATCH_PASS, PROMPT_PASS, SMALL_PASS)
 
 model_dir, mode = sys.argv[1], sys.argv[2]
 budget = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None

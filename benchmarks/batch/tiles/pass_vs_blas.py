@@ -7,7 +7,7 @@ copies cycled through). The two settings alternate, two rounds.
 usage: .venv/bin/python benchmarks/batch/tiles/pass_vs_blas.py
 """
 import mlx_flash  # noqa: F401 (before mlx.core)
-from mlx_flash import kernels as K
+from mlx_flash.kernels import passes as K  # (the pass kernels' caps: BATCH_PASS, PROMPT_PASS, SMALL_PASS)
 from mlx_flash.plan import measure as bp
 
 FORMS = ("q4", "q4-rows", "q8", "q8-rows", "float16", "float32")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import FlashError, ModelFileError
-from ...io.reader import ChecksumError, log_once
+from ...io.files import ChecksumError, log_once
 from .base import Store, take_pending
 
 CHUNK = 256 * 1024  # bytes of one checked read (the reader's largest single read)

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ...cache import NeuronCache
 from ...errors import FlashError, ModelFileError
-from ...io.reader import ChecksumError
+from ...io.files import ChecksumError
 from ...layout.format import check_file
 from ...models.ffn import FFNRows, PackedRows
 from ..stats import TokenStats

@@ -25,7 +25,7 @@ import numpy as np
 import mlx.core as mx
 
 from ...errors import FlashError, ModelFileError
-from ...io.reader import ChecksumError, log_once
+from ...io.files import ChecksumError, log_once
 from .base import Store
 
 ROWS = 64  # rows one read of each tensor holds (a longer prompt chunk reads in pieces of this many)

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from ...cache.expert_cache import ExpertCache
 from ...errors import FlashError, ModelFileError
-from ...io.reader import ChecksumError
+from ...io.files import ChecksumError
 from ...kernels import QuantMatrix
 from ...layout.experts import KINDS, layer_groups
 from ...layout.format import read_checksums

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FlashError, ModelFileError
-from ...io.reader import ChecksumError, log_once
+from ...io.files import ChecksumError, log_once
 from .base import Store, take_pending
 
 CHUNK_BYTES = 4 << 20  # one read of a layer's keys and values (two buffers, plus one copy in MLX)

@@ -69,7 +69,7 @@ class StreamedStore(NeuronFileStore):
         # float16-held caches (a hybrid's) and a pass of up to SMALL_PASS positions, or a batch's
         # decode step or a prompt's chunk the pass kernels take: the native kernels read the held
         # rows as they are, and the streamed ones after them (into the same host sums), where a
-        # prompt's chunk they do not take (kernels.PROMPT_PASS) converts the cache into an arena for BLAS
+        # prompt's chunk they do not take (kernels.passes.PROMPT_PASS) converts the cache into an arena for BLAS
         direct = bool(self.arenas) and self.kernels is not None and (
             x.size // x.shape[-1] <= SMALL_PASS or pass_kernels(self.kernels, x))
         t2 = t3 = time.perf_counter()

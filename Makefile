@@ -31,14 +31,20 @@ $(VENV)/.installed: pyproject.toml setup.py mlx_flash/io/_native.c mlx_flash/io/
 
 # Peers for `mlx_flash.benchmark peers`: llama-cpp-python built from its sdist for
 # this CPU, in its own venv so the product venv and CI stay light (about 3 min).
+# A CPU that reports AMX gets the x86 features named one by one, AMX left out: ggml's AMX
+# matmul dies with SIGILL (tilezero) in a VM that lists AMX (seen on a 2-core Xeon VM).
 LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+LLAMA_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+LLAMA_CMAKE_ARGS ?= $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo '$(LLAMA_NO_AMX)' || echo -DGGML_NATIVE=ON)
 
 peers-setup: .venv-peers/.installed
 
 .venv-peers/.installed:
 	$(PYTHON) -m venv .venv-peers
 	.venv-peers/bin/pip install -q --upgrade pip
-	CMAKE_ARGS="-DGGML_NATIVE=ON" .venv-peers/bin/pip install -q --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" .venv-peers/bin/pip install -q --no-cache-dir --no-binary llama-cpp-python \
+		"$(LLAMA_CPP_PYTHON)"
 	touch $@
 
 $(GGUF): | $(VENV)/.installed

@@ -271,6 +271,7 @@ def test_cli_choices_with_json(tiny, tmp_path, capsys, monkeypatch):
 # --- the real model
 
 
+@pytest.mark.slow  # (4 min: real data through the whole evaluation; -m slow runs it)
 def test_smollm2_wikitext_and_arc_easy(smollm2):
     if not (DATA / "SOURCES.md").exists():
         pytest.skip(f"no data sets at {DATA}")

@@ -9,7 +9,6 @@ these helpers run a small script there and read back NumPy arrays.
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 

@@ -302,7 +302,6 @@ def test_benchmark_batch_predicts_again_at_the_disk_the_decode_got(tmp_path, mon
     counters say 0.04 GB/s, ten times the profile's disk at 256 KiB: less I/O predicted."""
     from mlx_flash.bench import batch
     from mlx_flash.io import device
-    from mlx_flash.plan.cost import predict_at_disk_rate
     from test_plan import _profile
 
     ticks = iter(range(10**6))

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from mlx_flash.bench.storage import fio_available, fit_latency_model, parse_size

@@ -39,7 +39,6 @@ def test_acceptance_counts_passes():
 
 
 def greedy(model, tok, n, **kw):
-    from mlx_lm.models.cache import make_prompt_cache
 
     ids = tok.encode("the quick brown fox")
     acc = Acceptance(kw.get("num_draft_tokens", 1), n)

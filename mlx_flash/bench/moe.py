@@ -198,7 +198,7 @@ def _table_row(budget, row, res, gbps):
 
 
 def run_moe_bench(shape="qwen3-30b-a3b", budgets=("25%", "50%"), tokens=8, rounds=2, warmup=4,
-                  rows=ROWS, out="results/moe", progress=True, home=None, routing="trace", lookahead_width=None):
+                  rows=ROWS, out="out/moe", progress=True, home=None, routing="trace", lookahead_width=None):
     from ..errors import FlashError
 
     if lookahead_width is not None and (routing != "trace" or lookahead_width < 1):

@@ -629,7 +629,7 @@ def report(res):
     return "\n".join(md) + "\n"
 
 
-def write_outputs(res, out="results", json_path=None):
+def write_outputs(res, out="out", json_path=None):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = (f"paper-{res['shape']}-{res['flash_dtype'].replace(',', '+')}"

@@ -60,8 +60,8 @@ def build_parser():
                    help="size of the file to create (default 2GB; the token-like batch of the "
                         "acceptance test wants 13GB); an existing file must match")
     s.add_argument("--json", default=None, help="write every figure here (JSON)")
-    s.add_argument("--out", default="results",
-                   help="folder for storage.csv and storage.png (default results/)")
+    s.add_argument("--out", default="out",
+                   help="folder for storage.csv and storage.png (default out/)")
     s.add_argument("--chunks", type=_list(parse_size), default=DEFAULT_CHUNKS,
                    help="chunk sizes, e.g. 4K,16K,32K,1M (default 4 KiB .. 1 MiB)")
     s.add_argument("--threads", type=_list(int), default=DEFAULT_THREADS,
@@ -131,7 +131,7 @@ def add_paper_parser(sub):
     s.add_argument("--k", type=int, default=5, help="trace: the window the new share is given for")
     s.add_argument("--threads", type=int, default=READ_THREADS, help="reader threads")
     s.add_argument("--json", default=None, help="write every row and figure here (JSON)")
-    s.add_argument("--out", default="results", help="folder for the markdown, CSV and PNGs")
+    s.add_argument("--out", default="out", help="folder for the markdown, CSV and PNGs")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -212,7 +212,7 @@ def add_batch_parser(sub):
     s.add_argument("--tokens", type=int, default=4, help="decode tokens per sequence")
     s.add_argument("--prompt-tokens", type=int, default=16)
     s.add_argument("--rounds", type=int, default=2)
-    s.add_argument("--out", default="results/batch")
+    s.add_argument("--out", default="out/batch")
 
 
 def add_moe_parser(sub):
@@ -235,7 +235,7 @@ def add_moe_parser(sub):
     s.add_argument("--lookahead-width", type=int, default=None,
                    help="--routing trace: experts the path statistics guess for each next layer (default: top-k); "
                    "wider guesses read more ahead, hit more, and cost reads")
-    s.add_argument("--out", default="results/moe")
+    s.add_argument("--out", default="out/moe")
     s.add_argument("--quiet", action="store_true", help="no progress")
 
 
@@ -248,7 +248,7 @@ def add_server_parser(sub):
     s.add_argument("--seed", type=int, default=0, help="fixes the mix of requests")
     s.add_argument("--server-args", default="", help="more flags for the server, one string "
                    "(e.g. \"--memory-limit 1GB\")")
-    s.add_argument("--out", default="results/server")
+    s.add_argument("--out", default="out/server")
 
 
 def add_speculative_parser(sub):
@@ -263,7 +263,7 @@ def add_speculative_parser(sub):
     s.add_argument("--memory-budget", default=None)
     s.add_argument("--tokens", type=int, default=64)
     s.add_argument("--rounds", type=int, default=3)
-    s.add_argument("--out", default="results/speculative")
+    s.add_argument("--out", default="out/speculative")
 
 
 def speculative_main(args, argv):
@@ -465,7 +465,7 @@ def add_peers_parser(sub):
     s.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
     s.add_argument("--warm", action="store_true", help="do not drop the page cache before each run")
     s.add_argument("--json", default=None, help="write every run here (default <out>/peers.json)")
-    s.add_argument("--out", default="results", help="folder for peers.md, peers.csv, peers.json")
+    s.add_argument("--out", default="out", help="folder for peers.md, peers.csv, peers.json")
 
 
 def peers_main(args, argv):

@@ -145,7 +145,6 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
 
     def body():
-        from ..sparsity.calibrate import calibrate
         from ..errors import FlashError
 
         if args.tokens < args.seq_len:

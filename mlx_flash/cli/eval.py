@@ -3,7 +3,7 @@
   mlx_flash.eval --task wikitext --limit 4096              # perplexity, windows of --context tokens
   mlx_flash.eval --task arc_easy --limit 200               # acc / acc_norm (lm-evaluation-harness style)
   mlx_flash.eval --task hellaswag --mode flash --sparsity dip-ca --density 0.5 --memory-budget 50% --limit 20
-  mlx_flash.eval --task notes.txt --json results/notes.json
+  mlx_flash.eval --task notes.txt --json out/notes.json
 
 Tasks: wikitext (WikiText-2 raw test), c4 (2000 C4 validation documents),
 arc_easy / arc_challenge (Test split; --split dev), hellaswag (validation), or
@@ -17,8 +17,8 @@ because the sparsity sources choose neurons from the state of their caches
 an approximation for cache-aware sources. --token-by-token forces the
 incremental path in dense mode too.
 
-  mlx_flash.eval --table results/quality                   # every sparsity source at matched densities
-  mlx_flash.eval --table results/quality --resume          # continue: rows already in the JSON are kept
+  mlx_flash.eval --table out/quality                   # every sparsity source at matched densities
+  mlx_flash.eval --table out/quality --resume          # continue: rows already in the JSON are kept
 
 --table OUT runs the quality table (mlx_flash.eval.table): dense, then every
 sparsity source at --densities, WikiText-2 perplexity and (at --mc-densities)

@@ -9,7 +9,6 @@ with no exact MLX form, which the converter re-quantizes).
 """
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path

@@ -2,11 +2,11 @@
 token-by-token checks, the predictor probe), resume, and the whole run (quality_table);
 the files it writes are mlx_flash.eval.table_report's.
 
-    mlx_flash.eval --table results/quality                # SmolLM2, about 45 minutes here
-    mlx_flash.eval --table results/quality --resume       # continue: rows already in the JSON are kept
+    mlx_flash.eval --table out/quality                # SmolLM2, about 45 minutes here
+    mlx_flash.eval --table out/quality --resume       # continue: rows already in the JSON are kept
 
-Writes results/quality.md, results/quality.csv (one row per configuration),
-results/quality_predictor.csv (one row per layer) and results/quality.json
+Writes out/quality.md, out/quality.csv (one row per configuration),
+out/quality_predictor.csv (one row per layer) and out/quality.json
 (everything, with per-task timings and the runtime's statistics).
 
 Rows: dense once, then per density (--densities) every sparsity source of the

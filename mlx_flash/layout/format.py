@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FlashError, ModelFileError
-from .quant import QuantSpec, dequantize
+from .quant import SCALE_DTYPES, QuantSpec, dequantize
 from .safetensors_io import from_storage
 from .schema import FORMAT_NAME, READ_VERSIONS, check_sizes, validate_manifest
 
@@ -145,6 +145,22 @@ class BundleLayout:
 
     def table_name(self, kind):
         return f"{self.tables}.{kind}"
+
+    @property
+    def table_shape(self):
+        """A column kind's scales (or biases) table: (neuron groups, d_model); None without one."""
+        if self.quant is None or not self.columns:
+            return None
+        return (self.n_neurons // self.quant.group_size, self.d_model)
+
+    @property
+    def table_bytes(self):
+        """One layer's column tables in DRAM (read_tables' arrays: scales and biases of each column
+        kind), 0 without them. (A layer's scale file may hold other layouts' tables too.)"""
+        shape = self.table_shape
+        if shape is None:
+            return 0
+        return len(self.columns) * 2 * shape[0] * shape[1] * SCALE_DTYPES[self.quant.scale_dtype]
 
     def segments(self, views, tables=None, kinds=None):
         """FlashReader.read_bundles segments placing each kind of `kinds` (default all) into
@@ -392,7 +408,7 @@ def read_tables(folder, manifest, layout, verify=True):
                          f"{len(manifest.ffn_files)} layers; convert the model again")
     q = layout.quant
     storage = np.dtype(np.uint16 if q.scale_dtype == "bfloat16" else q.scale_dtype)
-    shape = (layout.n_neurons // q.group_size, layout.d_model)
+    shape = layout.table_shape
     out = []
     for entry in manifest.scales:
         check_file(folder, entry, checksum=verify)

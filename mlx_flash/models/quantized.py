@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels import QuantMatrix
-from .half import ARENA_VALUES, Arena, chunked_matmul, head_product, native_product
+from .half import ARENA_VALUES, Arena, head_product, native_product
 
 
 def quantized_modules(model):

@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..errors import BudgetTooSmall, FlashError
 from ..io import FlashReader
 from ..layout.format import check_file, read_checksums, read_tables
-from ..layout.quant import SCALE_DTYPES, value_shapes
+from ..layout.quant import value_shapes
 from ..models.ffn import layer_ffn
 from ..sparsity import SourceContext, source_class
 from .budget import Plan, budget_too_small, make_plan, parse_budget
@@ -224,18 +224,7 @@ def dense_need(folder, manifest, config, rows16=True):
     rows = {held_ffn, held_ffn or (rows16 and may_hold_float16(config, manifest))}
     dense = min(exact_plan("dense", manifest, config, DTYPES[dtype], ResidentWeights(resident, 0, 0), None,
                            r)[0].weights_bytes for r in rows)
-    return dense + table_bytes(manifest.layout, len(manifest.ffn_files))
-
-
-def table_bytes(layout, n_layers):
-    """The DRAM the column kinds' scale tables take (read_tables: a quantized layout's down
-    columns', every layer's), from the layout alone: the scale files also hold the DIP
-    layout's tables, which only a DIP source reads."""
-    q = layout.quant
-    if q is None or not layout.columns:
-        return 0
-    return (n_layers * len(layout.columns) * 2 * (layout.n_neurons // q.group_size) * layout.d_model
-            * SCALE_DTYPES[q.scale_dtype])
+    return dense + manifest.layout.table_bytes * len(manifest.ffn_files)
 
 
 def _least_ffn(manifest, config):
@@ -244,7 +233,7 @@ def _least_ffn(manifest, config):
     from ..io import native_available
 
     lay = manifest.layout
-    extra = table_bytes(lay, len(manifest.ffn_files))
+    extra = lay.table_bytes * len(manifest.ffn_files)
     if config.verify and native_available():  # (_checksums: held only where reads are checked)
         extra += len(manifest.ffn_files) * lay.n_neurons * len(lay.kinds) * 4
     dtype = DTYPES[compute_dtype(config, manifest)]

@@ -31,7 +31,7 @@ import numpy as np
 import mlx.core as mx
 
 from ...cache.expert_cache import ExpertCache
-from ...errors import FlashError, ModelFileError
+from ...errors import ModelFileError
 from ...io.files import ChecksumError
 from ...kernels import QuantMatrix
 from ...layout.experts import KINDS, layer_groups

@@ -121,6 +121,32 @@ class FlashFFN(nn.Module):
             self.down_bias = mx.zeros((d_model,))
 
     def __call__(self, x):
+        y, acc = self._sum(x)
+        return self._total(x, y, acc)
+
+    def host_step(self, v):
+        """One position's FFN of a float32 host vector v [d_model] -> [d_model] (models/host.py):
+        the host sum itself where the native kernels computed every part, without MLX."""
+        from ..kernels import host_f32
+
+        x = mx.array(v.reshape(1, 1, -1))
+        y, acc = self._sum(x)
+        if y is None and acc is not None and "down_bias" not in self:
+            return acc.reshape(-1)
+        return host_f32(self._total(x, y, acc))
+
+    def _total(self, x, y, acc):
+        """The FFN's output from _sum's MLX part y and host sum acc."""
+        if acc is not None or y is None:
+            s = mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype) if acc is None else \
+                mx.array(acc).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
+            y = s if y is None else y + s
+        if "down_bias" in self:
+            y = y + self.down_bias
+        return y
+
+    def _sum(self, x):
+        """The FFN over x before its down bias: (an MLX part or None, a host sum or None)."""
         if self.store is None:
             raise FlashError("FFN has no weight store; load the model with mlx_flash.load")
         try:
@@ -128,7 +154,7 @@ class FlashFFN(nn.Module):
         except Exception as e:
             if type(e).__name__ != "TooManyNeurons":
                 raise
-            return self._in_halves(x)
+            return self._in_halves(x), None
         if isinstance(parts, FFNRows):
             parts = [parts]
         # Neuron subsets are independent: the FFN is the sum over its parts. A callable
@@ -179,13 +205,7 @@ class FlashFFN(nn.Module):
             y = self._add(y, self._packed_parts(x, packed))
         if few is not None and sums[0] is not None:
             acc = np.stack(sums)
-        if acc is not None or y is None:
-            s = mx.zeros(x.shape[:-1] + (self.d_model,), dtype=x.dtype) if acc is None else \
-                mx.array(acc).reshape(*x.shape[:-1], self.d_model).astype(x.dtype)
-            y = s if y is None else y + s
-        if "down_bias" in self:
-            y = y + self.down_bias
-        return y
+        return y, acc
 
     def _dense_part(self, x, rows, y):
         """y + the FFN over float rows (masked per token if the part says so)."""

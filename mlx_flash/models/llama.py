@@ -8,10 +8,13 @@ relu2, fatrelu), so ReLU-fied Llamas run as trained.
 from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
+import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import host
 from .attention import attend
 from .ffn import FlashFFN, activation
 
@@ -95,6 +98,21 @@ class Attention(nn.Module):
         out = attend(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def host_step(self, x, cache, rotation):
+        """__call__ for one position on the host (models/host.py): x [dim] float32 -> [dim]."""
+        q, k, v = (host.product(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.qk_norm_full:
+            q, k = host.rms_norm(q, self.q_norm), host.rms_norm(k, self.k_norm)
+        q, k = q.reshape(self.n_heads, -1), k.reshape(self.n_kv_heads, -1)
+        if "q_norm" in self and not self.qk_norm_full:
+            q, k = host.rms_norm(q, self.q_norm), host.rms_norm(k, self.k_norm)
+        q, k = rotation(q), rotation(k)
+        keys, values = cache.update_and_fetch(mx.array(k.reshape(1, self.n_kv_heads, 1, -1)),
+                                             mx.array(v.reshape(1, self.n_kv_heads, 1, -1)))
+        mx.eval(keys, values)
+        out = host.attention(q, np.array(keys, copy=False)[0], np.array(values, copy=False)[0], self.scale)
+        return host.product(self.o_proj, out)
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
@@ -109,6 +127,12 @@ class TransformerBlock(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def host_step(self, x, cache, rotation):
+        """__call__ for one position on the host (models/host.py): x [dim] float32 -> [dim]; the FFN
+        through its own host step (its store's rows, its native products)."""
+        h = x + self.self_attn.host_step(host.rms_norm(x, self.input_layernorm), cache, rotation)
+        return h + self.mlp.host_step(host.rms_norm(h, self.post_attention_layernorm))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, block=None):
@@ -120,12 +144,26 @@ class LlamaModel(nn.Module):
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if h.dtype == mx.float32 and host.eligible(self, inputs, cache, input_embeddings):
+            return self._host_step(h, cache)
         if cache is None:
             cache = [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, cache=c)
         return self.norm(h)
+
+    def _host_step(self, h, cache):
+        """One position of one sequence on the host (models/host.py): the same values as the loop
+        above, without MLX's per-operation cost between the native products."""
+        x = host.vector(h)
+        rope, head_dim = host.rope_of(self), self.layers[0].self_attn.head_dim
+        rotations = {}
+        for layer, c in zip(self.layers, cache):
+            if c.offset not in rotations:
+                rotations[c.offset] = host.Rotation(rope, head_dim, c.offset)
+            x = layer.host_step(x, c, rotations[c.offset])
+        return mx.array(host.rms_norm(x, self.norm)).reshape(1, 1, -1)
 
 
 class Model(nn.Module):

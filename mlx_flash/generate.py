@@ -4,6 +4,7 @@ Generation itself is mlx_lm's: our models are mlx_lm-compatible modules, so
 sampling, stop tokens, prompt caches and speculative decoding behave the same.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,16 +80,35 @@ def check_token_ids(model, ids, what="the prompt"):
         raise FlashError(f"{what} has token id {int(a[out[0]])}, outside the model's vocabulary (0 .. {vocab - 1})")
 
 
+@contextmanager
+def _last_logits(model, draft=None):
+    """While mlx_lm's loop runs: an output head read from flash multiplies a prompt chunk's last
+    position only (mlx_lm keeps no other logits of a chunk; models/quantized.py StreamedHead).
+    Not with a draft model, whose verify passes use every position's."""
+    from .models.quantized import streamed_head
+
+    head = streamed_head(model) if draft is None else None
+    if head is not None:
+        head.last_only = True
+    try:
+        yield
+    finally:
+        if head is not None:
+            head.last_only = False
+
+
 def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
     """Yield mlx_lm GenerationResponse objects (text, token, tokens/s, peak memory)."""
     kwargs = _within_memory_limit(model, tokenizer, prompt, max_tokens, _split_sampling(kwargs))
-    yield from _lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+    with _last_logits(model, kwargs.get("draft_model")):
+        yield from _lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
 
 
 def generate(model, tokenizer, prompt, verbose=False, max_tokens=256, **kwargs):
     """Return the generated text, like mlx_lm.generate."""
     kwargs = _within_memory_limit(model, tokenizer, prompt, max_tokens, _split_sampling(kwargs))
-    return _lm_generate(model, tokenizer, prompt, verbose=verbose, max_tokens=max_tokens, **kwargs)
+    with _last_logits(model, kwargs.get("draft_model")):
+        return _lm_generate(model, tokenizer, prompt, verbose=verbose, max_tokens=max_tokens, **kwargs)
 
 
 @dataclass
@@ -230,9 +250,10 @@ def batch_generate(model, tokenizer, prompts, max_tokens=256, stop=True, **kwarg
     stats_rows = getattr(getattr(runtime, "store", None), "stats", None)
     before = len(stats_rows.rows) if stats_rows is not None else 0
     t0 = time.perf_counter()
-    for a in range(0, longest - 1, step):
-        model(tokens[:, a: min(a + step, longest - 1)], cache=cache)
-        mx.eval([c.state for c in cache])
+    with _last_logits(model):  # (the prompts' logits are dropped)
+        for a in range(0, longest - 1, step):
+            model(tokens[:, a: min(a + step, longest - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
     t1 = time.perf_counter()
     out, reasons, steps = _decode_batch(model, cache, tokens[:, -1:], ids, max_tokens, sampler, processors, ends)
     t2 = time.perf_counter()

@@ -30,7 +30,7 @@ from .plan.profile import load_profile
 from .runtime.memory import (DEFAULT_CONTEXT, MLX_CACHE_LIMIT, check_limit_before_loading, flash_kv_caches,
                              kv_caches, kv_value_bytes, model_shape, plan_memory, trim_heap)
 from .runtime import (DTYPES, FlashConfig, ResidentWeights, build_runtime, compute_dtype, embedding_on_flash,
-                      keep_quantized, loaded_resident_bytes, make_config)
+                      head_on_flash, keep_quantized, loaded_resident_bytes, make_config)
 
 
 
@@ -226,7 +226,13 @@ def _build_model(folder, manifest, config: FlashConfig, context_of=None):
         from .models.quantized import stream_embedding
 
         stream_embedding(model, table.module, table.n_rows, table.dims)
-    gone = {n for s in streamed.values() for n in s.names} | (table.names if table is not None else set())
+    head = head_on_flash(folder, manifest, config)  # (the output head left on flash, or None)
+    if head is not None:
+        from .models.quantized import stream_head
+
+        stream_head(model, head.n_rows, head.dims)
+    gone = {n for s in streamed.values() for n in s.names} | (table.names if table is not None else set()) | (
+        head.names if head is not None else set())
     weights, streamed_bytes = _load_resident(model, folder, manifest, DTYPES[dtype], held, gone)
     quantized = bool(quantized_modules(model))
     if quantized and held is not None:

@@ -172,6 +172,47 @@ def streamed_embedding(model):
     return next((m for _, m in model.named_modules() if isinstance(m, StreamedEmbedding)), None)
 
 
+class StreamedHead(nn.Module):
+    """An output head (an untied, quantized lm_head) whose weight is not held: each pass asks its
+    store for the products with every row (read from flash chunk by chunk and multiplied by the
+    native kernels: runtime/stores/head.py). Eager, like the held head's decode step. `last_only`
+    (set by generate for mlx_lm's loop, which keeps a prompt chunk's last logits alone): a pass of
+    more than kernels.SMALL_PASS positions multiplies its last position only, and its logits are
+    that position's ([..., 1, vocabulary]). The store is attached by the runtime."""
+
+    def __init__(self, n_rows, dims):
+        super().__init__()
+        self.n_rows, self.dims = n_rows, dims
+        self.last_only = False
+        self._store = None
+
+    def attach(self, store, arena=None):  # (StreamedQuantizedLinear's call: no arena here)
+        self._store = store
+
+    def __call__(self, x):
+        from ..kernels import SMALL_PASS, host_f32
+
+        if self._store is None:
+            raise RuntimeError("the output head is read from flash without a store (the model's runtime was "
+                               "closed)")
+        if self.last_only and x.ndim == 3 and x.shape[1] > SMALL_PASS:
+            x = x[:, -1:, :]
+        out = self._store.products(host_f32(x).reshape(-1, self.dims))
+        return mx.array(out).reshape(*x.shape[:-1], self.n_rows).astype(x.dtype)
+
+
+def stream_head(model, n_rows, dims):
+    """Swap the model's lm_head for a StreamedHead, before the weights load."""
+    if not isinstance(dict(model.named_modules()).get("lm_head"), (nn.Linear, nn.QuantizedLinear)):
+        raise ValueError("the model has no lm_head of its own (a tied output head stays whole)")
+    model.update_modules(_tree([("lm_head", StreamedHead(n_rows, dims))]))
+
+
+def streamed_head(model):
+    """The StreamedHead of a model stream_head changed, or None."""
+    return next((m for _, m in model.named_modules() if isinstance(m, StreamedHead)), None)
+
+
 def _path_of(model, block):
     for path, m in model.named_modules():
         if m is block:

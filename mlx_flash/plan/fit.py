@@ -14,7 +14,7 @@ import mlx.core as mx
 from ..errors import BudgetTooSmall, FlashError
 from ..kernels import kernels_module
 from ..runtime import (attention_to_stream, check_resident_fits, dense_need, embedding_on_flash, embedding_to_stream,
-                       may_hold_float16)
+                       head_may_stream, head_on_flash, may_hold_float16)
 from ..runtime.budget import over_budget
 from ..runtime.memory import kv_value_bytes, plan_memory
 
@@ -38,7 +38,8 @@ def fit_weights(folder, manifest, config, held):
     embedding table stays on flash, a pass reading its tokens' rows (runtime.embedding_to_stream:
     the config returned says stream_embeddings "on" or "off"); where the resident weights of a
     quantized model then leave too little, some layers' attention too, read every token
-    (runtime.attention_to_stream)."""
+    (runtime.attention_to_stream); where every layer's would not be enough, an untied, quantized
+    output head first (stream_head "on": read every pass, chunk by chunk), then the fewest layers'."""
     lines = []
     may_hold_16 = may_hold_at_16_bits(config, manifest)
     if may_hold_16 and mx.default_device() == mx.cpu and kernels_module()[0] is not None:
@@ -60,7 +61,20 @@ def fit_weights(folder, manifest, config, held):
     if table is not None:
         lines.append(f"the input embeddings ({table.nbytes / 1e6:.0f} MB, not tied to the output head) stay on "
                      f"flash: each pass reads its tokens' rows ({table.row_bytes} bytes a token, checked)")
-    streamed = attention_to_stream(folder, manifest, config)
+    try:
+        streamed = attention_to_stream(folder, manifest, config)
+    except BudgetTooSmall:
+        if not head_may_stream(folder, manifest, config):
+            raise
+        config = replace(config, stream_head="on")  # (the next weight left on flash, then the fewest layers)
+        streamed = attention_to_stream(folder, manifest, config)
+    if config.stream_head == "auto":
+        config = replace(config, stream_head="off")
+    head = head_on_flash(folder, manifest, config)
+    if head is not None:
+        lines.append(f"the output head ({head.nbytes / 1e6:.0f} MB) stays on flash: each pass reads it, chunk "
+                     "by chunk while the kernels multiply the chunk before (its bytes read every token; "
+                     "--stream-head off holds it)")
     if streamed:
         layers = sorted(streamed)
         mb = sum(s.nbytes for s in streamed.values()) / 1e6

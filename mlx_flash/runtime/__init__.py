@@ -9,6 +9,7 @@
                 flash.py (windowed neuron caches), dip.py (DIP / DIP-CA), attention.py (quantized
                 attention read from the resident file every token, when the budget leaves no room),
                 embedding.py (the input embedding's rows read from the resident file, an untied table),
+                head.py (the output head read from the resident file every pass, chunk by chunk),
                 kv.py (the KV cache on flash), experts.py (a mixture's experts in an expert buffer)
     moe.py      a mixture of experts' runtime: the expert buffer from the budget, its store
 
@@ -18,13 +19,14 @@ are used (no file outside runtime/ imports a store).
 """
 
 from .build import (DTYPES, ResidentWeights, Runtime, attention_to_stream, build_runtime, check_resident_fits,
-                    compute_dtype, dense_need, embedding_on_flash, embedding_to_stream, loaded_resident_bytes,
-                    may_hold_float16, rebuild_runtime)
+                    compute_dtype, dense_need, embedding_on_flash, embedding_to_stream, head_may_stream,
+                    head_on_flash, loaded_resident_bytes, may_hold_float16, rebuild_runtime)
 from .config import FlashConfig, add_cli_args, from_cli, keep_quantized, make_config
 from .stores.base import TooManyNeurons
 
 __all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args",
-           "attention_to_stream", "build_runtime", "embedding_on_flash", "embedding_to_stream",
+           "attention_to_stream", "build_runtime", "embedding_on_flash", "embedding_to_stream", "head_may_stream",
+           "head_on_flash",
            "loaded_resident_bytes",
            "check_resident_fits", "compute_dtype", "dense_need", "from_cli", "keep_quantized", "make_config",
            "may_hold_float16", "rebuild_runtime"]

@@ -28,6 +28,7 @@ from .budget import Plan, budget_too_small, make_plan, parse_budget
 from .config import FlashConfig, keep_quantized, packed_ffn_rows, staged_caches
 from .stores.attention import buffer_shape
 from .stores.embedding import check_streamable, input_embedding
+from .stores.head import head_dram_bytes, output_head
 from .stores.base import cpu_kernels, read_layer_file
 from .work import exact_work, resident_computed
 
@@ -47,6 +48,7 @@ class ResidentWeights:
     extra_bytes: int = 0  # of the above, the store's scale tables and checksums (_with_extra)
     attention_bytes: int = 0  # of the above, the streamed attention's buffers (_with_streamed)
     embedding_bytes: int = 0  # of the above, the streamed embedding's buffers and checksums (_with_streamed)
+    head_bytes: int = 0  # of the above, the streamed output head's buffers and checksums (_with_streamed)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Runtime:
     kv: object = None  # stores.kv.FlashKV: the KV cache on flash last made (its reads join the prediction)
     batch: int = 1  # the sequences its --memory-limit plan decodes together (auto priced their decode step)
     embedding: object = None  # stores.embedding.EmbeddingStore: the input embedding read from flash
+    head: object = None  # stores.head.HeadStore: the output head read from flash
     tied_embeddings: bool = False  # the input embedding is the output head too (held whole)
     # the planner (mlx_flash.plan, handed in by the loader: the runtime never imports it): its cost
     # model predicts this runtime's token, its chooser picks --mode auto's plan
@@ -95,7 +98,7 @@ class Runtime:
             return None
         packed = bool(getattr(self.store, "packed", False)) if packed is None else packed
         return exact_work(plan, self.manifest.layout, packed, self.resident_work, DEFAULT_MAX_READ,
-                          _streamed_read(self.attention, self.embedding),
+                          _streamed_read(self.attention, self.embedding, self.head),
                           kv_read=_kv_read(self.kv, DEFAULT_MAX_READ),
                           bundled=self.config.bundled, positions=positions)
 
@@ -129,6 +132,9 @@ class Runtime:
             summary["streamed_embedding"] = {"table_bytes": self.embedding.streamed_bytes,
                                              "row_bytes": self.embedding.span.row_bytes,
                                              "buffer_bytes": self.embedding.weights_bytes}
+        if self.head is not None:
+            summary["streamed_head"] = {"bytes_per_token": self.head.streamed_bytes,
+                                        "buffer_bytes": self.head.weights_bytes}
         if self.memory is not None:
             summary["memory_limit"] = self.memory.as_dict()
         # (a cached profile: --stats never measures the machine)
@@ -188,6 +194,9 @@ class Runtime:
         if self.embedding is not None:
             self.embedding.close()
         self.embedding = None
+        if self.head is not None:
+            self.head.close()
+        self.head = None
         if self.kv is not None:  # (the KV cache on flash last made: its reader and its file)
             self.kv.close()
         self.kv = None
@@ -259,11 +268,15 @@ def _header_resident(folder, manifest, config, streamed=()):
     native = kept and on_cpu and cpu_kernels() is not None
     spans = spans if kept else {}
     table = _streamed_table(st, folder, config)  # (the input embedding, where it stays on flash)
-    gone = {n for i in streamed for n in spans[i].names} | (table.names if table is not None else set())
+    head = _streamed_head(st, folder, config)  # (the output head, where it stays on flash)
+    gone = {n for i in streamed for n in spans[i].names} | (table.names if table is not None else set()) | (
+        head.names if head is not None else set())
     shapes = value_shapes(st, {} if kept else quantization)
     resident = full = 0
     if table is not None:  # its read buffers and checksums
         resident += table.dram_bytes(_checked(config))
+    if head is not None:  # its two chunk buffers and checksums
+        resident += head_dram_bytes(head, _checked(config))
     if native:  # the kernels' float32 arena (models/quantized.py use_native_kernels)
         from ..models.quantized import arena_values
 
@@ -319,6 +332,10 @@ def loaded_resident_bytes(folder, manifest, config):
         table, tied = input_embedding(st, _quantization(folder))
         if table is not None and not tied:
             size -= table.nbytes
+    if _may_stream(config, manifest) and (config.stream_head == "on" or (config.stream_head == "auto" and budgeted)):
+        head = output_head(st, _quantization(folder))
+        if head is not None:
+            size -= head.nbytes
     return size
 
 
@@ -337,6 +354,41 @@ def _streamed_table(st, folder, config):
     table, tied = input_embedding(st, _quantization(folder))
     check_streamable(table, tied, folder)
     return table
+
+
+def _streamed_head(st, folder, config):
+    """The output head's TableSpan where the config leaves it on flash (stream_head "on": refused
+    for a head that cannot be: tied, not quantized, with a bias, or without the native kernels),
+    else None."""
+    if config.stream_head != "on":
+        return None
+    head = output_head(st, _quantization(folder))
+    if head is None:
+        raise FlashError(f"--stream-head on: {folder}'s output head cannot be read from flash (the kernels "
+                         "multiply an untied, quantized lm_head without a bias, held at its bits)")
+    if cpu_kernels() is None or config.resident_dtype not in (None, "quantized"):
+        raise FlashError("--stream-head on: the output head read from flash is multiplied by the native kernels "
+                         "on the CPU, at its bits (not built, MLX computes elsewhere, or --resident-dtype "
+                         f"{config.resident_dtype})")
+    return head
+
+
+def head_on_flash(folder, manifest, config):
+    """The output head's TableSpan where the config leaves it on flash, else None (the loader
+    then loads it with the other resident weights)."""
+    if config.stream_head != "on":
+        return None
+    return _streamed_head(_resident_spans(folder, manifest)[0], folder, config)
+
+
+def head_may_stream(folder, manifest, config):
+    """May --stream-head auto leave the output head on flash under this config (a budget, an
+    exact streaming mode of a quantized model held at its bits, the kernels, a head they read)?"""
+    if config.stream_head != "auto" or config.memory_budget is None or manifest.experts:
+        return False
+    if not _may_stream(config, manifest):
+        return False
+    return output_head(_resident_spans(folder, manifest)[0], _quantization(folder)) is not None
 
 
 def embedding_on_flash(folder, manifest, config):
@@ -414,9 +466,12 @@ def attention_to_stream(folder, manifest, config):
         least = resident - sum(s.nbytes for s in spans.values()) + _attention_buffers(spans, list(spans),
                                                                                       config.prefetch)
         need = least + least_ffn
-        held = ("the input embeddings and every layer's attention read from flash, the resident weights (the "
-                "output head, norms" if config.stream_embeddings == "on" else
-                "every layer's attention read from flash, the resident weights (embeddings, norms")
+        on_flash = ["every layer's attention"] + (["the input embeddings"] if config.stream_embeddings == "on"
+                                                  else []) + (["the output head"] if config.stream_head == "on" else [])
+        kept = [k for k, gone in (("embeddings", config.stream_embeddings == "on"),
+                                  ("the output head", config.stream_head == "on")) if not gone] + ["norms"]
+        held = (f"{', '.join(on_flash[:-1])} and {on_flash[-1]}" if len(on_flash) > 1 else on_flash[0]) + (
+            f" read from flash, the resident weights ({', '.join(kept)}")
         reason = (f"even with {held}, two attention buffers) take {least / 1e6:.0f} MB and the least FFN plan "
                   f"(naive's two layer buffers, the scale tables and checksums) {least_ffn / 1e6:.0f} MB")
         raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget, need, reason)
@@ -488,13 +543,15 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
     resident = _with_streamed(resident, "attention_bytes", attention)
     embedding = _embedding_store(model, folder, manifest, config, dtype, resident, streamed)
     resident = _with_streamed(resident, "embedding_bytes", embedding)
+    head = _head_store(model, folder, manifest, config, streamed)
+    resident = _with_streamed(resident, "head_bytes", head)
     if config.mode == "auto":
         if planner is None:
             raise FlashError("--mode auto: build_runtime needs the planner (load() passes mlx_flash.plan)")
         rows16 = not held_ffn and may_hold_float16(config, manifest)
         plan_of = _auto_plan_of(manifest, config, dtype, resident, budget, held_ffn, tables, ffn_crcs)
         choice = planner.choose_exact(config, budget, plan_of, rows16, lay, resident_work,
-                                      _streamed_read(attention, embedding), batch)
+                                      _streamed_read(attention, embedding, head), batch)
         config = replace(config, mode=choice.mode)
         held_ffn = held_ffn or choice.rows16
     if config.mode == "dense":
@@ -531,10 +588,12 @@ def build_runtime(model, folder, manifest, config, resident, source=None, progre
         attention.stats = store.stats  # (its waits and bytes join the FFN's rows)
     if embedding is not None:
         embedding.stats = getattr(store, "stats", None)  # (its reads join the next pass's row)
+    if head is not None:
+        head.stats = store.stats  # (its waits and bytes join the FFN's rows)
     resident_dtype = "quantized" if resident.quantized else held or dtype_name
     runtime = Runtime(config, Path(folder), manifest, dtype_name, resident_dtype, resident, store, plan,
                       budget, model_bytes, source, name, density, ffns, choice=choice, resident_work=resident_work,
-                      attention=attention, streamed=streamed, batch=batch, embedding=embedding,
+                      attention=attention, streamed=streamed, batch=batch, embedding=embedding, head=head,
                       tied_embeddings=not any(n.endswith("lm_head") for n, _ in model.named_modules()),
                       planner=planner)
     model.runtime = runtime
@@ -597,12 +656,32 @@ def _with_streamed(resident, field, store):
                    **{field: nbytes})
 
 
-def _streamed_read(attention, embedding):
+def _streamed_read(attention, embedding, head=None):
     """(bytes, batches) of resident weights read from flash every token: the streamed attention's
-    layers, a batch each, and the input embedding's row, a batch of each of its tensors ((0, 0): none)."""
+    layers, a batch each, the input embedding's row, a batch of each of its tensors, and the output
+    head, a batch of each tensor a chunk ((0, 0): none)."""
     att = (attention.streamed_bytes, len(attention.spans)) if attention is not None else (0, 0)
     emb = (embedding.span.row_bytes, len(embedding.span.parts)) if embedding is not None else (0, 0)
-    return att[0] + emb[0], att[1] + emb[1]
+    out = (head.streamed_bytes, len(head.starts) * len(head.span.parts)) if head is not None else (0, 0)
+    return att[0] + emb[0] + out[0], att[1] + emb[1] + out[1]
+
+
+def _head_store(model, folder, manifest, config, streamed):
+    """The HeadStore of a model whose loader left its output head on flash (head_on_flash),
+    attached to its StreamedHead (added to `streamed`), or None."""
+    from ..models.quantized import streamed_head
+    from .stores.head import HeadStore
+
+    module = streamed_head(model)
+    if module is None:
+        return None
+    span = head_on_flash(folder, manifest, config)
+    st, _ = _resident_spans(folder, manifest)
+    store = HeadStore(st.path, span, FlashReader(threads=config.threads, direct=True), cpu_kernels(),
+                      verify=config.verify)
+    module.attach(store)
+    streamed.append(module)
+    return store
 
 
 def _embedding_store(model, folder, manifest, config, dtype, resident, streamed):

@@ -88,6 +88,12 @@ class FlashConfig:
         "where the resident weights leave the FFN too little), before any attention is read from flash. Never "
         "a table tied to the output head, which multiplies by every row each token", "--stream-embeddings",
         ("auto", "on", "off"))
+    stream_head: str = _opt(
+        "auto", "the output head (an untied, quantized one): 'on' leaves it in the resident file and reads "
+        "it every pass, chunk by chunk, while the kernels multiply the chunk before (its DRAM freed, its bytes "
+        "read each token); 'off' holds it in DRAM; auto: on under --memory-limit / --memory-budget only where "
+        "even every layer's attention read from flash leaves the FFN too little", "--stream-head",
+        ("auto", "on", "off"))
     ffn_rows: str | None = _opt(
         None, "a quantized model's FFN rows in DRAM (caches, streaming buffers): 'quantized' keeps "
         "them at their bits as read (1/7 of float32's DRAM, computed on by the native kernels on the "
@@ -162,6 +168,8 @@ class FlashConfig:
             bad(f"unknown eviction policy '{self.eviction}' (choose from {', '.join(EVICTIONS)})")
         if self.stream_embeddings not in ("auto", "on", "off"):
             bad(f"unknown --stream-embeddings '{self.stream_embeddings}' (choose from auto, on, off)")
+        if self.stream_head not in ("auto", "on", "off"):
+            bad(f"unknown --stream-head '{self.stream_head}' (choose from auto, on, off)")
         if self.resident_dtype is not None and self.resident_dtype not in RESIDENT_DTYPES:
             bad(f"unsupported resident dtype '{self.resident_dtype}' (choose from "
                 f"{', '.join(RESIDENT_DTYPES)})")

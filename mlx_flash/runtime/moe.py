@@ -80,6 +80,9 @@ def check_moe_config(config):
     if config.stream_embeddings == "on":
         raise FlashError("--stream-embeddings on: a mixture-of-experts model holds its input embeddings in DRAM "
                          "(reading them from flash is not written for experts yet)")
+    if config.stream_head == "on":
+        raise FlashError("--stream-head on: a mixture-of-experts model holds its output head in DRAM (reading it "
+                         "from flash is not written for experts yet)")
     if config.mode == "dense" and (config.memory_budget is not None or config.memory_limit is not None):
         given = "--memory-budget" if config.memory_budget is not None else "--memory-limit"
         raise FlashError(f"--mode dense holds every expert: {given} does not apply (use --mode auto)")

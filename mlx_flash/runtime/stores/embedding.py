@@ -80,7 +80,13 @@ def input_embedding(st, quantization):
     tied = "lm_head.weight" not in st.tensors
     if len(names) != 1:
         return None, tied
-    module = names[0][: -len(".weight")]
+    return table_span(st, quantization, names[0][: -len(".weight")]), tied
+
+
+def table_span(st, quantization, module):
+    """TableSpan of the module's table in the resident SafetensorsFile (its weight; a quantized
+    one's scales and biases: rows of each at row * row bytes), or None where it cannot be read
+    by rows (a tensor missing, or of a dtype or shape the stores do not read)."""
     q = (quantization or {}).get(module)
     kinds = ("weight", "scales", "biases") if isinstance(q, dict) else ("weight",)
     parts = []
@@ -88,19 +94,44 @@ def input_embedding(st, quantization):
         info = st.tensors.get(f"{module}.{kind}")
         known = ("U32",) if kind == "weight" and isinstance(q, dict) else _FLOAT  # (packed words, else values)
         if info is None or len(info["shape"]) != 2 or info["dtype"] not in known:
-            return None, tied
+            return None
         rows, cols = info["shape"]
         a, b = info["data_offsets"]
         row = cols * np.dtype(_NP[info["dtype"]]).itemsize
         if b - a != rows * row or row % 2:
-            return None, tied
+            return None
         parts.append((f"{module}.{kind}", st.data_start + a, row, info["dtype"]))
-    n_rows, cols = st.tensors[names[0]]["shape"]
+    n_rows, cols = st.tensors[f"{module}.weight"]["shape"]
     if any(st.tensors[p[0]]["shape"][0] != n_rows for p in parts):
-        return None, tied
+        return None
     if isinstance(q, dict):
-        return TableSpan(module, n_rows, cols * 32 // q["bits"], tuple(parts), q["bits"], q["group_size"]), tied
-    return TableSpan(module, n_rows, cols, tuple(parts)), tied
+        return TableSpan(module, n_rows, cols * 32 // q["bits"], tuple(parts), q["bits"], q["group_size"])
+    return TableSpan(module, n_rows, cols, tuple(parts))
+
+
+def row_checksums(reader, file, span):
+    """[uint32 [rows, 1] per tensor of the table]: each row's CRC32C, from a first read in pieces of
+    CRC_PIECE bytes (None without the native extension: NumPy's CRC would take minutes)."""
+    from ...io import native_available
+    from ...io.checksum import parts_crc
+
+    if not native_available():
+        log_once("table-crc", "FlashReader: checking reads needs the native extension (not built); "
+                 "reads of tables left on flash are not checked")
+        return None
+    out = []
+    for _, off, row, _ in span.parts:
+        per = min(span.n_rows, max(ROWS, CRC_PIECE // row))
+        piece = np.zeros((per, row // 2), dtype=np.float16)
+        crc = np.empty((span.n_rows, 1), dtype=np.uint32)
+        segs = ((0, row // 2, "float16", piece),)
+        for a in range(0, span.n_rows, per):
+            ids = np.arange(a, min(a + per, span.n_rows), dtype=np.int64)
+            reader.read_bundles(file, ids, row, segs, ids - a, base=off)
+            crc[a: a + len(ids)] = parts_crc(piece[: len(ids)].view(np.uint8), [(0, row)])
+        out.append(crc)
+    reader.stats.reset()
+    return out
 
 
 class EmbeddingStore(Store):
@@ -124,7 +155,7 @@ class EmbeddingStore(Store):
         # as float16: the reader copies a row's bytes as they are (same-dtype copy)
         self.buffers = [np.zeros((span.buffer_rows, row // 2), dtype=np.float16) for _, _, row, _ in span.parts]
         self._segs = [((0, row // 2, "float16", buf),) for (_, _, row, _), buf in zip(span.parts, self.buffers)]
-        self.crcs = self._checksums() if verify else None
+        self.crcs = row_checksums(reader, self.file, span) if verify else None
         self._checks = [None] * len(span.parts) if self.crcs is None else [
             (c, ((0, row, 0),)) for c, (_, _, row, _) in zip(self.crcs, span.parts)]
 
@@ -136,30 +167,6 @@ class EmbeddingStore(Store):
     def streamed_bytes(self):
         """The table's bytes (what the model does not hold)."""
         return self.span.nbytes
-
-    def _checksums(self):
-        """[uint32 [rows, 1] per tensor]: each row's CRC32C, from a first read in pieces of
-        CRC_PIECE bytes (None without the native extension: NumPy's CRC would take minutes)."""
-        from ...io import native_available
-        from ...io.checksum import parts_crc
-
-        if not native_available():
-            log_once("embed-crc", "FlashReader: checking reads needs the native extension (not built); "
-                     "streamed embedding reads are not checked")
-            return None
-        out = []
-        for _, off, row, _ in self.span.parts:
-            per = min(self.span.n_rows, max(ROWS, CRC_PIECE // row))
-            piece = np.zeros((per, row // 2), dtype=np.float16)
-            crc = np.empty((self.span.n_rows, 1), dtype=np.uint32)
-            segs = ((0, row // 2, "float16", piece),)
-            for a in range(0, self.span.n_rows, per):
-                ids = np.arange(a, min(a + per, self.span.n_rows), dtype=np.int64)
-                self.reader.read_bundles(self.file, ids, row, segs, ids - a, base=off)
-                crc[a: a + len(ids)] = parts_crc(piece[: len(ids)].view(np.uint8), [(0, row)])
-            out.append(crc)
-        self.reader.stats.reset()
-        return out
 
     def rows(self, ids):
         """ids: distinct token ids (int64, each below the table's rows) -> mx.array [len(ids),

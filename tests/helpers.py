@@ -281,3 +281,13 @@ def make_moe_folder(folder, variant="mixtral", seed=0, dtype="float32", **overri
     tensors = moe_tensors(cfg, np.random.default_rng(seed))
     write_safetensors(folder / "model.safetensors", tensors, dtype)
     return folder, cfg, tensors
+
+
+def flip_bit(path, at, bit=0x10):
+    """Damage one byte of a file in place: the byte at offset `at` (negative: from the end) with
+    `bit` flipped."""
+    with open(path, "r+b") as f:
+        f.seek(at, 0 if at >= 0 else 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ bit]))

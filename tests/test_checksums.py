@@ -18,7 +18,7 @@ from mlx_flash.convert.quantize import QuantOptions
 from mlx_flash.errors import FlashError
 from mlx_flash.io import checksum, native_available
 from mlx_flash.layout.format import read_manifest
-from helpers import make_llama_folder
+from helpers import flip_bit, make_llama_folder
 from test_parity import TOKENS
 
 
@@ -101,12 +101,7 @@ def _damaged(folder, tmp_path, file="ffn/layer_001.bin", bundle=37):
     shutil.copytree(folder, out)
     m = read_manifest(out)
     lay = m.layout if file.startswith("ffn") else m.dip["input" if "/in_" in file else "down"]["layout"]
-    with open(out / file, "r+b") as f:
-        at = bundle * lay.stride + lay.bundle_bytes // 2
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_bit(out / file, bundle * lay.stride + lay.bundle_bytes // 2)
     return out
 
 

@@ -16,7 +16,7 @@ from mlx_flash.convert.quantize import QuantOptions
 from mlx_flash.errors import BudgetTooSmall, FlashError, ModelFileError
 from mlx_flash.layout.format import read_manifest
 from mlx_flash.runtime import FlashConfig, dense_need, embedding_to_stream, loaded_resident_bytes
-from helpers import make_llama_folder
+from helpers import flip_bit, make_llama_folder
 from test_parity import TOKENS, greedy
 
 PROMPT = TOKENS + [5, 5, 9]  # (repeated ids: a pass reads each distinct row once)
@@ -98,11 +98,7 @@ def test_a_damaged_byte_is_found_on_the_pass_that_reads_its_row(models, tmp_path
     table = model.runtime.embedding.span
     name, off, row, _ = next(p for p in table.parts if p[0].endswith(part))
     token = 33
-    with open(folder / "resident.safetensors", "r+b") as f:  # damaged after loading: on disk only
-        f.seek(off + token * row + 1)
-        b = f.read(1)
-        f.seek(off + token * row + 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_bit(folder / "resident.safetensors", off + token * row + 1)  # damaged after loading: on disk only
     model(mx.array([[1, 5, 9]]))  # other rows read as they are
     with pytest.raises(ModelFileError, match=rf"the input embedding's row {token} \({name}, bytes \d+\.\.\d+\) "
                        "does not match its checksum, read twice"):
@@ -113,11 +109,7 @@ def test_a_damaged_byte_is_found_on_the_pass_that_reads_its_row(models, tmp_path
 def test_a_damaged_table_before_loading_is_refused(models, tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(models["q4"], folder)
-    with open(folder / "resident.safetensors", "r+b") as f:
-        f.seek(-5, 2)  # (the last tensor's bytes: the file's sha256 no longer matches)
-        b = f.read(1)
-        f.seek(-5, 2)
-        f.write(bytes([b[0] ^ 1]))
+    flip_bit(folder / "resident.safetensors", -5, 1)  # (the last tensor's bytes: the sha256 no longer matches)
     with pytest.raises(ModelFileError, match="sha256"):
         mlx_flash.load(folder, stream_embeddings="on")
 

@@ -18,7 +18,7 @@ from mlx_flash.errors import BudgetTooSmall, FlashError, ModelFileError
 from mlx_flash.layout.format import read_manifest
 from mlx_flash.runtime import FlashConfig, loaded_resident_bytes
 from mlx_flash.runtime.stores import head as head_store
-from helpers import make_llama_folder
+from helpers import flip_bit, make_llama_folder
 from test_parity import TOKENS, greedy
 
 
@@ -91,11 +91,7 @@ def test_a_damaged_byte_is_found_on_the_pass_that_reads_it(models, tmp_path, sma
     span = model.runtime.head.span
     name, off, row, _ = next(p for p in span.parts if p[0].endswith(part))
     bad = 100
-    with open(folder / "resident.safetensors", "r+b") as f:  # damaged after loading: on disk only
-        f.seek(off + bad * row + 1)
-        b = f.read(1)
-        f.seek(off + bad * row + 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_bit(folder / "resident.safetensors", off + bad * row + 1)  # damaged after loading: on disk only
     with pytest.raises(ModelFileError, match=rf"the output head's row {bad} \({name}, bytes \d+\.\.\d+\) does not "
                        "match its checksum, read twice"):
         model(mx.array([[1, 5]]))

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_flash.server.requests import TEXT, Limits, RequestError, parse_request
+from helpers import flip_bit
 
 LONG = "word " * 4000  # about 4,000 tokens: its prompt takes many chunks
 
@@ -281,12 +282,7 @@ def test_a_damaged_file_is_the_servers_error(smollm2, tmp_path):
     out = tmp_path / "damaged"
     shutil.copytree(smollm2, out)
     lay = read_manifest(out).layout
-    with open(out / "ffn" / "layer_001.bin", "r+b") as f:
-        at = 100 * lay.stride + lay.bundle_bytes // 2
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_bit(out / "ffn" / "layer_001.bin", 100 * lay.stride + lay.bundle_bytes // 2)
     with serving(out, ["--mode", "naive"]) as srv:
         status, _, body = ask(srv, "POST", "/v1/completions", BODY)
         assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == "model_damaged"

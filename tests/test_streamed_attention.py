@@ -14,7 +14,7 @@ from mlx_flash.convert.quantize import QuantOptions
 from mlx_flash.errors import BudgetTooSmall, FlashError
 from mlx_flash.kernels import kernels_module
 from mlx_flash.runtime.stores.attention import CHUNK, layers_to_stream
-from helpers import make_llama_folder
+from helpers import flip_bit, make_llama_folder
 from test_parity import TOKENS, greedy
 
 pytestmark = pytest.mark.skipif(kernels_module()[0] is None, reason="native kernels not built")
@@ -97,11 +97,7 @@ def test_a_damaged_streamed_byte_is_found_on_the_token_that_reads_it(q4_model, t
     layer = att.order[1]
     span = att.spans[layer]
     off, _, _ = span.matrices["self_attn.v_proj"][0]
-    with open(folder / "resident.safetensors", "r+b") as f:  # damaged after loading: on disk only
-        f.seek(span.start + off + 100)
-        b = f.read(1)
-        f.seek(span.start + off + 100)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_bit(folder / "resident.safetensors", span.start + off + 100)  # damaged after loading: on disk only
     with pytest.raises(FlashError, match=rf"layer {layer}'s attention, bytes \d+\.\.\d+ \(self_attn.*\), does not match its checksum"):
         model(mx.array([TOKENS[:2]]))
     model.runtime.close()

@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py mlx_flash/io/_native.c mlx_flash/io/crc32c.c \
 		mlx_flash/kernels/_matvec.c mlx_flash/kernels/quant.h mlx_flash/kernels/avx512.h \
-		scripts/install_system_deps.sh
+		mlx_flash/kernels/vnni.h mlx_flash/kernels/gemm16.h scripts/install_system_deps.sh
 	./scripts/install_system_deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -18,7 +18,7 @@ kernels, why = kernels_module()
 pytestmark = pytest.mark.skipif(kernels is None, reason=f"native kernels: {why}")
 
 
-SIMD_TOP = kernels.simd(99) if kernels else 0  # the widest loops this CPU has (2: AVX-512 BF16, 1: AVX2)
+SIMD_TOP = kernels.simd(99) if kernels else 0  # the widest loops this CPU has (3: AVX-512 VNNI, 2: AVX-512 BF16, 1: AVX2)
 
 
 @pytest.fixture
@@ -50,8 +50,8 @@ def test_qmv_matches_mlx_quantized_matmul(bits, group, simd_and_threads):
 
 
 def test_4_bit_rows_of_any_length_and_extreme_inputs_at_every_level(simd_and_threads):
-    """The AVX-512 BF16 loop takes rows of a multiple of 64 values (the rest stay on AVX2) and
-    splits x into three bfloat16 parts: inputs across many magnitudes keep float32's precision."""
+    """The AVX-512 loops take rows of a multiple of 64 values (the rest stay on AVX2; level 3
+    writes x as 8-bit digits, vnni.h): inputs across many magnitudes keep float32's precision."""
     rng = np.random.default_rng(5)
     for k in (96, 160, 2048):
         w = mx.array(rng.standard_normal((33, k)).astype(np.float32) * 0.05)
@@ -66,6 +66,80 @@ def test_4_bit_rows_of_any_length_and_extreme_inputs_at_every_level(simd_and_thr
             kernels.set_threads(threads)
             got = q.matvec(x)
             assert np.all(np.abs(got - want) <= 1e-6 * scale), (k, simd, threads)
+
+
+def _adversarial_x(rng, k):
+    """x that an integer writing of it, a unit per few values, could get wrong, by name"""
+    normal = rng.standard_normal(k).astype(np.float32)
+    outliers = normal.copy()
+    outliers[np.arange(0, k, 32) + rng.integers(0, 32, k // 32)] *= 1000  # one a 32, 1000x the rest
+    zeros = normal.copy()
+    zeros[:64] = 0  # whole 32s of zeros, and one of zeros but one value
+    zeros[96:128] = 0
+    zeros[100] = -3e-5
+    half = normal.copy()
+    half[k // 2:] *= 1e-30  # 2^100 below the rest: their digits 0
+    # every 4th value, times 2^j (mostly its lane's largest) and either sign: mantissas just below,
+    # at and above where a power-of-two unit's first digit would reach 128 (2 - 2^-7 - 2^-15 -
+    # 2^-23), the largest mantissa, a power of two
+    edge = normal.copy()
+    near = np.float32(2 - 2**-7 - 2**-15 - 2**-23) + np.float32(2**-23) * np.arange(-2, 3, dtype=np.float32)
+    near = np.concatenate([near, np.float32([2 - 2**-23, 1, 2 - 2**-7])])
+    edge[::4] = (near[np.arange(k // 4) % 8] * np.float32(2.0) ** rng.integers(-3, 4, k // 4) *
+                 rng.choice(np.float32([-1, 1]), k // 4)).astype(np.float32)
+    return {"outliers": outliers, "zero 32s": zeros, "edge": edge, "tiny": normal * np.float32(1e-30),
+            "subnormal": normal * np.float32(1e-40), "huge": normal * np.float32(1e30), "half tiny": half,
+            "positive": np.abs(normal), "negative": -np.abs(normal),
+            "magnitudes": (normal * 10.0 ** rng.integers(-6, 4, k)).astype(np.float32)}
+
+
+@pytest.mark.skipif(SIMD_TOP < 3, reason="the CPU has no AVX-512 VNNI (SIMD level 3)")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_vnni_rows_keep_float32_precision_on_adversarial_x(bits, group):
+    """Level 3 (vnni.h) writes x as three signed 8-bit digits a value, with a power-of-two unit per
+    8 (4-bit rows) or 4 (8-bit) values, the rows' sums over them exact in integers: every output
+    within float32's rounding of the float64 product of x and the dequantized rows (what the float
+    loops are held to), for x with outliers 1000x their neighbours, zeros, values near 1e-30,
+    subnormals or 1e30, units at their edge, one sign throughout; through qmv, qmv_many and
+    qmv_rows, scales at float16, bfloat16 and float32, one and two threads, rows of an odd number
+    of 128 values and (groups of 32 or 64) half a 4-bit register's. An infinity or a NaN in x
+    makes every output NaN."""
+    from mlx_flash.kernels import qmv_many, qmv_rows
+    from mlx_flash.layout.quant import QuantSpec
+
+    rng = np.random.default_rng(bits * 1000 + group)
+    k = 640 if group == 128 else 576
+    try:
+        for dtype in ("float16", "bfloat16", "float32"):
+            w = (mx.random.normal((67, k), key=mx.random.key(group + bits)) * 0.05).astype(getattr(mx, dtype))
+            wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+            values = np.array(mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=group,
+                                            bits=bits)).astype(np.float64)
+            q = QuantMatrix(kernels, wq, s, b, bits, group)
+            # the same rows packed back to back (a cache's layout), read by qmv_rows in another order
+            held = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).view(np.uint8).reshape(67, -1)
+                    for a in (wq, s, b)]
+            buf = np.ascontiguousarray(np.concatenate(held, axis=1))
+            soff, boff = held[0].shape[1], held[0].shape[1] + held[1].shape[1]
+            sel = rng.permutation(67)
+            for name, x in _adversarial_x(rng, k).items():
+                want = values @ x.astype(np.float64)
+                scale = np.abs(values) @ np.abs(x.astype(np.float64))  # what float32 rounding is relative to
+                for threads in (1, 2):
+                    kernels.simd(3)
+                    kernels.set_threads(threads)
+                    for how, got in (("qmv", q.matvec(x)), ("qmv_many", qmv_many([x], [q, q], (0, 0))[1]),
+                                     ("qmv_rows", qmv_rows(kernels, x, buf, sel, QuantSpec(bits, group, dtype), soff,
+                                                           boff)[np.argsort(sel)])):
+                        assert np.all(np.abs(got - want) <= 1e-6 * scale), (dtype, name, how, threads)
+            for bad in (np.inf, np.nan):
+                x = _adversarial_x(rng, k)["magnitudes"]
+                x[k // 3] = bad
+                assert np.isnan(q.matvec(x)).all(), (dtype, bad)
+    finally:
+        kernels.simd(SIMD_TOP)
+        kernels.set_threads(default_threads())
 
 
 def test_many_products_in_one_call_equal_one_call_each(simd_and_threads):
@@ -102,7 +176,7 @@ def test_an_unknown_simd_level_is_a_clear_error():
     code = "from mlx_flash.kernels import kernels_module\nkernels_module()\n"
     env = os.environ | {"PYTHONWARNINGS": "ignore", "MLX_FLASH_KERNEL_SIMD": "avx3"}
     r = subprocess.run([sys.executable, "-c", code], timeout=60, env=env, capture_output=True, text=True)
-    assert r.returncode != 0 and "MLX_FLASH_KERNEL_SIMD='avx3': one of portable, avx2, avx512-bf16" in r.stderr
+    assert r.returncode != 0 and "MLX_FLASH_KERNEL_SIMD='avx3': one of portable, avx2, avx512-bf16, avx512-vnni" in r.stderr
     env["MLX_FLASH_KERNEL_SIMD"] = "portable"
     code = "from mlx_flash.kernels import kernels_module\nk, _ = kernels_module()\nassert k.simd(-1) == 0\n"
     assert subprocess.run([sys.executable, "-c", code], timeout=60, env=env).returncode == 0
@@ -849,11 +923,12 @@ def test_a_row_s_product_in_a_pass_does_not_depend_on_the_threads_or_the_split()
                         np.zeros(128, np.uint8), y, 4, k, 4, 32, 1)
 
 
-@pytest.mark.parametrize("without", ["avx512", "x86"])
+@pytest.mark.parametrize("without", ["vnni", "avx512", "x86"])
 def test_the_kernels_compile_where_the_cpu_lacks_avx512_or_is_not_x86(tmp_path, without):
-    """_matvec.c with its AVX-512 BF16 part switched off (an older compiler, a CPU level below it)
-    and with every x86 part off (Apple silicon, other CPUs) still compiles: a build that fails
-    loses every native kernel silently (the extension is optional)."""
+    """_matvec.c with its AVX-512 VNNI part switched off (a compiler without it), with its AVX-512
+    part switched off (an older compiler, a CPU level below it: VNNI goes with it) and with every
+    x86 part off (Apple silicon, other CPUs) still compiles: a build that fails loses every native
+    kernel silently (the extension is optional)."""
     import shutil
     import sysconfig
     from pathlib import Path
@@ -862,11 +937,13 @@ def test_the_kernels_compile_where_the_cpu_lacks_avx512_or_is_not_x86(tmp_path, 
     if cc is None:
         pytest.skip("no C compiler")
     src = Path(mlx_flash.__file__).parent / "kernels"
-    for name in ("_matvec.c", "quant.h", "avx512.h", "gemm16.h"):
+    for name in ("_matvec.c", "quant.h", "avx512.h", "vnni.h", "gemm16.h"):
         text = (src / name).read_text()
-        switch = {"avx512.h": "#if defined(__x86_64__) && defined(BF16_COMPILER)",
+        switch = {"vnni.h": "#if defined(BF16_PATH) && defined(VNNI_COMPILER)",
+                  "avx512.h": "#if defined(__x86_64__) && defined(BF16_COMPILER)",
                   "_matvec.c": "#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))"}.get(name)
-        if switch and (name == "avx512.h" or without == "x86"):
+        off = {"vnni": ("vnni.h",), "avx512": ("avx512.h",), "x86": ("avx512.h", "_matvec.c")}[without]
+        if switch and name in off:
             assert text.count(switch) == 1, f"{name}: the line that switches its SIMD part on has changed"
             text = text.replace(switch, "#if 0")
         (tmp_path / name).write_text(text)

@@ -19,7 +19,8 @@
  *
  * x86-64 with AVX2 + FMA + F16C: 4- and 8-bit rows are unpacked and multiplied
  * in registers (4 bits: x is reordered once per call so that a byte's low and
- * high nibbles meet their own x without a shuffle). Every other case (2, 3, 5,
+ * high nibbles meet their own x without a shuffle); with AVX-512 VNNI, multiplied in
+ * integers against x written once per call as 8-bit digits (vnni.h). Every other case (2, 3, 5,
  * 6 bits, other CPUs): a portable loop, tested on x86 by switching SIMD off.
  * dequantize: rows of W as float32 (a prompt's chunks, multiplied by BLAS); 4- and 8-bit rows
  * and columns 32 values a step in registers (the same multiply-then-add: the same values).
@@ -64,6 +65,7 @@
 
 #include "quant.h"
 #include "avx512.h"
+#include "vnni.h"
 
 #define MAX_THREADS 64
 #define PAR_MIN_WORK (1 << 20) /* weights (values) a job must touch to be shared out */
@@ -72,6 +74,9 @@
 typedef struct {
     const float *x, *xp, *xsum;  /* x [K]; x reordered for the 4-bit AVX2 loop; [K / g] group sums */
     const float *xe;  /* 4 bits, simd 2: x in row4_avx512's order (avx512.h); else NULL */
+    const uint8_t *xd; /* 4 or 8 bits, simd 3: x's digits (vnni.h); else NULL */
+    const float *xs;   /* with xd: xsum times 2^-E */
+    float xunit;       /* with xd: 2^E, what a row's sum over the digits is multiplied by */
 } xprep_t;
 
 /* QMV_MANY: one of its matrices (all [n, k] alike, rows row_bytes apart, scales and biases
@@ -400,11 +405,15 @@ AVX2 static void scale_run_avx2(const uint8_t *sr, const uint8_t *br, int64_t co
 
 #include "gemm16.h" /* (after the AVX2 helpers: its 256-bit tiles use them) */
 
-/* the widest loops this CPU runs: 2 AVX-512 BF16 (4-bit qmv; AVX2 for the rest), 1 AVX2, 0 portable */
+/* the widest loops this CPU runs: 3 AVX-512 VNNI (4- and 8-bit qmv; level 2 for the rest), 2 AVX-512 BF16
+ * (4-bit qmv; AVX2 for the rest), 1 AVX2, 0 portable */
 static int cpu_simd(void) {
 #ifdef AVX2_PATH
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return 0;
+#ifdef VNNI_PATH
+    if (cpu_vnni()) return 3;
+#endif
 #ifdef BF16_PATH
     if (cpu_bf16()) return 2;
 #endif
@@ -580,10 +589,13 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
 }
 
 /* one row (packed values w, scales sp, biases bp) . x; sc, bi: scratch for its K / g scales and biases (the
- * SIMD paths read the biases, and the AVX-512 BF16 path the scales too, where they lie) */
+ * SIMD paths read the biases, and the AVX-512 VNNI path the scales too, where they lie) */
 static float qmv_row(const job_t *j, const uint8_t *w, const uint8_t *sp, const uint8_t *bp, const xprep_t *in,
                      float *sc, float *bi) {
     const int64_t ng = j->k / j->g;
+#ifdef VNNI_PATH
+    if (in->xd) return row_vnni(w, sp, bp, j->scode, in->xd, in->xs, in->xunit, j->k, j->g, j->bits, sc);
+#endif
 #ifdef AVX2_PATH
     if (j->simd && (j->bits == 4 || j->bits == 8)) {
         const float b = dot_scales_avx2(bp, j->scode, in->xsum, ng);
@@ -1246,17 +1258,32 @@ static void group_sums(const float *xf, int64_t k, int64_t group, float *xsum) {
     }
 }
 
-/* x as the job's rows read it: its group sums, and for 4-bit rows either its bfloat16 parts
- * (where the AVX-512 BF16 loop runs: j's k, bits and simd) or its AVX2 order (per 16 values,
- * the 8 even-indexed then the 8 odd), in one allocation -> it (free it after the job), or
- * NULL (no memory) */
+/* x as the job's rows read it: its group sums, and for 4- and 8-bit rows its digits (where the
+ * AVX-512 VNNI loops run: j's k, bits and simd), else for 4-bit rows its AVX-512 order (the
+ * AVX-512 BF16 loop) or its AVX2 order (per 16 values, the 8 even-indexed then the 8 odd), in one
+ * allocation -> it (free it after the job), or NULL (no memory) */
 static float *prepare_x_for(const job_t *j, const float *xf, xprep_t *in) {
     const int64_t ng = j->k / j->g;
+    in->x = xf, in->xp = NULL, in->xe = NULL, in->xd = NULL, in->xs = NULL, in->xunit = 1.0f;
+#ifdef VNNI_PATH
+    if (j->simd >= 3 && (j->bits == 4 || j->bits == 8) && j->k % 64 == 0) {
+        /* the sums, the sums times 2^-E, then the digits at the next multiple of 64 bytes (their
+         * loads are aligned) */
+        const size_t at = ((size_t)ng * 2 * sizeof(float) + 63) / 64 * 64;
+        float *p = NULL;
+        if (posix_memalign((void **)&p, 64, at + (size_t)vnni_bytes(j->k, j->bits))) return NULL;
+        group_sums(xf, j->k, j->g, p);
+        const float unit = prepare_vnni(xf, j->k, j->bits, (uint8_t *)p + at);
+        for (int64_t i = 0; i < ng; i++) p[ng + i] = p[i] / unit; /* (a power of two: exact) */
+        in->xsum = p, in->xs = p + ng, in->xd = (const uint8_t *)p + at, in->xunit = unit;
+        return p;
+    }
+#endif
     /* after the sums: x in the AVX2 loop's or the AVX-512 loop's order (k floats) */
     float *xsum = malloc(sizeof(float) * (size_t)(ng + j->k));
     if (!xsum) return NULL;
     group_sums(xf, j->k, j->g, xsum);
-    in->x = xf, in->xsum = xsum, in->xp = NULL, in->xe = NULL;
+    in->xsum = xsum;
     float *xp = xsum + ng;
 #ifdef BF16_PATH
     if (j->simd >= 2 && j->bits == 4 && j->k % 64 == 0) {
@@ -1783,7 +1810,8 @@ static PyObject *py_threads(PyObject *mod, PyObject *unused) {
 }
 
 /* simd(level) -> the level in use: 0 the portable loops, 1 AVX2, 2 AVX-512 BF16 for 4-bit
- * products (AVX2 for the rest); a level above the CPU's gives the CPU's; level < 0 asks */
+ * products (AVX2 for the rest), 3 AVX-512 VNNI for 4- and 8-bit products (level 2 for the rest);
+ * a level above the CPU's gives the CPU's; level < 0 asks */
 static PyObject *py_simd(PyObject *mod, PyObject *args) {
     int flag;
     (void)mod;
@@ -1824,7 +1852,7 @@ static PyMethodDef methods[] = {
     {"set_parts", py_set_parts, METH_VARARGS, "set_parts(n) -> the parts a thread a shared job over rows is cut into (0: the default)"},
     {"parts_taken", py_parts_taken, METH_NOARGS, "parts_taken() -> the parts each thread ran since the pool started"},
     {"pinning", py_pinning, METH_NOARGS, "pinning() -> whether the workers are pinned (or will be)"},
-    {"simd", py_simd, METH_VARARGS, "simd(level) -> the level in use: 0 portable, 1 AVX2, 2 AVX-512 BF16 (level < 0: ask)"},
+    {"simd", py_simd, METH_VARARGS, "simd(level) -> the level in use: 0 portable, 1 AVX2, 2 AVX-512 BF16, 3 AVX-512 VNNI (level < 0: ask)"},
     {NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_matvec", "matrix-vector products on the CPU: quantized, and over chosen rows", -1, methods};

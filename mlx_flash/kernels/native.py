@@ -27,12 +27,13 @@ def kernels_module():
     return _matvec, ""
 
 
-SIMD_LEVELS = ("portable", "avx2", "avx512-bf16")  # _matvec.simd's levels 0, 1, 2, by name
+SIMD_LEVELS = ("portable", "avx2", "avx512-bf16", "avx512-vnni")  # _matvec.simd's levels 0 .. 3, by name
 
 
 def simd_name(module):
     """The loops the kernels run here, in words (doctor, --stats)."""
-    return {0: "the portable loops", 1: "AVX2", 2: "AVX-512 BF16 for 4-bit products, AVX2 for the rest"}[module.simd(-1)]
+    return {0: "the portable loops", 1: "AVX2", 2: "AVX-512 BF16 for 4-bit products, AVX2 for the rest",
+            3: "AVX-512 VNNI for 4- and 8-bit products, AVX-512 BF16 and AVX2 for the rest"}[module.simd(-1)]
 
 
 def pinning_name(module):

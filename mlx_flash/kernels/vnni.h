@@ -36,9 +36,10 @@
  * A row's chunk: 6 (4 bits) or 3 (8 bits) vpdpbusd, the digits' sums combined in int32 by shifts
  * (at 8 bits d0's and d1's only: with d2's they could pass 2^31), converted, times the units and
  * the group's scales (picked per lane from the row's by a permute), summed: 17 vector operations
- * per 128 4-bit values. One row of 1536 values in the L2 cache took ~60 ns at 4 bits (~110 on
- * row4_avx512) and ~80 at 8 bits (~210 on row8_avx2) on one core of a Xeon (Emerald Rapids)
- * virtual machine here; the vector ports are what bounds it (vpdpbusd runs 2 a cycle there).
+ * per 128 4-bit values. One row of 1536 values in the L2 cache took 60-90 ns at 4 bits (110-140
+ * on row4_avx512) and 80-85 at 8 bits (200-210 on row8_avx2) on one core of a Xeon (Emerald
+ * Rapids) virtual machine here; the vector ports are what bounds it (vpdpbusd runs 2 a cycle
+ * there).
  *
  * Built with a compiler that has avx512.h's AVX-512 part and VNNI (GCC 8 or later, a clang with
  * vpdpbusd's builtin); otherwise (and off x86-64) this file defines nothing and rows stay on the

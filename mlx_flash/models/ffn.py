@@ -127,13 +127,11 @@ class FlashFFN(nn.Module):
     def host_step(self, v):
         """One position's FFN of a float32 host vector v [d_model] -> [d_model] (models/host.py):
         the host sum itself where the native kernels computed every part, without MLX."""
-        from ..kernels import host_f32
-
         x = mx.array(v.reshape(1, 1, -1))
         y, acc = self._sum(x)
         if y is None and acc is not None and "down_bias" not in self:
             return acc.reshape(-1)
-        return host_f32(self._total(x, y, acc))
+        return _kernels.host_f32(self._total(x, y, acc))
 
     def _total(self, x, y, acc):
         """The FFN's output from _sum's MLX part y and host sum acc."""

@@ -143,8 +143,3 @@ def attention(q, keys, values, scale):
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return np.matmul(s, values).reshape(-1)
-
-
-def vector(a):
-    """An MLX array of one position as a float32 NumPy vector (a view where it can be)."""
-    return _kernels.host_f32(a)

@@ -14,6 +14,7 @@ import numpy as np
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..kernels import host_f32
 from . import host
 from .attention import attend
 from .ffn import FlashFFN, activation
@@ -156,7 +157,7 @@ class LlamaModel(nn.Module):
     def _host_step(self, h, cache):
         """One position of one sequence on the host (models/host.py): the same values as the loop
         above, without MLX's per-operation cost between the native products."""
-        x = host.vector(h)
+        x = host_f32(h)
         rope, head_dim = host.rope_of(self), self.layers[0].self_attn.head_dim
         rotations = {}
         for layer, c in zip(self.layers, cache):

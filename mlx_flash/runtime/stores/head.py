@@ -88,6 +88,7 @@ class HeadStore(Store):
         dequantized to float32 and multiplied by BLAS)."""
         n = self.span.n_rows
         out = np.empty((v.shape[0], n), np.float32)
+        w = None if v.shape[0] == 1 else np.empty((self.per, self.span.dims), np.float32)  # (a chunk dequantized)
         io_s, got = 0.0, [0, 0]
         for i, a in enumerate(self.starts):
             t0 = time.perf_counter()
@@ -101,9 +102,8 @@ class HeadStore(Store):
             if v.shape[0] == 1:
                 q.matvec(v[0], out[0, a:b])
             else:
-                w = np.empty((b - a, self.span.dims), np.float32)
-                q.dequantize(0, b - a, w)
-                np.matmul(v, w.T, out=out[:, a:b])
+                q.dequantize(0, b - a, w[: b - a])
+                np.matmul(v, w[: b - a].T, out=out[:, a:b])
         if self.stats is not None and self.stats.cur is not None:
             self.stats.add(io_s=io_s, bytes_read=got[0], reads=got[1])
         return out

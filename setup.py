@@ -33,7 +33,7 @@ setup(
             "mlx_flash.kernels._matvec",
             sources=["mlx_flash/kernels/_matvec.c"],
             depends=["mlx_flash/kernels/quant.h", "mlx_flash/kernels/avx512.h", "mlx_flash/kernels/vnni.h",
-                     "mlx_flash/kernels/gemm16.h"],
+                     "mlx_flash/kernels/vnni_cols.h", "mlx_flash/kernels/gemm16.h"],
             extra_compile_args=args,
             extra_link_args=[] if sys.platform == "darwin" else ["-pthread"],
             optional=True,

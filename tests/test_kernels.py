@@ -654,7 +654,86 @@ def test_column_sums_over_runs_of_any_length_equal_the_portable_loops(bits, simd
         kernels.set_threads(threads)
         got.append((simd, qaxpy_cols(kernels, h, buf, sel, trow, tables, spec)))
     portable = [y for simd, y in got if simd == 0]
-    assert portable and all(np.array_equal(y, portable[0]) for _, y in got)
+    # (level 3 sums in integers: float32's rounding, not the float loops' bits, see the next test)
+    assert portable and all(np.array_equal(y, portable[0]) for simd, y in got if simd < 3)
+    want, scale = _column_sums_f64(h, buf, sel, trow, tables, bits)
+    assert all(np.all(np.abs(y - want) <= 1e-6 * scale) for simd, y in got if simd == 3)
+
+
+def _column_sums_f64(h, buf, sel, trow, tables, bits, biases=True):
+    """qaxpy_cols's sums in float64, and what float32's rounding of them is relative to: every
+    loop sums ts * (sum_i h_i q_i) + tb * (sum_i h_i), so sum_i |h_i| (|ts q_i| + |tb|)"""
+    q = np.stack([buf & 15, buf >> 4], -1).reshape(buf.shape[0], -1) if bits == 4 else buf
+    ts, tb = (np.asarray(t.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if t.dtype == np.uint16 else t
+              for t in tables)
+    scaled, bias = ts[trow].astype(np.float64) * q[sel], tb[trow].astype(np.float64) * biases
+    return h.astype(np.float64) @ (scaled + bias), np.abs(h.astype(np.float64)) @ (np.abs(scaled) + np.abs(bias))
+
+
+@pytest.mark.skipif(SIMD_TOP < 3, reason="the CPU has no AVX-512 VNNI (SIMD level 3)")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_vnni_columns_keep_float32_precision_on_adversarial_h(bits, group):
+    """Level 3 (vnni_cols.h, where the CPU has VBMI) writes a run's h (the columns sharing a table
+    row) as three signed 8-bit digits over one power-of-two unit, 4 columns' values against them
+    in each vpdpbusd: every output within float32's rounding of the float64 sums, each h taken
+    to float32's rounding of its run's largest (where the float loops round each product to
+    itself: an outlier's run holds its neighbours to 2^-23 of it), for h with
+    outliers, zeros, values near 1e-30, subnormals or 1e30, units at their edge, one sign
+    throughout; runs of 1 to a whole group scattered as a cache's, outputs a whole number of 64
+    and not, tables at float16, bfloat16 and float32, one and two threads; a part continued by
+    another at a table row gives one call's sums to the bit. An infinity or a NaN in h takes
+    the float loops (their values to the bit)."""
+    from mlx_flash.kernels import qaxpy_cols
+    from mlx_flash.layout.quant import QuantSpec
+
+    rng = np.random.default_rng(bits * 1000 + group)
+    groups = 6
+    n = groups * group
+    lengths = [1, 3, 4, 5, group - 1, group]
+    sel = np.concatenate([t * group + rng.choice(group, size=k, replace=False) for t, k in enumerate(lengths)])
+    trow = sel // group
+    m = sel.size
+    try:
+        for d, dtype in ((96, "float16"), (256, "bfloat16"), (160, "float32")):
+            spec = QuantSpec(bits, group, dtype)
+            buf = rng.integers(0, 256, (n, d * bits // 8), dtype=np.uint8)
+            table = (rng.standard_normal((groups, d)) * 0.05).astype(np.float32)
+            if dtype == "bfloat16":
+                tables = tuple((table.view(np.uint32) >> 16).astype(np.uint16) + i for i in range(2))
+            else:
+                tables = tuple(table.astype(dtype) + np.asarray(0.01 * i, dtype) for i in range(2))
+            for name, h in _adversarial_x(rng, 1 << (m - 1).bit_length()).items():
+                h = np.ascontiguousarray(h[:m])
+                want, scale = _column_sums_f64(h, buf, sel, trow, tables, bits)
+                # each h within 2^-23 of its run's largest (its digits' unit), where the float loops
+                # round each product to itself: those errors, over the columns' scaled values
+                largest = np.zeros(groups)
+                np.maximum.at(largest, trow, np.abs(h.astype(np.float64)))
+                digits = _column_sums_f64(largest[trow], buf, sel, trow, tables, bits, biases=False)[1]
+                for threads in (1, 2):
+                    kernels.simd(3)
+                    kernels.set_threads(threads)
+                    got = qaxpy_cols(kernels, h, buf, sel, trow, tables, spec)
+                    # (plus 4 of float32's least subnormal a run: where the outputs are subnormal
+                    # themselves, each run's multiplies and adds round to it, as any float32 sums)
+                    floor = 4 * len(lengths) * np.float64(2.0 ** -149)
+                    assert np.all(np.abs(got - want) <= 1e-6 * scale + 2.0 ** -22 * digits + floor), \
+                        (d, dtype, name, threads)
+                    cut = sum(lengths[:3])  # (three whole runs, then the rest continuing their sums)
+                    part = qaxpy_cols(kernels, h[:cut], buf, sel[:cut], trow[:cut], tables, spec)
+                    assert np.array_equal(qaxpy_cols(kernels, h[cut:], buf, sel[cut:], trow[cut:], tables, spec,
+                                                     out=part), got), (d, dtype, name, threads)
+            for bad in (np.inf, np.nan):
+                h = rng.standard_normal(m).astype(np.float32)
+                h[m // 2] = bad
+                kernels.simd(2)
+                want = qaxpy_cols(kernels, h, buf, sel, trow, tables, spec)
+                kernels.simd(3)
+                assert np.array_equal(qaxpy_cols(kernels, h, buf, sel, trow, tables, spec), want, equal_nan=True)
+    finally:
+        kernels.simd(SIMD_TOP)
+        kernels.set_threads(default_threads())
 
 
 def test_the_pool_survives_resizing():
@@ -745,8 +824,14 @@ def test_dequantized_rows_and_columns_are_the_same_values_with_simd(bits, scale_
         out.append((dequantize_rows(kernels, rows_buf, sel, spec, soff, boff, d),
                     dequantize_cols(kernels, cols_buf, sel, trow, tables, spec),
                     qaxpy_cols(kernels, h[64:], cols_buf, ordered[64:], ordered[64:] // 32, tables, spec, out=part)))
-    for got in out[1:]:
-        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, out[0]))
+    as_held = tuple(t.view(np.uint16) for t in tables) if scale_dtype == "bfloat16" else tables
+    want, scale = _column_sums_f64(h, cols_buf, ordered, ordered // 32, as_held, bits)
+    portable = out[-1]
+    for (simd, _), got in zip(simd_and_threads, out):
+        # (level 3's column sums are integers': float32's rounding of them, not the float loops' bits)
+        same = got if simd < 3 else got[:2]
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(same, portable)), simd
+        assert simd < 3 or np.all(np.abs(got[2] - want) <= 1e-6 * scale), simd
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8])
@@ -937,7 +1022,7 @@ def test_the_kernels_compile_where_the_cpu_lacks_avx512_or_is_not_x86(tmp_path, 
     if cc is None:
         pytest.skip("no C compiler")
     src = Path(mlx_flash.__file__).parent / "kernels"
-    for name in ("_matvec.c", "quant.h", "avx512.h", "vnni.h", "gemm16.h"):
+    for name in ("_matvec.c", "quant.h", "avx512.h", "vnni.h", "vnni_cols.h", "gemm16.h"):
         text = (src / name).read_text()
         switch = {"vnni.h": "#if defined(BF16_PATH) && defined(VNNI_COMPILER)",
                   "avx512.h": "#if defined(__x86_64__) && defined(BF16_COMPILER)",

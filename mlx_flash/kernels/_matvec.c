@@ -66,6 +66,7 @@
 #include "quant.h"
 #include "avx512.h"
 #include "vnni.h"
+#include "vnni_cols.h"
 
 #define MAX_THREADS 64
 #define PAR_MIN_WORK (1 << 20) /* weights (values) a job must touch to be shared out */
@@ -118,6 +119,7 @@ typedef struct {
      * QMM_ROWS's k, QMM_COLS's m), the result y[b * ldy + r] (added to y where accumulate) */
     const float *xt;
     int64_t pos, ldy;
+    const void *cols_prep; /* QAXPY_COLS at level 3 with VBMI: h prepared (vnni_cols.h); else NULL */
 } job_t;
 
 enum { QMV = 0, DEQUANTIZE = 1, GATHER_MV = 2, GATHER_AXPY = 3, QAXPY_COLS = 4, DEQUANT_COLS = 5, QMV_MANY = 6, QMM_ROWS = 7, QMM_COLS = 8,
@@ -438,6 +440,9 @@ static void values_f32(const uint8_t *w, int64_t code, int64_t n, int simd, floa
 }
 
 static int use_simd;
+#ifdef VNNI_COLS_PATH
+static int use_vbmi; /* level 3's column sums in integers (vnni_cols.h) */
+#endif
 
 /* one row's values, scale * q + bias as MLX's dequantize computes them (a float32
  * multiply, then an add: never contracted, see setup.py) */
@@ -529,6 +534,12 @@ static void qaxpy_cols(const job_t *j, int64_t c0, int64_t c1, float *acc) {
     uint8_t q[128];
     if (!j->accumulate)
         for (int64_t c = c0; c < c1; c++) y[c] = 0;
+#ifdef VNNI_COLS_PATH
+    if (j->cols_prep) {
+        qaxpy_cols_vnni(j->cols_prep, j->w, j->row_bytes, bits, j->ts, j->tb, j->t_stride, j->scode, c0, c1, y);
+        return;
+    }
+#endif
     int64_t i = 0;
     while (i < j->m) {
         const int64_t t = j->trow[i];
@@ -1504,7 +1515,17 @@ static PyObject *table_cols(PyObject *args, int kind) {
         }
         j.xt = xt, j.pos = pos, j.ldy = k;
     }
+#ifdef VNNI_COLS_PATH
+    colprep_t prep = {0};
+    if (kind == QAXPY_COLS && use_simd >= 3 && use_vbmi && (bits == 4 || bits == 8) &&
+        prepare_cols_vnni(h.buf, ids, tr, m, &prep) == 0)
+        j.cols_prep = &prep;
+    const int failed = dispatch(&j, kind == QAXPY_COLS ? 2 * k : kind == QMM_COLS ? qmm_scratch(&j) : 0) < 0;
+    free_cols_vnni(&prep);
+    if (failed) goto out;
+#else
     if (dispatch(&j, kind == QAXPY_COLS ? 2 * k : kind == QMM_COLS ? qmm_scratch(&j) : 0) < 0) goto out;
+#endif
     result = Py_None;
     Py_INCREF(result);
 out:
@@ -1859,6 +1880,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_matvec", "matrix-ve
 
 PyMODINIT_FUNC PyInit__matvec(void) {
     use_simd = cpu_simd();
+#ifdef VNNI_COLS_PATH
+    use_vbmi = use_simd >= 3 && cpu_vbmi();
+#endif
     static int at_fork; /* (once a process: twice, prepare would take `calls` twice) */
     if (!at_fork) {
         if (pthread_atfork(fork_prepare, fork_release, fork_release)) {

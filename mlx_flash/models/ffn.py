@@ -30,6 +30,9 @@ class PackedRows:
     layout: object  # the BundleLayout (quant spec, kind bytes, which kinds are columns)
     tables: Optional[dict]  # {kind: (scales, biases)} of the layer, for column kinds
     kernels: object
+    # where sel is every row in neuron order (a dense store's): the column kernel's table rows
+    # (ids // group), already in its order; else None (FlashFFN._packed sorts them a token)
+    in_order: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -270,13 +273,19 @@ class FlashFFN(nn.Module):
         raw = {k: v.view(np.uint8) for k, v in p.views.items()}
         spec = p.layout.quant
         offsets = spec.inline_offsets(self.d_model)
-        trow = p.ids // spec.group_size
-        order = np.argsort(trow, kind="stable")  # the column kernel's row order
+        if p.in_order is not None:  # (every row, in order: ~70 us a layer of sorting and gathers saved)
+            sel, trow, order = p.sel, p.in_order, None
+        else:
+            trow = p.ids // spec.group_size
+            order = np.argsort(trow, kind="stable")  # the column kernel's row order
+            sel, trow = p.sel[order], trow[order]
+
+        def down(h):
+            h = h if order is None else np.ascontiguousarray(h[order])
+            return qaxpy_cols(p.kernels, h, raw["down"], sel, trow, p.tables["down"], spec, out=acc)
 
         return self._one_token(x, rows, lambda v: qmv_rows(p.kernels, v, raw["up"], p.sel, spec, *offsets),
-                               lambda v: qmv_rows(p.kernels, v, raw["gate"], p.sel, spec, *offsets),
-                               lambda h: qaxpy_cols(p.kernels, np.ascontiguousarray(h[order]), raw["down"],
-                                                    p.sel[order], trow[order], p.tables["down"], spec, out=acc))
+                               lambda v: qmv_rows(p.kernels, v, raw["gate"], p.sel, spec, *offsets), down)
 
     def _packed_pass(self, x, parts):
         """A pass of several positions (a batch's decode step) over packed rows: each part's gate

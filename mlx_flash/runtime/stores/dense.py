@@ -68,6 +68,7 @@ class DenseStore(Store):
         n = layout.n_neurons
         self._all = np.arange(n, dtype=np.int64)
         self._all_mx = mx.array(self._all)
+        self._table_rows = self._all // layout.quant.group_size if packed else None
 
     @property
     def weights_bytes(self):
@@ -77,7 +78,7 @@ class DenseStore(Store):
         if self.packed is not None:
             return FFNRows(up=None, down=None, ids=self._all_mx,
                            packed=PackedRows(self.layers[layer], self._all, self._all, self.layout,
-                                             self.tables[layer], self.kernels))
+                                             self.tables[layer], self.kernels, in_order=self._table_rows))
         if self.arena is None:
             return self.layers[layer]
         if self.kernels is not None and (x.size // x.shape[-1] <= SMALL_PASS or pass_kernels(self.kernels, x)):

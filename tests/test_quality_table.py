@@ -76,7 +76,8 @@ def test_table_rows_files_and_batch_equals_token_by_token(tiny):
     assert table[0]["arc_easy_items"] == "3" and table[1]["arc_easy_items"] == ""
     md = out.with_suffix(".md").read_text()
     for s in ("| dense | 100% |", "| oracle | 75% |", "| dip-ca | 50% | 85%", "| predictor | 50% |",
-              "| threshold | 50% | none | batch prefill |", "## The predictor", "| mean |"):
+              "| threshold | 50% | none | batch prefill |", "## The predictor", "| mean |",
+              "- Weights float32 on flash"):
         assert s in md, s
     assert md.count("\n| 1 | 16 |") == 1  # layer 1 of the per-layer table
     layers = list(csv.DictReader(open(out.with_name("quality_predictor.csv"))))
@@ -172,3 +173,15 @@ def test_table_sources_errors(tiny, tmp_path):
                     (dict(speed_tokens=-1), "--speed-tokens")):
         with pytest.raises(FlashError, match=msg):
             _script().quality_table(folder, tmp_path / "q", **kw)
+
+
+def test_the_table_names_quantized_flash_weights():
+    """A quantized model's table says its rows' bits and group, not the manifest's 16-bit dtype."""
+    from types import SimpleNamespace
+
+    from mlx_flash.layout.quant import QuantSpec
+
+    qt = _script()
+    manifest = SimpleNamespace(dtype="float16", layout=SimpleNamespace(quant=QuantSpec(4, 32, "float16")))
+    assert qt.flash_weights(manifest) == "4-bit group 32 (float16 scales)"
+    assert qt.flash_weights(SimpleNamespace(dtype="float16", layout=SimpleNamespace(quant=None))) == "float16"

@@ -269,6 +269,12 @@ def speed_configs(configs, budget):
     return out
 
 
+def flash_weights(manifest):
+    """What the FFN rows are on flash: a dtype, or bits, group and scales"""
+    q = manifest.layout.quant
+    return manifest.dtype if q is None else f"{q.bits}-bit group {q.group_size} ({q.scale_dtype} scales)"
+
+
 def open_state(path, resume, meta, context, configs, model_path):
     """The table's state: the JSON of an earlier run (with resume) or a new one, its meta
     completed and the order of `configs`."""
@@ -279,7 +285,7 @@ def open_state(path, resume, meta, context, configs, model_path):
     state["meta"].setdefault("started", datetime.now(timezone.utc).isoformat(timespec="seconds"))
     state["meta"].setdefault("context", context)
     state["meta"].setdefault("budget", next((c["budget"] for c in configs if c.get("budget")), None))
-    state["meta"].setdefault("flash_dtype", read_manifest(Path(model_path)).dtype)
+    state["meta"].setdefault("flash_dtype", flash_weights(read_manifest(Path(model_path))))
     state["order"] = [c["key"] for c in configs]
     return state
 

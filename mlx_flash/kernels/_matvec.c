@@ -1520,12 +1520,12 @@ static PyObject *table_cols(PyObject *args, int kind) {
     if (kind == QAXPY_COLS && use_simd >= 3 && use_vbmi && (bits == 4 || bits == 8) &&
         prepare_cols_vnni(h.buf, ids, tr, m, &prep) == 0)
         j.cols_prep = &prep;
-    const int failed = dispatch(&j, kind == QAXPY_COLS ? 2 * k : kind == QMM_COLS ? qmm_scratch(&j) : 0) < 0;
-    free_cols_vnni(&prep);
-    if (failed) goto out;
-#else
-    if (dispatch(&j, kind == QAXPY_COLS ? 2 * k : kind == QMM_COLS ? qmm_scratch(&j) : 0) < 0) goto out;
 #endif
+    const int failed = dispatch(&j, kind == QAXPY_COLS ? 2 * k : kind == QMM_COLS ? qmm_scratch(&j) : 0) < 0;
+#ifdef VNNI_COLS_PATH
+    free_cols_vnni(&prep);
+#endif
+    if (failed) goto out;
     result = Py_None;
     Py_INCREF(result);
 out:

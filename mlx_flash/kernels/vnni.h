@@ -236,16 +236,21 @@ TARGET_VNNI static __m512 row4_vnni(const uint8_t *w, const float *sc, const uin
     return _mm512_add_ps(t0, t1);
 }
 
-/* one 8-bit chunk (64 values) as chunk4_vnni: d0's and d1's sums in one int32 ((a0 << 8) + a1:
- * |a0| <= 4 * 255 * 128), d2's apart, both converted */
+/* three digits' int32 sums a0, a1, a2 -> (a0 * 2^8 + a1) * 2^8 + a2 as float32: d0's and d1's in
+ * one int32 (with |a0| below 2^23 it cannot overflow), converted, then d2's added in one rounding */
+TARGET_VNNI static inline __m512 digit_sums_vnni(__m512i a0, __m512i a1, __m512i a2) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1)), _mm512_set1_ps(256.0f),
+                           _mm512_cvtepi32_ps(a2));
+}
+
+/* one 8-bit chunk (64 values) as chunk4_vnni: its digits' sums combined by digit_sums_vnni
+ * (|a0| <= 4 * 255 * 128) */
 TARGET_VNNI static inline __m512 chunk8_vnni(__m512i v, const uint8_t *blk, __m512 scales, __m512 t) {
     const __m512i z = _mm512_setzero_si512();
     const __m512i *d = (const __m512i *)(blk + 64);
     const __m512i a0 = _mm512_dpbusd_epi32(z, v, _mm512_load_si512(d)), a1 = _mm512_dpbusd_epi32(z, v, _mm512_load_si512(d + 1));
     const __m512i a2 = _mm512_dpbusd_epi32(z, v, _mm512_load_si512(d + 2));
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1)), _mm512_set1_ps(256.0f),
-                                     _mm512_cvtepi32_ps(a2));
-    return _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_load_ps((const float *)blk)), scales, t);
+    return _mm512_fmadd_ps(_mm512_mul_ps(digit_sums_vnni(a0, a1, a2), _mm512_load_ps((const float *)blk)), scales, t);
 }
 
 /* an 8-bit row's sums, as row4_vnni: 64 values a chunk */

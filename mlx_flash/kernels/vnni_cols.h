@@ -136,23 +136,16 @@ TARGET_VNNI_COLS static int prepare_cols_vnni(const float *h, const int64_t *sel
     return 0;
 }
 
-/* 16 of a table row's values from p (float32, float16 or bfloat16 at code) */
-TARGET_VNNI_COLS static inline __m512 table16_vnni(const uint8_t *p, int64_t code) {
-    if (code == F32) return _mm512_loadu_ps(p);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return code == F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* a run's digit sums (a0, a1, a2: int32 lanes) -> its float32 sums times 2^ue */
 TARGET_VNNI_COLS static inline __m512 sums_vnni(__m512i a0, __m512i a1, __m512i a2, __m512 ue) {
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1));
-    return _mm512_scalef_ps(_mm512_fmadd_ps(f, _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(a2)), ue);
+    return _mm512_scalef_ps(digit_sums_vnni(a0, a1, a2), ue);
 }
 
 /* y[0 .. 15] += ts * acc + tb * hs (a multiply, a multiply, then the adds, as the float32 loops) */
 TARGET_VNNI_COLS static inline void apply16_vnni(const uint8_t *sr, const uint8_t *br, int64_t code, __m512 acc, __m512 hs,
                                                  float *y) {
-    const __m512 a = _mm512_mul_ps(table16_vnni(sr, code), acc), b = _mm512_mul_ps(table16_vnni(br, code), hs);
+    const __m512 a = _mm512_mul_ps(load_scales_vnni(sr, code, 0xffff), acc);
+    const __m512 b = _mm512_mul_ps(load_scales_vnni(br, code, 0xffff), hs);
     _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), _mm512_add_ps(a, b)));
 }
 
@@ -166,19 +159,21 @@ static inline void prefetch_cols_vnni(const uint8_t *w, int64_t row_bytes, const
     }
 }
 
+/* vpermt2b's index over X = A | B, Y = C | D (4 columns' 32 bytes each): lane l's 4 bytes are byte
+ * l of A, B, C, D (add 16 for bytes 16 + l) */
+TARGET_VNNI_COLS static inline __m512i interleave4_vnni(void) {
+    static const uint8_t ix[64] = {0,  32, 64, 96,  1,  33, 65, 97,  2,  34, 66, 98,  3,  35, 67, 99,
+                                   4,  36, 68, 100, 5,  37, 69, 101, 6,  38, 70, 102, 7,  39, 71, 103,
+                                   8,  40, 72, 104, 9,  41, 73, 105, 10, 42, 74, 106, 11, 43, 75, 107,
+                                   12, 44, 76, 108, 13, 45, 77, 109, 14, 46, 78, 110, 15, 47, 79, 111};
+    return _mm512_loadu_si512(ix);
+}
+
 /* one run of 4-bit columns, outputs [c0, c0 + n) (n % 32 == 0) added to y (y + c0 on) */
 TARGET_VNNI_COLS static void run4_cols_vnni(const uint8_t *w, int64_t row_bytes, const colprep_t *p, const colrun_t *r,
                                             int64_t c0, int64_t n, const uint8_t *sr, const uint8_t *br, int64_t code,
                                             float *y) {
-    /* lane l of R0: byte l of columns A, B, C, D (X = A | B, Y = C | D); of R1: byte 16 + l */
-    __m512i i0 = _mm512_setzero_si512(), i1;
-    {
-        uint8_t ix[64];
-        for (int l = 0; l < 16; l++)
-            for (int b = 0; b < 4; b++) ix[4 * l + b] = (uint8_t)(32 * b + l);
-        i0 = _mm512_loadu_si512(ix);
-        i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(16));
-    }
+    const __m512i i0 = interleave4_vnni(), i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(16));
     /* even outputs' lanes and odd outputs' back in order: c 2l from E, 2l + 1 from O */
     const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
@@ -226,14 +221,7 @@ TARGET_VNNI_COLS static void run4_cols_vnni(const uint8_t *w, int64_t row_bytes,
 TARGET_VNNI_COLS static void run8_cols_vnni(const uint8_t *w, int64_t row_bytes, const colprep_t *p, const colrun_t *r,
                                             int64_t c0, int64_t n, const uint8_t *sr, const uint8_t *br, int64_t code,
                                             float *y) {
-    __m512i i0, i1;
-    {
-        uint8_t ix[64];
-        for (int l = 0; l < 16; l++)
-            for (int b = 0; b < 4; b++) ix[4 * l + b] = (uint8_t)(32 * b + l);
-        i0 = _mm512_loadu_si512(ix);
-        i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(16));
-    }
+    const __m512i i0 = interleave4_vnni(), i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(16));
     const __m512 ue = _mm512_set1_ps((float)r->ue), hs = _mm512_set1_ps(r->hs);
     const int64_t ssz = code == F32 ? 4 : 2;
     const int64_t *cols = p->cols + 4 * r->q0;

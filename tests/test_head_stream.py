@@ -31,7 +31,8 @@ def models(tmp_path_factory):
     assert not cfg["tie_word_embeddings"]
     tied, _, _ = make_llama_folder(tmp / "hf-tied", "llama-tied", num_hidden_layers=3)
     return {"q4": convert(src, tmp / "q4", progress=False, quant=q4),
-            "tied": convert(tied, tmp / "tied", progress=False, quant=q4)}
+            "tied": convert(tied, tmp / "tied", progress=False, quant=q4),
+            "q4-dip": convert(src, tmp / "q4-dip", progress=False, quant=q4, dip=True)}
 
 
 @pytest.fixture
@@ -132,3 +133,43 @@ def test_a_memory_limit_counts_the_head_as_not_loaded(models):
         limited = loaded_resident_bytes(folder, m, FlashConfig(mode="hybrid", memory_limit="8GB",
                                                                stream_embeddings="off"))
         assert (limited < whole - 4096) == drops
+
+
+@pytest.mark.parametrize("source", ["dip", "dip-ca"])
+def test_flash_mode_leaves_resident_weights_on_flash_where_they_exceed_the_budget(models, small_chunks, source):
+    """Flash mode through the DIP store: a budget the resident weights alone exceed leaves the
+    input embeddings, then layers' attention, then the output head on flash (as the exact modes
+    do), where it used to be refused; the tokens are the unbudgeted run's (a DIP token's rows are
+    the same whether read or cached; the streamed weights' kernels are the held ones')."""
+    folder = models["q4-dip"]
+    opts = dict(mode="flash", sparsity=source, density=0.5)
+    free, _ = mlx_flash.load(folder, **opts)
+    want = greedy(free, TOKENS, 8)
+    held = free.runtime.resident.held_bytes
+    free.runtime.close()
+    with pytest.raises(BudgetTooSmall, match="the DIP store's scratch rows"):
+        mlx_flash.load(folder, **opts, memory_budget="1000")
+    model, _ = mlx_flash.load(folder, **opts, memory_budget=str(held))  # (nothing left for the FFN if all held)
+    rt = model.runtime
+    assert rt.embedding is not None and (rt.attention is not None or rt.head is not None)
+    assert rt.plan.weights_bytes <= rt.budget_bytes
+    got = greedy(model, TOKENS, 8)
+    if source == "dip":  # (dip-ca prefers what its caches hold: a smaller cache may choose otherwise)
+        assert got == want
+    rt.close()
+
+
+def test_a_flash_prompt_dequantizes_its_rows_a_block_at_a_time(models, monkeypatch):
+    """A prompt chunk in the DIP store multiplies packed rows dequantized a block of ids at a time
+    (its temporaries bounded), to the same logits as in one block."""
+    from mlx_flash.runtime.stores import dip as dip_store
+
+    folder = models["q4-dip"]
+    x = mx.array([TOKENS])
+    model, _ = mlx_flash.load(folder, mode="flash", sparsity="dip", density=0.5)
+    assert model.runtime.store.packed_in is not None
+    whole = np.array(model(x))
+    monkeypatch.setattr(dip_store, "BLOCK", 7)
+    blocks = np.array(model(x))
+    assert np.abs(blocks - whole).max() < 1e-4
+    model.runtime.close()

@@ -65,6 +65,11 @@ def test_parse_system_forms():
     assert peers.parse_system("llama.cpp-f16").gguf == "f16"
     names = [s.spec for s in peers.parse_systems(peers.DEFAULT_SYSTEMS)]
     assert names[0] == "mlx_flash:dense@none" and "llama.cpp-q4_1" in names  # the 4-bit default model's own
+    # every sparsity source the runtime has (the calibrated ones too)
+    from mlx_flash.sparsity import source_names
+
+    assert set(peers.SPARSITIES) == set(source_names())
+    assert peers.parse_system("mlx_flash:flash:calibrated-ca:0.65@544MB").sparsity == "calibrated-ca"
 
 
 @pytest.mark.parametrize("spec, words", [

@@ -212,11 +212,11 @@ def check_resident_fits(folder, manifest, config, streamed=()):
     resident += _attention_buffers(spans, streamed, config.prefetch)
     if budget < resident:
         raise budget_too_small(budget, resident)
-    if config.mode in ("naive", "hybrid", "auto") and not config.sparse_options:
+    if (config.mode in ("naive", "hybrid", "auto") and not config.sparse_options) or _dip_flash(config, manifest):
         least = _least_ffn(manifest, config)  # (else found only once the weights have loaded)
         if budget < resident + least:
-            reason = (f"the resident weights take {resident / 1e6:.1f} MB and the least FFN plan (naive's two "
-                      f"layer buffers, the scale tables and checksums) {least / 1e6:.1f} MB")
+            reason = (f"the resident weights take {resident / 1e6:.1f} MB and "
+                      f"{_least_ffn_what(config, manifest)} {least / 1e6:.1f} MB")
             raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget,
                                  resident + least, reason)
 
@@ -237,17 +237,42 @@ def dense_need(folder, manifest, config, rows16=True):
 
 
 def _least_ffn(manifest, config):
-    """The least DRAM an exact plan's FFN takes: naive's streaming buffers, the FFN's scale
-    tables (about their files' size) and its bundles' checksums."""
+    """The least DRAM the FFN takes: an exact plan's, naive's streaming buffers; flash mode's DIP
+    store's, the scratch of one token's rows (calibrated thresholds: a whole layer's); beside them
+    the scale tables (about their files' size) and the bundles' checksums."""
     from ..io import native_available
 
-    lay = manifest.layout
-    extra = lay.table_bytes * len(manifest.ffn_files)
-    if config.verify and native_available():  # (_checksums: held only where reads are checked)
-        extra += len(manifest.ffn_files) * lay.n_neurons * len(lay.kinds) * 4
+    lay, n = manifest.layout, len(manifest.ffn_files)
+    checked = config.verify and native_available()  # (_checksums: held only where reads are checked)
     dtype = DTYPES[compute_dtype(config, manifest)]
+    if _dip_flash(config, manifest):
+        inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
+        thresholds = getattr(source_class(config.sparsity), "needs", None) == "thresholds"
+        d_in, b_in, d_out, b_out, k_in, k_out = _dip_dims(manifest, config, dtype, thresholds)[0]
+        extra = (inp.table_bytes + lay.table_bytes) * n  # (the DIP down rows share the main down table)
+        if checked:
+            extra += n * (d_in * len(inp.kinds) + d_out * len(down.kinds)) * 4
+        return extra + k_in * b_in + k_out * b_out
+    extra = lay.table_bytes * n
+    if checked:
+        extra += n * lay.n_neurons * len(lay.kinds) * 4
     naive, _, _ = exact_plan("naive", manifest, config, dtype, ResidentWeights(0, 0, 0), None, False)
     return extra + naive.ffn_dram_bytes
+
+
+def _least_ffn_what(config, manifest):
+    """What _least_ffn counts, in words."""
+    if _dip_flash(config, manifest):
+        return "the least FFN plan (the DIP store's scratch rows, the scale tables and checksums)"
+    return "the least FFN plan (naive's two layer buffers, the scale tables and checksums)"
+
+
+def _dip_flash(config, manifest):
+    """Flash mode (asked for, or --mode auto with sparsity options) whose source reads through the
+    DIP store (dip, dip-ca, the calibrated sources), on a model with the DIP orientation on flash."""
+    if not manifest.dip or not (config.mode == "flash" or (config.mode == "auto" and config.sparse_options)):
+        return False
+    return getattr(source_class(config.sparsity), "store", "flash") == "dip"
 
 
 def _header_resident(folder, manifest, config, streamed=()):
@@ -314,8 +339,10 @@ def _attention_buffers(spans, streamed, prefetch):
 def _may_stream(config, manifest):
     """May some layers' attention stay on flash (attention_to_stream) under this config?"""
     # (held at their bits: by default where the kernels run, as keep_quantized says)
-    return (config.mode in ("auto", "naive", "hybrid") and manifest.layout.quant is not None
-            and config.resident_dtype in (None, "quantized") and cpu_kernels() is not None)
+    # (flash mode through the DIP store too: its least FFN is its scratch, _least_ffn)
+    return ((config.mode in ("auto", "naive", "hybrid") or _dip_flash(config, manifest))
+            and manifest.layout.quant is not None and config.resident_dtype in (None, "quantized")
+            and cpu_kernels() is not None)
 
 
 def loaded_resident_bytes(folder, manifest, config):
@@ -472,8 +499,8 @@ def attention_to_stream(folder, manifest, config):
                                   ("the output head", config.stream_head == "on")) if not gone] + ["norms"]
         held = (f"{', '.join(on_flash[:-1])} and {on_flash[-1]}" if len(on_flash) > 1 else on_flash[0]) + (
             f" read from flash, the resident weights ({', '.join(kept)}")
-        reason = (f"even with {held}, two attention buffers) take {least / 1e6:.0f} MB and the least FFN plan "
-                  f"(naive's two layer buffers, the scale tables and checksums) {least_ffn / 1e6:.0f} MB")
+        reason = (f"even with {held}, two attention buffers) take {least / 1e6:.0f} MB and "
+                  f"{_least_ffn_what(config, manifest)} {least_ffn / 1e6:.0f} MB")
         raise BudgetTooSmall(f"memory budget {budget / 1e6:.0f} MB is too small: {reason}", budget, need, reason)
     return {i: spans[i] for i in layers}
 
@@ -870,20 +897,9 @@ def _staged(config, held, dtype):
 def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, tables, crcs):
     from .stores.dip import DIPStore
 
-    inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
     density = config.density
-    k_in, k_out = max(1, round(density * inp.n_neurons)), max(1, round(density * down.n_neurons))
     thresholds = getattr(source, "thresholds", None)
-    if thresholds is not None:  # a token may need any share of a layer: the scratch holds all of one
-        k_in, k_out = inp.n_neurons, down.n_neurons
-    staged = _staged(config, False, dtype)
-    packed = not staged and packed_ffn_rows(config, inp.quant is not None and down.quant is not None,
-                                            dtype == mx.float32, False, cpu_kernels() is not None, dip=True)
-
-    def row_bytes(lay):  # at their bits when packed, else at the compute dtype (twice when staged)
-        return sum(lay.kind_bytes(k) if packed else lay.d_model * dtype.size * (1 + staged) for k in lay.kinds)
-
-    dims = (inp.n_neurons, row_bytes(inp), down.n_neurons, row_bytes(down), k_in, k_out)
+    dims, packed, staged = _dip_dims(manifest, config, dtype, thresholds is not None)
     lay = manifest.layout
     plan = make_plan("flash", budget, resident.held_bytes, source.resident_bytes, len(lay.kinds) * lay.d_model * dtype.size,
                      len(manifest.ffn_files), lay.n_neurons, dip=dims)
@@ -894,3 +910,23 @@ def _dip_store(folder, manifest, config, dtype, resident, budget, ffns, source, 
                      score_norms=getattr(source, "score_norms", None),
                      adapters=getattr(source, "adapters", None), staged=staged)
     return plan, store
+
+
+def _dip_dims(manifest, config, dtype, thresholds):
+    """The DIP store's plan dimensions (input dims, their row bytes, neurons, their down rows'
+    bytes, the scratch's input dims and down rows), whether its rows stay packed, whether staged.
+    thresholds: a calibrated source's, with which a token may need any share of a layer (the
+    scratch then holds all of one)."""
+    inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
+    density = config.density
+    k_in, k_out = max(1, round(density * inp.n_neurons)), max(1, round(density * down.n_neurons))
+    if thresholds:
+        k_in, k_out = inp.n_neurons, down.n_neurons
+    staged = _staged(config, False, dtype)
+    packed = not staged and packed_ffn_rows(config, inp.quant is not None and down.quant is not None,
+                                            dtype == mx.float32, False, cpu_kernels() is not None, dip=True)
+
+    def row_bytes(lay):  # at their bits when packed, else at the compute dtype (twice when staged)
+        return sum(lay.kind_bytes(k) if packed else lay.d_model * dtype.size * (1 + staged) for k in lay.kinds)
+
+    return (inp.n_neurons, row_bytes(inp), down.n_neurons, row_bytes(down), k_in, k_out), packed, staged

@@ -10,7 +10,7 @@ from ...sizes import MiB, parse_share
 MB = 1e6
 RUNTIMES = ("mlx_flash", "mlx_lm", "llama.cpp")
 MLX_FLASH_MODES = ("auto", "dense", "naive", "hybrid", "flash")
-SPARSITIES = ("oracle", "threshold", "dip", "dip-ca", "predictor")
+SPARSITIES = ("oracle", "threshold", "dip", "dip-ca", "predictor", "calibrated", "calibrated-ca", "calibrated-uniform")
 GGUF_TYPES = ("f32", "f16", "q4_1", "gguf")  # gguf: the source GGUF at its own blocks (q4_1: the same)
 # the default model is 4-bit: under a limit its resident weights are held at their bits
 DEFAULT_SYSTEMS = ("mlx_flash:dense@none,mlx_flash:hybrid,mlx_flash:naive,mlx_flash:flash:dip:0.5,"

@@ -36,6 +36,9 @@ from ..stats import TokenStats
 from .base import Store, cpu_kernels, read_into
 
 
+BLOCK = 128  # a prompt chunk's packed rows dequantized at a time (gate and up: 2 x 128 x d_ff floats)
+
+
 class _Side:
     """One cache (input columns or down rows) of one layer, with its policy and file."""
 
@@ -167,19 +170,26 @@ class DIPStore(Store):
         kth = -np.sort(-s, axis=-1)[np.arange(s.shape[0]), k - 1]  # each token's k-th score
         return s >= kth[:, None]
 
-    def _matrices(self, cache, side):
-        """A cache's rows as float32 MLX matrices {kind: [rows, K]}, their ids (NumPy) and the
-        same ids as an MLX array: packed rows dequantized (in C), in the order of their ids."""
+    def _matrices(self, cache, side, need):
+        """A prompt chunk's rows of a cache: yields (float32 MLX matrices {kind: [rows, K]}, their
+        ids (NumPy), the same ids as an MLX array). Packed rows: those of `need` (sorted ids) the
+        cache holds, dequantized in C BLOCK ids at a time (a block's matrices are freed before the
+        next is made: a prompt's temporaries stay a few MB where a whole layer's float32 rows
+        would be hundreds); unpacked: the whole cache, once, as it is held."""
         if not cache.packed:
             mats, ids = cache.rows()
-            return mats, cache.cached_ids(), ids
+            yield mats, cache.cached_ids(), ids
+            return
         from ...kernels import dequantize_cols
 
-        ids = np.sort(cache.cached_ids())
+        held = need[cache.id_to_row[need] >= 0]
         spec = side.layout.quant
-        rows, trow = cache.id_to_row[ids], ids // spec.group_size
-        return {k: mx.array(dequantize_cols(self.kernels, cache.views[k].view(np.uint8), rows, trow,
-                                            side.tables[k], spec)) for k in side.layout.kinds}, ids, mx.array(ids)
+        for start in range(0, held.size, BLOCK):
+            ids = held[start:start + BLOCK]
+            rows, trow = cache.id_to_row[ids], ids // spec.group_size
+            yield ({k: mx.array(dequantize_cols(self.kernels, cache.views[k].view(np.uint8), rows, trow,
+                                                side.tables[k], spec)) for k in side.layout.kinds},
+                   ids, mx.array(ids))
 
     def _axpy(self, side, scratch, streamed, weights, ids, kinds):
         """One token on the CPU: per kind, sum over `ids` of weights[i] * the row of id i, from
@@ -229,11 +239,12 @@ class DIPStore(Store):
         else:
             g = u = None
             for cache in [side_in.cache] + ([self.scratch_in] if streamed else []):
-                mats, ids, dims = self._matrices(cache, side_in)
-                m_rows = mx.array(mask_in[:, ids])
-                xs = x2[:, dims] * m_rows.astype(x2.dtype)
-                g = xs @ mats["gate"] if g is None else g + xs @ mats["gate"]
-                u = xs @ mats["up"] if u is None else u + xs @ mats["up"]
+                for mats, ids, dims in self._matrices(cache, side_in, need_in):
+                    m_rows = mx.array(mask_in[:, ids])
+                    xs = x2[:, dims] * m_rows.astype(x2.dtype)
+                    g = xs @ mats["gate"] if g is None else g + xs @ mats["gate"]
+                    u = xs @ mats["up"] if u is None else u + xs @ mats["up"]
+                    mx.eval(g, u)  # (the block's matrices go before the next block's are made)
             h = self.act(g) * u
         h_np = np.array(h.astype(mx.float32))  # evaluates h~: compute
         t3 = time.perf_counter()
@@ -249,12 +260,14 @@ class DIPStore(Store):
             y, = self._axpy(side_down, self.scratch_down, streamed, h_np[0, need_out], need_out, ("down",))
             parts = [FFNRows(up=None, down=None, y=mx.array(y).reshape(*x.shape[:-1], -1).astype(x.dtype))]
         else:
-            parts = []
+            y = None
             for cache in [side_down.cache] + ([self.scratch_down] if streamed else []):
-                dmats, ids, ids_mx = self._matrices(cache, side_down)
-                m_rows = mx.array(mask_out[:, ids])
-                h_sel = (h[:, ids_mx] * m_rows.astype(h.dtype)).reshape(*x.shape[:-1], -1)
-                parts.append(FFNRows(up=None, down=dmats["down"], h=h_sel))
+                for dmats, ids, ids_mx in self._matrices(cache, side_down, need_out):
+                    m_rows = mx.array(mask_out[:, ids])
+                    part = (h[:, ids_mx] * m_rows.astype(h.dtype)) @ dmats["down"]
+                    y = part if y is None else y + part
+                    mx.eval(y)
+            parts = [FFNRows(up=None, down=None, y=y.reshape(*x.shape[:-1], -1).astype(x.dtype))]
 
         if self.adapters is not None:  # resident: y += B (A x)
             a_t, b_t = self.adapters[layer]

@@ -251,3 +251,90 @@ def test_wina_scores_weigh_each_side_by_its_weights_norms(folder, tmp_path):
     (out / NORMS_FILE).write_bytes(b"damaged")
     with pytest.raises(FlashError):
         mlx_flash.load(out, mode="flash", sparsity="calibrated", density=0.5)
+
+
+def _whole_model_record(path, seqs):
+    """The reference for layerwise.record: X and G with the whole model in DRAM at float32, G as
+    mx.grad of each sequence's mean NLL with respect to a zero added to each FFN's output."""
+    from mlx_flash.models.ffn import FFNRows
+
+    model, _ = mlx_flash.load(path, mode="dense", resident_dtype="float32", ffn_rows="float32")
+    rt = model.runtime
+    d = rt.ffns[0].d_model
+    X, G = [[] for _ in rt.ffns], [[] for _ in rt.ffns]
+
+    class Probe:
+        def __init__(self, inner):
+            self.inner, self.delta = inner, None
+
+        def rows(self, layer, x):
+            parts = self.inner.rows(layer, x)
+            if self.delta is None:
+                X[layer].append(x.reshape(-1, d))
+                return parts
+            return [parts, FFNRows(up=None, down=mx.eye(d), h=self.delta[layer])]
+
+    probe = rt.wrap_store(Probe)
+    for s in seqs:
+        inp, tgt = mx.array([s[:-1]]), mx.array(s[1:])
+        probe.delta = None
+        mx.eval(model(inp))
+
+        def nll(deltas):
+            probe.delta = deltas
+            logits = model(inp)[0].astype(mx.float32)
+            return mx.mean(mx.logsumexp(logits, -1) - mx.take_along_axis(logits, tgt[:, None], -1)[:, 0])
+
+        g = mx.grad(nll)([mx.zeros((1, len(s) - 1, d)) for _ in rt.ffns])
+        for i, gi in enumerate(g):
+            G[i].append(gi.reshape(-1, d))
+    rt.unwrap_store()
+    rt.close()
+    return [mx.concatenate(x) for x in X], [mx.concatenate(g) for g in G]
+
+
+@pytest.mark.parametrize("which", ["float32", "q4"])
+def test_the_layer_by_layer_record_equals_the_whole_model_in_dram(folder, q4, which, monkeypatch):
+    """layerwise.record (a layer's float32 weights at a time, the head a chunk of its vocabulary at
+    a time, sequences a few at a time) records the FFN inputs and loss gradients the whole model
+    held in DRAM and differentiated at once gives."""
+    from mlx_flash.sparsity import layerwise
+
+    path = folder[0] if which == "float32" else q4
+    monkeypatch.setattr(layerwise, "VOCAB_CHUNK", 100)  # (a few hundred rows: several chunks, the last short)
+    monkeypatch.setattr(layerwise, "SEQS_AT_ONCE", 2)
+    rng = np.random.default_rng(5)
+    seqs = [list(map(int, rng.integers(0, 250, 33))) for _ in range(3)]
+    X, G, W = layerwise.record(path, read_manifest(path), seqs, progress=False)
+    want_x, want_g = _whole_model_record(path, seqs)
+    assert len(X) == len(want_x) == len(W)
+    for x, g, wx, wg in zip(X, G, want_x, want_g):
+        np.testing.assert_allclose(np.array(x), np.array(wx), atol=2e-5, rtol=1e-4)
+        scale = float(mx.abs(wg).max())
+        assert scale > 0 and float(mx.abs(g - wg).max()) <= 1e-4 * scale
+    assert W.held and len(W.held) <= W.keep  # (the FFN rows of the last layers asked for, no more)
+
+
+
+def test_the_search_spill_keeps_every_array_whether_held_or_on_disk():
+    """layerwise.Spill: the last `hold` arrays in DRAM, the others written to its folder on
+    eviction and read back; a move renames (in DRAM or on disk); close removes the folder."""
+    from mlx_flash.sparsity.layerwise import Spill
+
+    spill = Spill(hold=2)
+    arrays = {("cur", i): mx.array(np.random.default_rng(i).standard_normal((5, 7)).astype(np.float32))
+              for i in range(4)}
+    for k, a in arrays.items():
+        spill.put(k, a)
+    assert len(spill.held) == 2 and len(list(spill.dir.glob("*.npy"))) == 2  # (two written on eviction)
+    spill.move(("cur", 0), ("in", 0))  # (on disk)
+    spill.move(("cur", 3), ("in", 3))  # (in DRAM)
+    want = {("in", 0): arrays[("cur", 0)], ("cur", 1): arrays[("cur", 1)], ("cur", 2): arrays[("cur", 2)],
+            ("in", 3): arrays[("cur", 3)]}
+    for k, a in list(want.items()) * 2:  # (twice: every get re-holds one and evicts another)
+        assert mx.array_equal(spill.get(k), a).item()
+    spill.put(("cur", 1), arrays[("cur", 3)])  # (a new value replaces the one on disk or held)
+    assert mx.array_equal(spill.get(("cur", 1)), arrays[("cur", 3)]).item()
+    folder = spill.dir
+    spill.close()
+    assert not folder.exists()

@@ -97,6 +97,7 @@ def test_unbundled_reads_fill_the_same_rows(tiny):
         assert np.abs(caches[0].views[k][:5]).sum() > 0
 
 
+@pytest.mark.slow  # (30 s: every row of benchmark paper on a tiny model; -m slow runs it)
 def test_paper_rows_end_to_end(tiny, tmp_path, monkeypatch):
     from mlx_flash.plan.profile import save_profile
     from test_plan import _profile, _rates

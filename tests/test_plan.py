@@ -536,6 +536,7 @@ def test_auto_keeps_a_quantized_models_resident_weights_at_their_bits(tmp_path, 
     assert "float16" not in caplog.text
 
 
+@pytest.mark.slow  # (70-80 s: the quick probe measures the machine in a child process; -m slow runs it)
 def test_explain_without_a_profile_probes_in_a_child_process(smollm2, tmp_path):
     """The quick probe runs apart: the memory its probe models took must not count in the
     runtime a --memory-limit plan measures (in-process it took ~90 MB of a 300 MB limit)."""

@@ -25,6 +25,7 @@ def greedy(model, tokens, n=16):
     return [int(t) for t, _ in generate_step(mx.array(tokens), model, max_tokens=n)]
 
 
+@pytest.mark.slow  # (35-40 s: transformers dequantizes the GGUF; test_quant.py holds the same import to mlx_lm)
 def test_gguf_import_matches_transformers_gguf_loader(smollm2_gguf, smollm2_f32):
     """transformers dequantizes and un-permutes the same GGUF its own way."""
     model, tok = mlx_flash.load(smollm2_f32)

@@ -13,8 +13,8 @@ import mlx.core as mx
 
 from ..errors import BudgetTooSmall, FlashError
 from ..kernels import kernels_module
-from ..runtime import (attention_to_stream, check_resident_fits, dense_need, embedding_on_flash, embedding_to_stream,
-                       head_may_stream, head_on_flash, may_hold_float16)
+from ..runtime import (attention_to_stream, check_resident_fits, dense_need, dip_flash, embedding_on_flash,
+                       embedding_to_stream, head_may_stream, head_on_flash, may_hold_float16)
 from ..runtime.budget import over_budget
 from ..runtime.memory import kv_value_bytes, plan_memory
 
@@ -98,6 +98,8 @@ def fit_limit(folder, manifest, config, held, shape, itemsize):
     and only where neither fits so, shorter chunks (a prompt then reads the streamed weights more
     often). The runtime is measured once, for every plan tried."""
     kv_itemsize = kv_value_bytes(itemsize, config.kv_bits, config.kv_group_size)
+    if dip_flash(config, manifest):  # (its prompt chunks' temporaries: runtime/memory.py activation_bytes)
+        shape = replace(shape, dip_prompt=True)
     if config.kv_cache == "auto" and config.kv_bits is None and config.batch_size == 1:
         places = (False, True)
     else:

@@ -19,7 +19,7 @@ are used (no file outside runtime/ imports a store).
 """
 
 from .build import (DTYPES, ResidentWeights, Runtime, attention_to_stream, build_runtime, check_resident_fits,
-                    compute_dtype, dense_need, embedding_on_flash, embedding_to_stream, head_may_stream,
+                    compute_dtype, dense_need, dip_flash, embedding_on_flash, embedding_to_stream, head_may_stream,
                     head_on_flash, loaded_resident_bytes, may_hold_float16, rebuild_runtime)
 from .config import FlashConfig, add_cli_args, from_cli, keep_quantized, make_config
 from .stores.base import TooManyNeurons
@@ -28,5 +28,5 @@ __all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeuron
            "attention_to_stream", "build_runtime", "embedding_on_flash", "embedding_to_stream", "head_may_stream",
            "head_on_flash",
            "loaded_resident_bytes",
-           "check_resident_fits", "compute_dtype", "dense_need", "from_cli", "keep_quantized", "make_config",
+           "check_resident_fits", "compute_dtype", "dense_need", "dip_flash", "from_cli", "keep_quantized", "make_config",
            "may_hold_float16", "rebuild_runtime"]

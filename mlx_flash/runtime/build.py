@@ -212,7 +212,7 @@ def check_resident_fits(folder, manifest, config, streamed=()):
     resident += _attention_buffers(spans, streamed, config.prefetch)
     if budget < resident:
         raise budget_too_small(budget, resident)
-    if (config.mode in ("naive", "hybrid", "auto") and not config.sparse_options) or _dip_flash(config, manifest):
+    if (config.mode in ("naive", "hybrid", "auto") and not config.sparse_options) or dip_flash(config, manifest):
         least = _least_ffn(manifest, config)  # (else found only once the weights have loaded)
         if budget < resident + least:
             reason = (f"the resident weights take {resident / 1e6:.1f} MB and "
@@ -245,7 +245,7 @@ def _least_ffn(manifest, config):
     lay, n = manifest.layout, len(manifest.ffn_files)
     checked = config.verify and native_available()  # (_checksums: held only where reads are checked)
     dtype = DTYPES[compute_dtype(config, manifest)]
-    if _dip_flash(config, manifest):
+    if dip_flash(config, manifest):
         inp, down = manifest.dip["input"]["layout"], manifest.dip["down"]["layout"]
         thresholds = getattr(source_class(config.sparsity), "needs", None) == "thresholds"
         d_in, b_in, d_out, b_out, k_in, k_out = _dip_dims(manifest, config, dtype, thresholds)[0]
@@ -262,12 +262,12 @@ def _least_ffn(manifest, config):
 
 def _least_ffn_what(config, manifest):
     """What _least_ffn counts, in words."""
-    if _dip_flash(config, manifest):
+    if dip_flash(config, manifest):
         return "the least FFN plan (the DIP store's scratch rows, the scale tables and checksums)"
     return "the least FFN plan (naive's two layer buffers, the scale tables and checksums)"
 
 
-def _dip_flash(config, manifest):
+def dip_flash(config, manifest):
     """Flash mode (asked for, or --mode auto with sparsity options) whose source reads through the
     DIP store (dip, dip-ca, the calibrated sources), on a model with the DIP orientation on flash."""
     if not manifest.dip or not (config.mode == "flash" or (config.mode == "auto" and config.sparse_options)):
@@ -340,7 +340,7 @@ def _may_stream(config, manifest):
     """May some layers' attention stay on flash (attention_to_stream) under this config?"""
     # (held at their bits: by default where the kernels run, as keep_quantized says)
     # (flash mode through the DIP store too: its least FFN is its scratch, _least_ffn)
-    return ((config.mode in ("auto", "naive", "hybrid") or _dip_flash(config, manifest))
+    return ((config.mode in ("auto", "naive", "hybrid") or dip_flash(config, manifest))
             and manifest.layout.quant is not None and config.resident_dtype in (None, "quantized")
             and cpu_kernels() is not None)
 

@@ -124,6 +124,9 @@ class Shape:
     n_heads: int
     kv_per_token: int  # keys + values of every layer for one position, in values
     vocab: int
+    # a prompt chunk's FFN goes through the DIP store (flash mode's dip / calibrated sources): it
+    # also holds h~ on the host twice (the scores and their masks) and a block of dequantized rows
+    dip_prompt: bool = False
 
 
 def model_shape(model, d_model, n_ff):
@@ -252,13 +255,20 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
         width += 4 * shape.kv_per_token // shape.n_layers
     else:
         width = 2 * shape.n_heads * context
-    per = 3 * shape.n_ff + 8 * shape.d_model + width
+    per = (5 if shape.dip_prompt else 3) * shape.n_ff + 8 * shape.d_model + width
+    if shape.dip_prompt:  # (the DIP store's dequantization block: NumPy's buffer and MLX's copy, gate and up)
+        from .stores.dip import BLOCK
+
+        per_chunk = 4 * BLOCK * shape.n_ff * 4
+    else:
+        per_chunk = 0
     step = 0
     tiled = max(sequences if sequences > SMALL_PASS else 0, chunk if SMALL_PASS < chunk <= passes.PROMPT_PASS else 0)
     if tiled:
         tiles = default_threads() * 64 * -(-shape.d_model // 16) * 16 * 4  # (a thread's, kept by the pool)
         step = tiled * (4 * shape.n_ff + 2 * shape.d_model) * 4 + tiles
-    return max(chunk * per * itemsize, step) + max(2, SMALL_PASS) * sequences * shape.vocab * itemsize
+    return (max(chunk * per * itemsize + per_chunk, step)
+            + max(2, SMALL_PASS) * sequences * shape.vocab * itemsize)
 
 
 def kv_row_bytes(shape, itemsize):

@@ -6,8 +6,9 @@ input side, 2/3 of the FFN's bytes) and the down rows of the neurons with
 `calibrated` sources (dip.py) in the DIP store. How much each layer and side keeps
 is chosen here, on calibration text (C4; never the evaluation text):
 
-1. record: every layer's FFN input x, its output y, and g = dNLL/dy (one backward
-   pass per calibration sequence), with the model in DRAM;
+1. record: every layer's FFN input x and g = dNLL/dy (its output's loss gradient), one
+   forward and one backward pass layer by layer, a layer's float32 weights at a time
+   (layerwise.py: the model is never loaded whole);
 2. thresholds: the quantiles of |x| and |h| per layer, so that a density d of a
    side is the threshold that keeps a share d of the recorded values;
 3. search: greedy, from dense, one STEP of one layer's side at a time, taking the
@@ -29,6 +30,7 @@ ones. The norms are computed here, written beside the manifest (NORMS_FILE) and 
 resident by the source (d_model + d_ff floats a layer).
 """
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,6 @@ import numpy as np
 import mlx.core as mx
 
 from ..errors import FlashError
-from ..models.ffn import FFNRows
 
 VERSION = 1
 SCORES = ("magnitude", "wina")
@@ -100,25 +101,6 @@ def uniform(section, target):
     return Allocation(dens, np.stack(th, axis=1))
 
 
-class _Recorder:
-    """Between the FFNs and a dense store: records each layer's x and weights, and adds
-    `delta[layer]` (zeros) to its output, so that d loss / d delta = d loss / d y."""
-
-    def __init__(self, inner, n_layers, d_model):
-        self.inner, self.eye = inner, mx.eye(d_model)
-        self.weights, self.x, self.delta = {}, [[] for _ in range(n_layers)], None
-
-    def rows(self, layer, x):
-        parts = self.inner.rows(layer, x)
-        if not isinstance(parts, FFNRows) or parts.ids is not None or parts.gate is None:
-            raise FlashError("threshold calibration needs the model's FFNs in DRAM (mode dense)")
-        self.weights[layer] = parts
-        if self.delta is None:
-            self.x[layer].append(x.reshape(-1, x.shape[-1]))
-            return parts
-        return [parts, FFNRows(up=None, down=self.eye, h=self.delta[layer])]
-
-
 def _quantiles(values, step):
     """Thresholds keeping a share k * step of |values|, k = 0 .. 1/step (k = 0: inf)."""
     s = np.sort(np.abs(np.asarray(values, dtype=np.float32)).ravel())
@@ -127,37 +109,6 @@ def _quantiles(values, step):
     for k in range(1, n):
         out.append(float(s[min(len(s) - 1, int(round((1 - k * step) * len(s))))]))
     return out + [0.0]
-
-
-def record(model, seqs, progress=True):
-    """Every layer's FFN input x, d NLL / d (FFN output) and weights on `seqs` (token id
-    lists; each position predicts the next) -> (X [layers][tokens, d], G likewise, W
-    {layer: FFNRows}). One forward and one backward pass per sequence, model in DRAM."""
-    from tqdm import tqdm
-
-    n_layers = len(model.layers)
-    rt = model.runtime
-    d_model = rt.ffns[0].d_model
-    rec = rt.wrap_store(lambda store: _Recorder(store, n_layers, d_model))
-    grads = [[] for _ in range(n_layers)]
-    try:
-        for s in tqdm(seqs, desc="record", disable=not progress, leave=False):
-            inp, tgt = mx.array([s[:-1]]), mx.array(s[1:])
-            rec.delta = None
-            mx.eval(model(inp))
-
-            def nll(deltas):
-                rec.delta = deltas
-                logits = model(inp)[0].astype(mx.float32)
-                return mx.mean(mx.logsumexp(logits, -1) - mx.take_along_axis(logits, tgt[:, None], -1)[:, 0])
-
-            g = mx.grad(nll)([mx.zeros((1, len(s) - 1, d_model)) for _ in range(n_layers)])
-            mx.eval(g)
-            for layer in range(n_layers):
-                grads[layer].append(g[layer].reshape(-1, d_model))
-    finally:
-        rt.unwrap_store()
-    return [mx.concatenate(x) for x in rec.x], [mx.concatenate(g) for g in grads], rec.weights
 
 
 def score_norms(W):
@@ -173,39 +124,49 @@ def score_norms(W):
 
 
 # long: one greedy search; its closures (h_at, err, candidates) share the recorded arrays and the densities
-def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print, score="magnitude"):
-    """Record on `seqs` (token id lists, each one longer than the scored part) and search.
+def search(X, G, W, act, step=STEP, lowest=LOWEST, progress=True, log=print, score="magnitude"):
+    """The greedy search on recorded FFN inputs X and gradients G ([layers][tokens, d] float32,
+    layerwise.record) with the layers' FFN rows W (W[i]: FFNRows, read when asked for).
     -> (the `thresholds` manifest section without the data description, the score norms per
-    layer or None)."""
+    layer or None). Each layer's activations h~ (tokens x d_ff floats; its current and its next
+    input-side step's) are kept by a Spill between the steps that use them: the last few used in
+    DRAM, the others in a temporary folder (2 x layers x tokens x d_ff floats at most: 4.1 GB for
+    Qwen2.5-Coder-1.5B at 2,048 tokens)."""
     from tqdm import tqdm
+
+    from .layerwise import Spill
 
     if score not in SCORES:
         raise FlashError(f"unknown score '{score}' (choose from {', '.join(SCORES)})")
-    t0 = time.perf_counter()
-    X, G, W = record(model, seqs, progress)
     n_layers = len(X)
-    H = [act(X[i] @ W[i].gate.T) * (X[i] @ W[i].up.T) for i in range(n_layers)]
-    mx.eval(X, G, H)
-    Y = []
-    for i in range(n_layers):
-        Y.append(H[i] @ W[i].down)
-        mx.eval(Y[-1])
+    spill = Spill()
+    try:
+        return _search(X, G, W, act, step, lowest, progress, log, score, n_layers, spill, tqdm)
+    finally:
+        spill.close()
+
+
+def _search(X, G, W, act, step, lowest, progress, log, score, n_layers, spill, tqdm):
     norms = score_norms(W) if score == "wina" else None
     # what each side's threshold compares: |x| and |h~|, each weighed by its weights' norm (wina)
     nx = [mx.array(norms[i][0]) if norms else 1.0 for i in range(n_layers)]
     nh = [mx.array(norms[i][1]) if norms else 1.0 for i in range(n_layers)]
-    q = [[_quantiles(np.array(mx.abs(X[i]) * nx[i]), step) for i in range(n_layers)],
-         [_quantiles(np.array(mx.abs(H[i]) * nh[i]), step) for i in range(n_layers)]]
+    q = [[_quantiles(np.array(mx.abs(X[i]) * nx[i]), step) for i in range(n_layers)], []]
+    Y = []
+    for i in range(n_layers):  # dense h and y; h~ at full density is h (spilled as layer i's current)
+        h = act(X[i] @ W[i].gate.T) * (X[i] @ W[i].up.T)
+        Y.append(h @ W[i].down)
+        mx.eval(Y[-1])
+        q[1].append(_quantiles(np.array(mx.abs(h) * nh[i]), step))
+        spill.put(("cur", i), h)
+        del h
     n_tokens = X[0].shape[0]
-    log(f"recorded {len(seqs)} sequences ({n_tokens} tokens) and their gradients in "
-        f"{time.perf_counter() - t0:.1f} s")
 
     def k(d):
         return int(round(d / step))
 
-    # the current h~ of each layer (at its current input density): an output-side
-    # step re-thresholds it, only an input-side step recomputes gate and up
-    h_cur = list(H)
+    # the current h~ of each layer (at its current input density, spilled under ("cur", i)): an
+    # output-side step re-thresholds it, only an input-side step recomputes gate and up
 
     def h_at(i, d_in):
         x = X[i]
@@ -220,7 +181,7 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print,
     t0 = time.perf_counter()
     dens = np.ones((n_layers, 2))
     cur = np.zeros(n_layers)
-    cand = {}  # (layer, side) -> (loss after the step, h~ after it or None)
+    cand = {}  # (layer, side) -> loss after the step (an input-side one's h~ spilled under ("in", i))
 
     def candidates(i, stepped=0):
         """Layer i's two next steps, after a step of its side `stepped` (an output-side step
@@ -232,12 +193,14 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print,
             nd = dens[i].copy()
             nd[side] = round(nd[side] - step, 6)
             if side == 1:
-                h = h_cur[i]
+                h = spill.get(("cur", i))
             elif stepped == 1 and (i, 0) in cand:
-                h = cand[(i, 0)][1]
+                h = spill.get(("in", i))
             else:
                 h = h_at(i, nd[0])
-            cand[(i, side)] = (err(i, h, nd[1]), h if side == 0 else None)
+                spill.put(("in", i), h)
+            cand[(i, side)] = err(i, h, nd[1])
+            del h
 
     for i in range(n_layers):
         candidates(i)
@@ -245,11 +208,11 @@ def search(model, seqs, act, step=STEP, lowest=LOWEST, progress=True, log=print,
     total = int(round((1 - lowest) / (step * SHARE.min()) * n_layers))  # an upper bound, for the bar
     bar = tqdm(total=total, desc="search", disable=not progress, leave=False)
     while float((dens * SHARE).sum(1).mean()) > lowest + 1e-9 and cand:
-        (i, side), (e, h) = min(cand.items(), key=lambda kv: (kv[1][0] - cur[kv[0][0]]) / SHARE[kv[0][1]])
+        (i, side), e = min(cand.items(), key=lambda kv: (kv[1] - cur[kv[0][0]]) / SHARE[kv[0][1]])
         dens[i, side] = round(dens[i, side] - step, 6)
         cur[i] = e
         if side == 0:
-            h_cur[i] = h
+            spill.move(("in", i), ("cur", i))
         path.append([i, side])
         candidates(i, side)
         bar.update(1)
@@ -301,23 +264,35 @@ def read_norms(folder, manifest, verify=True):
 
 
 def calibrate_thresholds(folder, data="c4", tokens=2048, seq_len=256, lowest=LOWEST, progress=True, log=print,
-                         score="magnitude"):
+                         score="magnitude", verify=True):
     """Search a SwiGLU model's per-layer thresholds on calibration text and write them into
-    its manifest (calibration["thresholds"], beside the predictors). -> the section."""
-    from .. import load
-    from ..layout.format import add_manifest_section
+    its manifest (calibration["thresholds"], beside the predictors). -> the section. The model
+    is never loaded whole: a layer's float32 weights at a time (layerwise.py)."""
+    from ..layout.format import add_manifest_section, check_file, read_manifest
+    from ..models import model_args
+    from ..models.ffn import activation
+    from ..tokenizer import load_tokenizer
     from .calibrate import token_sequences
+    from .layerwise import record
 
-    model, tok = load(folder, mode="dense", resident_dtype="float32", ffn_rows="float32")
-    ffns = model.runtime.ffns
-    if not ffns[0].gated or "up_bias" in ffns[0]:
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    config = json.loads((folder / "config.json").read_text())
+    _, args = model_args(config)
+    if "gate" not in manifest.layout.kinds or manifest.experts or getattr(args, "mlp_bias", False):
         raise FlashError(f"{folder}: calibrated thresholds are for gated (SwiGLU) FFNs without biases")
     if not 0 < lowest < 1:
         raise FlashError(f"--lowest must be in (0, 1), got {lowest}")
+    check_file(folder, manifest.resident, checksum=verify)
+    tok = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     seqs = token_sequences(tok, data, tokens, seq_len, targets=True)
-    section, norms = search(model, seqs, ffns[0]._act, lowest=lowest, progress=progress, log=log, score=score)
+    t0 = time.perf_counter()
+    X, G, W = record(folder, manifest, seqs, progress, verify)
+    log(f"recorded {len(seqs)} sequences ({X[0].shape[0]} tokens) and their gradients layer by layer in "
+        f"{time.perf_counter() - t0:.1f} s")
+    act = activation(args.hidden_act, getattr(args, "fatrelu_threshold", None))
+    section, norms = search(X, G, W, act, lowest=lowest, progress=progress, log=log, score=score)
     section["data"] = str(data)
-    model.runtime.close()
     if norms is not None:
         section["norms"] = write_norms(folder, norms)
     return add_manifest_section(folder, "calibration", {"thresholds": section}, merge=True).calibration["thresholds"]

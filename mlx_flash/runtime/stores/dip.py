@@ -139,6 +139,7 @@ class DIPStore(Store):
         self.scratch_down = NeuronCache(max(sc_down, 1), self.n_ff, self.d_model, ("down",), dtype,
                                         packed=self.packed_down, staged=staged)
         self.stats = TokenStats()
+        self._blocks = {}  # (kind, width) -> a prompt's dequantization buffer (_block)
         self.step = 0
         # every token's needed ids, for replaying Belady on them; off by default: it grows
         # by ~8 KB per layer and token (32 MB over 128 tokens of SmolLM2)
@@ -158,8 +159,9 @@ class DIPStore(Store):
             s = s * self.score_norms[layer][side]
         if self.thresholds is not None:
             keep = s >= self.thresholds[layer][side]
-            if not self.cache_aware:
-                return keep | top_k_mask(s, 1)
+            if not self.cache_aware:  # (and each token's best entry: argmax, not a top-k's int64 temporaries)
+                keep[np.arange(s.shape[0]), s.argmax(axis=-1)] = True
+                return keep
             k = np.maximum(keep.sum(axis=-1), 1)
         elif not self.cache_aware:
             return top_k_mask(s, k)
@@ -188,8 +190,17 @@ class DIPStore(Store):
             ids = held[start:start + BLOCK]
             rows, trow = cache.id_to_row[ids], ids // spec.group_size
             yield ({k: mx.array(dequantize_cols(self.kernels, cache.views[k].view(np.uint8), rows, trow,
-                                                side.tables[k], spec)) for k in side.layout.kinds},
-                   ids, mx.array(ids))
+                                                side.tables[k], spec, out=self._block(k, ids.size, side)))
+                    for k in side.layout.kinds}, ids, mx.array(ids))
+
+    def _block(self, kind, n, side):
+        """A reused float32 buffer [n, d] for a block of `kind`'s dequantized rows (MLX copies it:
+        no new NumPy pages a block, which the C heap would keep after the prompt)."""
+        width = side.layout.d_model
+        buf = self._blocks.get((kind, width))
+        if buf is None:
+            buf = self._blocks[(kind, width)] = np.empty((BLOCK, width), np.float32)
+        return buf[:n]
 
     def _axpy(self, side, scratch, streamed, weights, ids, kinds):
         """One token on the CPU: per kind, sum over `ids` of weights[i] * the row of id i, from

@@ -22,11 +22,11 @@ from .build import (DTYPES, ResidentWeights, Runtime, attention_to_stream, build
                     compute_dtype, dense_need, dip_flash, embedding_on_flash, embedding_to_stream, head_may_stream,
                     head_on_flash, loaded_resident_bytes, may_hold_float16, rebuild_runtime)
 from .config import FlashConfig, add_cli_args, from_cli, keep_quantized, make_config
-from .stores.base import TooManyNeurons
+from .stores.base import TooManyNeurons, cpu_kernels, read_layer_bytes, read_layer_file
 
 __all__ = ["DTYPES", "FlashConfig", "Runtime", "ResidentWeights", "TooManyNeurons", "add_cli_args",
            "attention_to_stream", "build_runtime", "embedding_on_flash", "embedding_to_stream", "head_may_stream",
            "head_on_flash",
            "loaded_resident_bytes",
            "check_resident_fits", "compute_dtype", "dense_need", "dip_flash", "from_cli", "keep_quantized", "make_config",
-           "may_hold_float16", "rebuild_runtime"]
+           "may_hold_float16", "rebuild_runtime", "cpu_kernels", "read_layer_bytes", "read_layer_file"]

@@ -107,7 +107,7 @@ class FFNWeights:
 
     def __init__(self, folder, manifest, verify=True, keep=2):
         from ..layout.format import read_tables
-        from ..runtime.stores.base import cpu_kernels
+        from ..runtime import cpu_kernels
 
         self.folder, self.manifest, self.verify, self.keep = Path(folder), manifest, verify, keep
         self.tables = read_tables(self.folder, manifest, manifest.layout, verify)
@@ -134,7 +134,7 @@ class FFNWeights:
 
     def _rows(self, layer):
         """{kind: float32 NumPy [n_ff, d_model]} of one layer's file."""
-        from ..runtime.stores.base import read_layer_bytes, read_layer_file
+        from ..runtime import read_layer_bytes, read_layer_file
 
         lay, entry = self.manifest.layout, self.manifest.ffn_files[layer]
         tables = self.tables[layer] if self.tables else None

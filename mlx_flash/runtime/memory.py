@@ -30,6 +30,7 @@ from pathlib import Path
 from ..errors import FlashError
 from ..kernels import SMALL_PASS, default_threads, passes
 from ..sizes import parse_share
+from .stores.dip import BLOCK as DIP_BLOCK
 from .stores.kv import chunk_positions, flash_kv_dram
 
 MLX_CACHE_LIMIT = 8 << 20  # MLX's buffer cache under a limit or a budget (bytes: 32 MB gave no faster
@@ -256,12 +257,8 @@ def activation_bytes(shape, chunk, context, itemsize, kv_on_flash=False, sequenc
     else:
         width = 2 * shape.n_heads * context
     per = (5 if shape.dip_prompt else 3) * shape.n_ff + 8 * shape.d_model + width
-    if shape.dip_prompt:  # (the DIP store's dequantization block: NumPy's buffer and MLX's copy, gate and up)
-        from .stores.dip import BLOCK
-
-        per_chunk = 4 * BLOCK * shape.n_ff * 4
-    else:
-        per_chunk = 0
+    # (the DIP store's dequantization block: NumPy's buffer and MLX's copy, gate and up)
+    per_chunk = 4 * DIP_BLOCK * shape.n_ff * 4 if shape.dip_prompt else 0
     step = 0
     tiled = max(sequences if sequences > SMALL_PASS else 0, chunk if SMALL_PASS < chunk <= passes.PROMPT_PASS else 0)
     if tiled:

@@ -132,8 +132,6 @@ def search(X, G, W, act, step=STEP, lowest=LOWEST, progress=True, log=print, sco
     input-side step's) are kept by a Spill between the steps that use them: the last few used in
     DRAM, the others in a temporary folder (2 x layers x tokens x d_ff floats at most: 4.1 GB for
     Qwen2.5-Coder-1.5B at 2,048 tokens)."""
-    from tqdm import tqdm
-
     from .layerwise import Spill
 
     if score not in SCORES:
@@ -141,12 +139,14 @@ def search(X, G, W, act, step=STEP, lowest=LOWEST, progress=True, log=print, sco
     n_layers = len(X)
     spill = Spill()
     try:
-        return _search(X, G, W, act, step, lowest, progress, log, score, n_layers, spill, tqdm)
+        return _search(X, G, W, act, step, lowest, progress, log, score, n_layers, spill)
     finally:
         spill.close()
 
 
-def _search(X, G, W, act, step, lowest, progress, log, score, n_layers, spill, tqdm):
+def _search(X, G, W, act, step, lowest, progress, log, score, n_layers, spill):
+    from tqdm import tqdm
+
     norms = score_norms(W) if score == "wina" else None
     # what each side's threshold compares: |x| and |h~|, each weighed by its weights' norm (wina)
     nx = [mx.array(norms[i][0]) if norms else 1.0 for i in range(n_layers)]

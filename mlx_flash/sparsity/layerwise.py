@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..errors import FlashError
 from ..models.ffn import FFNRows
@@ -79,7 +80,7 @@ class Resident:
                                  f"(attention, two norms and a gated FFN); {type(block).__name__} has no {name}")
         prefix = f"model.layers.{layer}."
         weights = []
-        for name, _ in _parameters(block):
+        for name, _ in tree_flatten(block.parameters()):
             full = prefix + name
             module = full.rsplit(".", 1)[0]
             if name.endswith(".weight") and module in self.quantization:
@@ -91,12 +92,6 @@ class Resident:
         block.load_weights(weights, strict=False)
         mx.eval(block.parameters())
         return block
-
-
-def _parameters(block):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(block.parameters())
 
 
 class FFNWeights:

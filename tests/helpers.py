@@ -205,6 +205,57 @@ def make_opt_folder(folder, variant="opt", seed=0, dtype="float32", lm_head=Fals
     return folder, cfg, tensors
 
 
+GEMMA_BASE = dict(LLAMA_BASE, num_hidden_layers=4, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24)
+GEMMA_VARIANTS = {
+    # windows shorter than the tests' prompts, so that the sliding layers' masks matter
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window=4,
+                   sliding_window_pattern=2, rope_theta=1000000.0, rope_local_base_freq=10000.0),
+    # (mlx_lm's Gemma 2 ignores the window: at 64 it does not apply to the tests' prompts)
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], sliding_window=64,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+}
+
+
+def gemma_tensors(cfg, rng):
+    """A Gemma 2 / 3 checkpoint's tensors: norms stored as weight - 1, as Gemma's are."""
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    h, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+    def w(*shape, s=0.08):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(v, d, s=0.5), "model.norm.weight": w(d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            t[p + norm + ".weight"] = w(d)
+        t[p + "self_attn.q_proj.weight"] = w(h * hd, d)
+        t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
+        t[p + "self_attn.o_proj.weight"] = w(d, h * hd)
+        if cfg["model_type"] == "gemma3_text":
+            t[p + "self_attn.q_norm.weight"] = w(hd)
+            t[p + "self_attn.k_norm.weight"] = w(hd)
+        t[p + "mlp.gate_proj.weight"] = w(f, d)
+        t[p + "mlp.up_proj.weight"] = w(f, d)
+        t[p + "mlp.down_proj.weight"] = w(d, f)
+    return t
+
+
+def make_gemma_folder(folder, variant="gemma3", seed=0, dtype="float32", **overrides):
+    """A Hugging Face-style Gemma 2 / Gemma 3 text folder: config.json, model.safetensors, tokenizer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder)
+    cfg = {**GEMMA_BASE, **GEMMA_VARIANTS[variant], "vocab_size": vocab, **overrides}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tensors = gemma_tensors(cfg, np.random.default_rng(seed))
+    write_safetensors(folder / "model.safetensors", tensors, dtype)
+    return folder, cfg, tensors
+
+
 def thresholded_ffn(tensors, layer, x, t_in, t_out, wina=False):
     """A SwiGLU layer's FFN of one token vector x in NumPy, both sides thresholded as the
     `calibrated` sources do: the input dims with |x| >= t_in, then the neurons with |h~| >= t_out

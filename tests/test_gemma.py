@@ -80,3 +80,102 @@ def test_sliding_layers_keep_their_window(tmp_path, variant):
         first = np.array(model(mx.array([TOKENS[:5]]), cache=cache)[0])
         steps = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in TOKENS[5:]]
         assert np.abs(np.concatenate([first, np.stack(steps)]) - want).max() < 1e-4
+
+
+# --- the same weights through a GGUF, written as llama.cpp's convert_hf_to_gguf.py writes Gemma
+
+SPM_NORMAL = ["▁", "t", "h", "e", "▁t", "he", "▁the"]  # (scores: the earlier, the higher)
+SPM_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def spm_vocab(size):
+    """A SentencePiece vocabulary as Gemma's GGUFs list one: control tokens, 256 byte tokens,
+    scored pieces; `size` tokens in all (the embedding's rows)."""
+    tokens = SPM_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + SPM_NORMAL
+    assert len(tokens) <= size
+    tokens += [f"▁w{i}" for i in range(size - len(tokens))]
+    types = [3] * 4 + [6] * 256 + [1] * (size - 260)
+    scores = [-1000.0] * 4 + [0.0] * 256 + [-float(i) for i in range(size - 260)]
+    return tokens, types, scores
+
+
+def write_gemma_gguf(path, cfg, tensors):
+    import gguf
+
+    arch = {"gemma3_text": "gemma3", "gemma2": "gemma2"}[cfg["model_type"]]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
+    tokens, types, scores = spm_vocab(cfg["vocab_size"])
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for hf, x in tensors.items():
+        if hf == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif hf == "model.norm.weight":
+            name = "output_norm.weight"
+        else:
+            _, _, layer, rest = hf.split(".", 3)
+            name = f"blk.{layer}.{names[rest.rsplit('.', 1)[0]]}.weight"
+        if hf.endswith("norm.weight"):
+            x = x + 1  # (convert_hf_to_gguf.py: llama.cpp's RMS norm multiplies by w, Gemma's by 1 + w)
+        w.add_tensor(name, x.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "gemma2"])
+def test_gemma_gguf_converts_to_the_same_logits(tmp_path, variant):
+    # (what llama.cpp's Gemma takes from its own code, not the file: every sixth layer of a
+    # Gemma 3 a global one; attention scaled by head_dim^-1/2 but in the 27B models)
+    src, cfg, tensors = make_gemma_folder(tmp_path / "hf", variant, max_position_embeddings=256,
+                                          num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=32,
+                                          vocab_size=272)
+    write_gemma_gguf(tmp_path / "m.gguf", cfg, tensors)
+    ours, tok = mlx_flash.load(convert(tmp_path / "m.gguf", tmp_path / "from-gguf", dtype="float32", progress=False))
+    ref, _ = mlx_flash.load(convert(src, tmp_path / "from-hf", dtype="float32", progress=False))
+    assert ours.args.layer_types == ref.args.layer_types and ours.args.embed_scale == ref.args.embed_scale
+    x = mx.array([TOKENS])
+    assert mx.abs(ours(x) - ref(x)).max().item() < 1e-4
+
+
+def test_sentencepiece_gguf_tokenizer(tmp_path):
+    """The highest-scored join first, spaces as "▁", bytes for what no piece holds, a BOS first,
+    no space prefix (Gemma's add_space_prefix = false); decoding gives the text back."""
+    src, cfg, tensors = make_gemma_folder(tmp_path / "hf", "gemma3", max_position_embeddings=256, vocab_size=272)
+    write_gemma_gguf(tmp_path / "m.gguf", cfg, tensors)
+    _, tok = mlx_flash.load(convert(tmp_path / "m.gguf", tmp_path / "flash", dtype="float32", progress=False))
+    tokens, _, _ = spm_vocab(cfg["vocab_size"])
+    ids = tok.encode("the the\n")
+    assert [tokens[i] for i in ids] == ["<bos>", "t", "he", "▁the", "<0x0A>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "the the\n"
+    assert tok.decode(tok.encode("Ünï 日本 🎉 <eos>"), skip_special_tokens=False) == "<bos>Ünï 日本 🎉 <eos>"

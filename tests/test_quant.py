@@ -279,19 +279,58 @@ def test_gguf_with_mixed_block_types_is_widened_exactly(tmp_path):
 
 
 def test_gguf_types_with_no_exact_form_are_requantized_and_say_so(tmp_path, monkeypatch, capfd):
+    """Q6_K (super-blocks of 256 values: a 256-wide model) has no affine group-32 form."""
     import test_gguf
     from gguf import GGMLQuantizationType as T
+    from gguf import quants as gguf_quants
 
-    layers = [(b, h, s, T.Q5_0 if b.startswith("ffn_") and b != "ffn_norm" else t)
-              for b, h, s, t in test_gguf.LAYER_TENSORS]
+    for name, value in (("HIDDEN", 256), ("FFN", 256), ("HEAD_DIM", 64)):
+        monkeypatch.setattr(test_gguf, name, value)
+    d, f, hd = 256, 256, 64
+    shapes = {"attn_q": (4 * hd, d), "attn_k": (2 * hd, d), "attn_v": (2 * hd, d), "attn_output": (d, 4 * hd),
+              "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f)}
+    layers = [(b, h, shapes.get(b, (d,)), T.Q6_K if b.startswith("ffn_") and b != "ffn_norm" else t)
+              for b, h, _, t in test_gguf.LAYER_TENSORS]
     monkeypatch.setattr(test_gguf, "LAYER_TENSORS", layers)
-    path = tmp_path / "q5.gguf"
+    real = gguf_quants.quantize
+
+    def quantize(x, qtype):  # (gguf-py cannot write Q6_K: random blocks, their scale d finite)
+        if qtype != T.Q6_K:
+            return real(x, qtype)
+        raw = np.random.default_rng(0).integers(0, 256, (x.shape[0], x.shape[1] // 256, 210), dtype=np.uint8)
+        raw[..., 208:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        return raw.reshape(x.shape[0], -1)
+
+    monkeypatch.setattr(gguf_quants, "quantize", quantize)
+    path = tmp_path / "q6.gguf"
     test_gguf.write_gguf(path)
     out = convert(path, tmp_path / "flash", progress=False)
     err = capfd.readouterr().err
-    assert "GGUF Q5_0 tensors have no exact MLX form: dequantized and re-quantized to 8-bit" in err, err
+    assert "GGUF Q6_K tensors have no exact MLX form: dequantized and re-quantized to 8-bit" in err, err
     q = read_manifest(out).layout.quant
     assert (q.bits, q.group_size) == (8, 32)  # at least the source's width, one with fast kernels
+
+
+def test_gguf_q5_blocks_are_kept_exactly_at_8_bits(tmp_path, monkeypatch, capfd):
+    """Q5_0 gate, Q5_1 up (Gemma 3's GGUFs store their FFN so): the file's values, held at 8 bits."""
+    import test_gguf
+    from gguf import GGMLQuantizationType as T
+
+    from mlx_flash.convert.gguf import GGUFSource
+
+    kinds = {"ffn_gate": T.Q5_0, "ffn_up": T.Q5_1, "ffn_down": T.Q8_0}
+    layers = [(b, h, s, kinds.get(b, t)) for b, h, s, t in test_gguf.LAYER_TENSORS]
+    monkeypatch.setattr(test_gguf, "LAYER_TENSORS", layers)
+    path = tmp_path / "q5.gguf"
+    test_gguf.write_gguf(path)
+    src = GGUFSource(path)
+    for name in ("mlp.gate_proj", "mlp.up_proj"):
+        w = src.read_quantized(f"model.layers.1.{name}.weight")
+        assert w.spec.bits == 8
+        assert np.array_equal(w.dequantized(), src.read(f"model.layers.1.{name}.weight"))
+    out = convert(path, tmp_path / "flash", progress=False)
+    assert "no exact MLX form" not in capfd.readouterr().err
+    assert read_manifest(out).layout.quant.bits == 8
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])

@@ -8,11 +8,11 @@ bytes of the tensor asked for. Three things differ from a Hugging Face folder
 and are undone here:
 
 - names: llama.cpp's `blk.N.attn_q.weight` becomes `model.layers.N.self_attn.q_proj.weight`;
-- values: Q4_0, Q4_1 and Q8_0 blocks are MLX affine groups of 32 values
-  (`read_quantized`: the same numbers, repacked, bit-exact); so are Q4_K and Q5_K
-  sub-blocks (kquants.py: the values as they are, each group's scale and bias
-  rounded once to float16; Q5_K's values held at 8 bits); other quantized types
-  (Q6_K, Q2_K, Q3_K, Q5_x) have no such form and are dequantized (gguf.quants)
+- values: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks are MLX affine groups of 32 values
+  (`read_quantized`: the same numbers, repacked, bit-exact; Q5_x's held at 8 bits); so
+  are Q4_K and Q5_K sub-blocks (kquants.py: the values as they are, each group's scale
+  and bias rounded once to float16; Q5_K's values held at 8 bits); other quantized types
+  (Q6_K, Q2_K, Q3_K) have no such form and are dequantized (gguf.quants)
   for the converter to re-quantize; for the llama architecture
   the rows of q/k are un-permuted (convert_hf_to_gguf.py permutes them for
   its rotary kernel);
@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import FlashError
 from . import kquants
+from .gguf_tokenizer import PRE_TOKENIZERS, byte_level_bpe, sentencepiece_bpe
 
 # HF config fields per architecture. Qwen2/3 GGUFs are not permuted; llama's are.
 ARCHS = {
@@ -36,7 +37,14 @@ ARCHS = {
     # mixtures of experts: a layer's experts of each kind merged in one [E, out, in] tensor
     # (llama.cpp's *_exps), read as mlx-lm's stacked switch_mlp weights
     "qwen3moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "permuted": False},
+    # Gemma: llama.cpp stores each RMS norm's weight + 1 (its norm multiplies by w, Gemma's by 1 + w)
+    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "permuted": False},
+    "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "permuted": False},
 }
+GEMMA = ("gemma2", "gemma3")
+# the layers of the 27B models, whose attention scales by (hidden / heads)^-1/2, not head_dim^-1/2
+# (llama.cpp's rule: the GGUF does not say)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # llama.cpp tensor names -> HF names. "{i}" is the layer index.
 GLOBAL_NAMES = {
@@ -60,7 +68,11 @@ LAYER_NAMES = {
     "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma's block has four norms: llama.cpp's ffn_norm is the one before the FFN
+ARCH_LAYER_NAMES = {arch: {"ffn_norm": "pre_feedforward_layernorm"} for arch in GEMMA}
 LAYER_ORDER = {k: i for i, k in enumerate(LAYER_NAMES)}
 
 # Tensor types gguf.quants can dequantize and that we accept. The issue asks
@@ -70,58 +82,14 @@ SUPPORTED_TYPES = (
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
 
-# llama.cpp's `tokenizer.ggml.pre` -> how text is split before BPE, with the
-# regexes of llama.cpp's llama-vocab.cpp / the models' own tokenizer.json.
-SPLITS = {
-    "llama3": (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ),
-    "qwen2": (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ),
-    "tekken": (
-        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ),
-}
-# name -> (split, ignore_merges, add_bos when the file does not say). "gpt2" is
-# GPT-2's own regex (ByteLevel's); "digits" is that with every digit on its own.
-# llama.cpp tries a whole word against the vocabulary before merging
-# (ignore_merges) and adds BOS by default for the Llama 3 and Tekken families.
-PRE_TOKENIZERS = {
-    **dict.fromkeys(["default", "gpt2", "gpt-2", "mpt", "olmo", "jais"], ("gpt2", False, False)),
-    **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
-        ("digits", False, False),
-    ),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"], ("llama3", True, True)),
-    **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False, False)),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"], ("qwen2", False, False)),
-    "tekken": ("tekken", True, True),
-}
-
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # gguf.TokenType
 
 # GGUF block types that are MLX affine groups (group size 32, float16 d): per 32-value
 # block, bytes of the header (d, and m for Q4_1) and of the values, the bits, and the
 # offset that makes llama.cpp's values unsigned (x = d * (q - offset) = d * q + (-offset d)).
-EXACT_BLOCKS = {"Q4_0": (2, 16, 4, 8), "Q4_1": (4, 16, 4, None), "Q8_0": (2, 32, 8, -128)}
-
-
-def bytes_to_unicode():
-    """GPT-2's byte -> printable character table, the alphabet of byte-level BPE vocabularies."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+# Q5_0 / Q5_1 (values' fifth bits in a 32-bit word before the nibbles) are held at 8 bits: the
+# same values in a wider field, the width with fast kernels.
+EXACT_BLOCKS = {"Q4_0": (2, 16, 4, 8), "Q4_1": (4, 16, 4, None), "Q8_0": (2, 32, 8, -128),
+                "Q5_0": (2, 20, 8, 16), "Q5_1": (4, 20, 8, None)}
 
 
 def _short_float(x):
@@ -135,13 +103,14 @@ def unpermute(w, n_head):
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def hf_name(gguf_name):
+def hf_name(gguf_name, arch=None):
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     parts = gguf_name.split(".")
     if parts[-1] not in ("weight", "bias"):
         return None
     if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+        name = ARCH_LAYER_NAMES.get(arch, {}).get(parts[2], LAYER_NAMES[parts[2]])
+        return f"model.layers.{int(parts[1])}.{name}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -218,7 +187,7 @@ class GGUFSource:
             if t.name == "rope_freqs.weight":
                 rope_freqs = t
                 continue
-            name = hf_name(t.name)
+            name = hf_name(t.name, arch)
             if name is None:
                 raise FlashError(f"{self.path.name}: unexpected tensor '{t.name}' for a {arch} GGUF")
             if t.tensor_type.name not in SUPPORTED_TYPES:
@@ -287,6 +256,8 @@ class GGUFSource:
             config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
         if head_dim != default_head_dim or self.arch in ("qwen3", "qwen3moe"):
             config["head_dim"] = head_dim  # mlx-lm's qwen3 requires it
+        if self.arch in GEMMA:
+            config.update(self._gemma_config(hidden, n_head, n_layers, head_dim))
         if self.arch == "llama":
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
             config["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self._tensors
@@ -314,6 +285,29 @@ class GGUFSource:
             config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
         return config
 
+    def _gemma_config(self, hidden, n_head, n_layers, head_dim):
+        """Gemma 2 / 3 fields llama.cpp keeps in its own code rather than in the file."""
+        config = {
+            "head_dim": head_dim,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": hidden // n_head if n_layers == GEMMA_27B_LAYERS[self.arch] else head_dim,
+        }
+        window = self._arch_get("attention.sliding_window")
+        if window:
+            config["sliding_window"] = window
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if self._arch_get(key) is not None:  # (absent: the family's defaults, llama.cpp's too)
+                config[key] = _short_float(self._arch_get(key))
+        if self.arch == "gemma3":
+            config["rope_local_base_freq"] = 10000.0
+            pattern = self._arch_get("attention.sliding_window_pattern")
+            if isinstance(pattern, list):  # (newer files: whether each layer is a sliding one)
+                config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+            else:
+                config["sliding_window_pattern"] = 6
+        return config
+
     def _eos_ids(self):
         """End-of-generation ids: eos, plus end-of-turn/-message where they differ (Llama 3 instruct)."""
         ids = []
@@ -328,12 +322,11 @@ class GGUFSource:
         model = self._get("tokenizer.ggml.model")
         if model is None:
             raise FlashError(f"{self.path.name}: GGUF has no tokenizer metadata (tokenizer.ggml.model)")
-        if model != "gpt2":
-            raise FlashError(
-                f"{self.path.name}: GGUF tokenizer '{model}' is not supported (only byte-level BPE, 'gpt2')"
-            )
+        if model not in ("gpt2", "llama"):
+            raise FlashError(f"{self.path.name}: GGUF tokenizer '{model}' is not supported (byte-level BPE, "
+                             "'gpt2', and SentencePiece BPE, 'llama')")
         pre = self._get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
+        if model == "gpt2" and pre not in PRE_TOKENIZERS:
             raise FlashError(
                 f"{self.path.name}: GGUF pre-tokenizer '{pre}' is not supported "
                 f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
@@ -362,6 +355,8 @@ class GGUFSource:
         # F32 comes back as a view of the mmap: copy so the caller owns its array.
         w = np.array(w, dtype=np.float32, copy=t.tensor_type.name == "F32")
         w = w.reshape(self.shape(name))
+        if self.arch in GEMMA and name.endswith("norm.weight"):
+            w = w - np.float32(1)  # (exact for w >= 0.5: a Gemma norm is read back as the file's w)
         return np.ascontiguousarray(self._unpermute(name, w))
 
     def quant(self, name):
@@ -381,7 +376,8 @@ class GGUFSource:
         return None if kind in EXACT_BLOCKS or kind in kquants.BITS or kind in ("F32", "F16", "BF16") else kind
 
     def read_quantized(self, name):
-        """A Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K tensor -> QuantTensor with the file's values, repacked."""
+        """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K tensor -> QuantTensor with the file's
+        values, repacked."""
         from ..layout.quant import pack, to_words
 
         t = self._tensors[name]
@@ -393,7 +389,11 @@ class GGUFSource:
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, n // 32, head + body)
         d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
         qs = blocks[..., head:]
-        if bits == 4:  # byte j holds value j (low nibble) and value j + 16 (high nibble)
+        if body == 20:  # Q5_x: bit j of the little-endian word qh is value j's fifth bit
+            qh = np.ascontiguousarray(qs[..., :4]).view("<u4")[..., 0]
+            high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+            q = np.concatenate([qs[..., 4:] & 0x0F, qs[..., 4:] >> 4], axis=-1) | (high << 4)
+        elif bits == 4:  # byte j holds value j (low nibble) and value j + 16 (high nibble)
             q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
         else:  # int8 -> unsigned
             q = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
@@ -435,72 +435,26 @@ class GGUFSource:
 
     # --- tokenizer ---
 
-    def _build_tokenizer(self, tokens):
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-        types = self._get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = self._get("tokenizer.ggml.merges") or []
-        split, ignore_merges, _ = self._pre_tokenizer()
-
-        # Normal tokens are spelled in the byte-level alphabet (space = "Ġ"). A
-        # few files store some in plain UTF-8: re-spell those so BPE finds them.
-        # Control/user-defined tokens keep their text, since they are matched
-        # whole in the input, as added tokens.
-        byte_chars = bytes_to_unicode()
-        alphabet = set(byte_chars.values())
-        vocab = {}
-        special, user = [], []
-        for i, (tok, kind) in enumerate(zip(tokens, types)):
-            if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
-                (special if kind == TOKEN_CONTROL else user).append(tok)
-            elif not set(tok) <= alphabet:
-                tok = "".join(byte_chars[b] for b in tok.encode("utf-8"))
-            vocab.setdefault(tok, i)
-
-        model = models.BPE(
-            vocab=vocab,
-            merges=[tuple(m.split(" ", 1)) for m in merges],
-            ignore_merges=ignore_merges,
-        )
-        tk = Tokenizer(model)
-        if split == "gpt2":
-            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        elif split == "digits":
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        else:
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        tk.decoder = decoders.ByteLevel()
-
-        post = [processors.ByteLevel(trim_offsets=False)]
-        bos_id = self._get("tokenizer.ggml.bos_token_id")
-        if self._add_bos() and bos_id is not None:
-            bos = tokens[bos_id]
-            post.append(
-                processors.TemplateProcessing(
-                    single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
-                )
-            )
-        tk.post_processor = post[0] if len(post) == 1 else processors.Sequence(post)
-
-        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-        return tk
-
-    def _pre_tokenizer(self):
-        return PRE_TOKENIZERS[self._get("tokenizer.ggml.pre", "default")]
+    def _sentencepiece(self):
+        return self._get("tokenizer.ggml.model") == "llama"
 
     def _add_bos(self):
-        return bool(self._get("tokenizer.ggml.add_bos_token", self._pre_tokenizer()[2]))
+        """tokenizer.ggml.add_bos_token, else llama.cpp's default: SentencePiece vocabularies and
+        the Llama 3 / Tekken pre-tokenizers add one."""
+        default = self._sentencepiece() or PRE_TOKENIZERS[self._get("tokenizer.ggml.pre", "default")][2]
+        return bool(self._get("tokenizer.ggml.add_bos_token", default))
+
+    def _build_tokenizer(self, tokens):
+        types = self._get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        bos = self._get("tokenizer.ggml.bos_token_id") if self._add_bos() else None
+        if self._sentencepiece():
+            scores = self._get("tokenizer.ggml.scores")
+            if scores is None or len(scores) != len(tokens):
+                raise FlashError(f"{self.path.name}: a SentencePiece GGUF vocabulary without a score per token")
+            return sentencepiece_bpe(tokens, types, scores, bos,
+                                     bool(self._get("tokenizer.ggml.add_space_prefix", True)))
+        return byte_level_bpe(tokens, types, self._get("tokenizer.ggml.merges") or [],
+                              self._get("tokenizer.ggml.pre", "default"), bos)
 
     def write_tokenizer(self, out_dir):
         out_dir = Path(out_dir)

@@ -35,7 +35,7 @@ EXPERT_BITS = (2, 4, 8)  # the widths an expert may have (widened exactly to the
 # GGUF types with no exact MLX form -> the bits they are re-quantized to by default: the
 # widths with fast kernels (4 and 8), at least the type's own (Q6_K at 8 bits changes a
 # value by at most half an 8-bit step of its group's range)
-LOSSY_BITS = {"Q2_K": 4, "Q3_K": 4, "Q5_0": 8, "Q5_1": 8, "Q6_K": 8}
+LOSSY_BITS = {"Q2_K": 4, "Q3_K": 4, "Q6_K": 8}
 
 
 @dataclass(frozen=True)

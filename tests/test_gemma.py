@@ -179,3 +179,29 @@ def test_sentencepiece_gguf_tokenizer(tmp_path):
     assert [tokens[i] for i in ids] == ["<bos>", "t", "he", "▁the", "<0x0A>"]
     assert tok.decode(ids, skip_special_tokens=True) == "the the\n"
     assert tok.decode(tok.encode("Ünï 日本 🎉 <eos>"), skip_special_tokens=False) == "<bos>Ünï 日本 🎉 <eos>"
+
+
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3"])
+def test_decode_steps_on_the_host_equal_mlx(tmp_path, variant, monkeypatch):
+    """A position at a time through models/host.py (soft-caps, (1 + w) norms, the two rotary
+    bases, windows over full caches) against the MLX path, 8-bit weights through the kernels."""
+    from mlx_flash.convert.quantize import QuantOptions
+    from mlx_flash.models import gemma, host
+    from mlx_flash.runtime.memory import kv_caches
+
+    src, _, _ = make_gemma_folder(tmp_path / "hf", variant, sliding_window=3, sliding_window_pattern=2)
+    out = convert(src, tmp_path / "q8", dtype="float32", progress=False,
+                  quant=QuantOptions(quantize=True, bits=8, group_size=32))
+    model, _ = mlx_flash.load(out, mode="naive")
+    calls = []
+    real = gemma.GemmaModel._host_step
+    monkeypatch.setattr(gemma.GemmaModel, "_host_step", lambda self, h, c: calls.append(1) or real(self, h, c))
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(host, "HOST_STEP", on)
+        for name, cache in (("own", model.make_cache()), ("plan", kv_caches(len(model.layers), context=32))):
+            model(mx.array([TOKENS[:3]]), cache=cache)
+            runs[on, name] = np.stack([np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in TOKENS[3:]])
+    assert len(calls) == 2 * len(TOKENS[3:])  # (the host path taken when allowed, not otherwise)
+    for name in ("own", "plan"):
+        assert np.abs(runs[True, name] - runs[False, name]).max() < 1e-4

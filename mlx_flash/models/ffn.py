@@ -7,6 +7,7 @@ rows are neurons too). Neuron order does not change the result, so a store
 may hand out any subset in any order; the dense store hands out all of them.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,7 +86,12 @@ def host_silu(g):
 # the activations one token's FFN computes on the host, between the native kernels' products:
 # in MLX, they cost an evaluation each (h = act(gate) * up before down: ~120 us on this VM,
 # 3.6 ms of SmolLM2's ~50 ms token), in NumPy ~5 us
-HOST_ACTIVATIONS = {nn.silu: host_silu, nn.relu: lambda g: np.maximum(g, 0)}
+def host_gelu_approx(g):
+    """nn.gelu_approx (tanh-approximated GELU: Gemma's) of a float32 NumPy vector, its formula."""
+    return np.float32(0.5) * g * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (g + np.float32(0.044715) * g**3)))
+
+
+HOST_ACTIVATIONS = {nn.silu: host_silu, nn.relu: lambda g: np.maximum(g, 0), nn.gelu_approx: host_gelu_approx}
 
 
 def activation(name, threshold=None):

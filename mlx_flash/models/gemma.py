@@ -24,11 +24,14 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import FlashError
+from ..kernels import host_f32
+from . import host
 from .attention import attend
 from .ffn import FlashFFN, activation
 
@@ -150,6 +153,23 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+    def host_step(self, x, cache, rotation):
+        """__call__ for one position on the host (models/host.py): x [dim] float32 -> [dim]."""
+        q, k, v = (host.product(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = q.reshape(self.n_heads, -1), k.reshape(self.n_kv_heads, -1)
+        if "q_norm" in self:
+            q, k = host.rms_norm(q, self.q_norm, shift=1), host.rms_norm(k, self.k_norm, shift=1)
+        q, k = rotation(q), rotation(k)
+        keys, values = cache.update_and_fetch(mx.array(k.reshape(1, self.n_kv_heads, 1, -1)),
+                                             mx.array(v.reshape(1, self.n_kv_heads, 1, -1)))
+        mx.eval(keys, values)
+        keys, values = np.array(keys, copy=False)[0], np.array(values, copy=False)[0]
+        if self.window is not None:  # (a rotating cache holds no more; a plan's full cache does)
+            keys, values = keys[:, -self.window:], values[:, -self.window:]
+        out = host.attention(q, keys, values, self.scale, self.softcap)
+        return host.product(self.o_proj, out)
+
+
 def _softcapped(q, k, v, scale, cap, mask):
     """Gemma 2's attention: softmax(tanh(q k^T * scale / cap) * cap + mask) v, as mlx_lm's."""
     B, H, L, D = q.shape
@@ -180,6 +200,15 @@ class TransformerBlock(nn.Module):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
+    def host_step(self, x, cache, rotation):
+        """__call__ for one position on the host: x [dim] float32 -> [dim]."""
+        def norm(v, module):
+            return host.rms_norm(v, module, shift=1)
+
+        r = self.self_attn.host_step(norm(x, self.input_layernorm), cache, rotation)
+        h = x + norm(r, self.post_attention_layernorm)
+        return h + norm(self.mlp.host_step(norm(h, self.pre_feedforward_layernorm)), self.post_feedforward_layernorm)
+
 
 class GemmaModel(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -192,6 +221,8 @@ class GemmaModel(nn.Module):
     def __call__(self, inputs, cache=None, input_embeddings=None):
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
         h = h * mx.array(self.args.embed_scale, h.dtype)
+        if h.dtype == mx.float32 and host.eligible(self, inputs, cache, input_embeddings, one_rope=False):
+            return self._host_step(h, cache)
         if cache is None:
             cache = [None] * len(self.layers)
         masks = {}
@@ -201,6 +232,20 @@ class GemmaModel(nn.Module):
                 masks[window] = create_attention_mask(h, c, window_size=window)
             h = layer(h, masks[window], c)
         return self.norm(h)
+
+    def _host_step(self, h, cache):
+        """One position of one sequence on the host (models/host.py): the loop above's values
+        without MLX's per-operation cost between the native products. Sliding and global layers
+        rotate by their own bases: one Rotation of each a token."""
+        x = host_f32(h)
+        rotations = {}
+        for layer, c in zip(self.layers, cache):
+            attn = layer.self_attn
+            key = (attn.sliding, c.offset)
+            if key not in rotations:
+                rotations[key] = host.Rotation(attn.rope, attn.head_dim, c.offset)
+            x = layer.host_step(x, c, rotations[key])
+        return mx.array(host.rms_norm(x, self.norm, shift=1)).reshape(1, 1, -1)
 
 
 class Model(nn.Module):

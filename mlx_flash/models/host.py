@@ -25,8 +25,9 @@ HOST_STEP = True
 HOST_CACHES = ("KVCache", "RotatingKVCache")  # caches whose update_and_fetch returns arrays of every key
 
 
-def eligible(model, inputs, cache, input_embeddings=None):
-    """Whether `model` (a LlamaModel) may take this call on the host."""
+def eligible(model, inputs, cache, input_embeddings=None, one_rope=True):
+    """Whether `model` (a LlamaModel, or another whose layers have a host_step) may take this call
+    on the host. one_rope: every layer's attention has the same rotary settings (rope_of)."""
     if not HOST_STEP or mx.default_device() != mx.cpu or cache is None or cache[0] is None:
         return False
     shape = input_embeddings.shape[:2] if input_embeddings is not None else inputs.shape
@@ -36,7 +37,8 @@ def eligible(model, inputs, cache, input_embeddings=None):
         return False
     if any(not hasattr(layer, "host_step") for layer in model.layers):
         return False
-    return rope_of(model) is not None
+    return rope_of(model) is not None if one_rope else all(
+        _rope_dims(layer.self_attn.rope) is not None for layer in model.layers)
 
 
 def rope_of(model):
@@ -99,9 +101,11 @@ class Rotation:
         return x * self.a + x[:, self.partner] * self.b
 
 
-def rms_norm(x, norm):
-    """An nn.RMSNorm's value of a float32 vector (or rows)."""
+def rms_norm(x, norm, shift=0):
+    """An nn.RMSNorm's value of a float32 vector (or rows); shift=1: Gemma's, which scales by 1 + w."""
     w = np.array(norm.weight, copy=False)
+    if shift:
+        w = w + np.float32(shift)
     return x * (1 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + norm.eps)) * w
 
 
@@ -133,12 +137,15 @@ def _matrix(module):
     return None
 
 
-def attention(q, keys, values, scale):
+def attention(q, keys, values, scale, softcap=None):
     """softmax(q k^T * scale) v for one position: q [heads, D]; keys, values [kv heads, T, D]
-    (NumPy views of the cache) -> [heads * D]."""
+    (NumPy views of the cache) -> [heads * D]. softcap c: the scores s as tanh(s / c) * c first
+    (Gemma 2)."""
     hkv, d = keys.shape[0], q.shape[-1]
     qg = (q * scale).reshape(hkv, -1, d)
     s = np.matmul(qg, keys.transpose(0, 2, 1))
+    if softcap is not None:
+        s = np.tanh(s / np.float32(softcap)) * np.float32(softcap)
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)

@@ -205,3 +205,14 @@ def test_decode_steps_on_the_host_equal_mlx(tmp_path, variant, monkeypatch):
     assert len(calls) == 2 * len(TOKENS[3:])  # (the host path taken when allowed, not otherwise)
     for name in ("own", "plan"):
         assert np.abs(runs[True, name] - runs[False, name]).max() < 1e-4
+
+
+def test_calibration_says_it_takes_llama_blocks_only(gemma):
+    """Gemma's block has the names a Llama block has, not its sums: refused, not miscalibrated."""
+    from mlx_flash.errors import FlashError
+    from mlx_flash.sparsity.allocation import calibrate_thresholds
+
+    variant, src, d = gemma
+    out = convert(src, d / "flash-cal", dtype="float32", progress=False)
+    with pytest.raises(FlashError, match="Llama-family blocks"):
+        calibrate_thresholds(out, data="wikitext", tokens=64, seq_len=32, progress=False, log=lambda *a: None)

@@ -87,8 +87,19 @@ def host_silu(g):
 # in MLX, they cost an evaluation each (h = act(gate) * up before down: ~120 us on this VM,
 # 3.6 ms of SmolLM2's ~50 ms token), in NumPy ~5 us
 def host_gelu_approx(g):
-    """nn.gelu_approx (tanh-approximated GELU: Gemma's) of a float32 NumPy vector, its formula."""
-    return np.float32(0.5) * g * (1 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (g + np.float32(0.044715) * g**3)))
+    """nn.gelu_approx (tanh-approximated GELU: Gemma's) of a float32 NumPy vector, its formula
+    0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) in place on one temporary (~8 us for 2,048
+    values; g**3 alone costs ~150)."""
+    t = g * g
+    t *= np.float32(0.044715)
+    t += 1
+    t *= g
+    t *= np.float32(math.sqrt(2 / math.pi))
+    np.tanh(t, out=t)
+    t += 1
+    t *= g
+    t *= np.float32(0.5)
+    return t
 
 
 HOST_ACTIVATIONS = {nn.silu: host_silu, nn.relu: lambda g: np.maximum(g, 0), nn.gelu_approx: host_gelu_approx}

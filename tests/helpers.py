@@ -63,6 +63,13 @@ VARIANTS = {
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"]),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint (make_llama_folder fuses them), half the
+    # head rotated (Phi-4-mini's partial_rotary_factor is 0.75)
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.5, pad_token_id=0),
+    # Granite: the embeddings, each block's branches, the attention scores and the logits scaled
+    "granite": dict(model_type="granite", architectures=["GraniteForCausalLM"], embedding_multiplier=6.0,
+                    attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0,
+                    attention_bias=False, mlp_bias=False),
 }
 
 
@@ -126,8 +133,22 @@ def make_llama_folder(folder, variant="llama", seed=0, dtype="float32", **overri
     cfg = dict(LLAMA_BASE, **VARIANTS[variant], vocab_size=vocab, **overrides)
     (folder / "config.json").write_text(json.dumps(cfg))
     tensors = llama_tensors(cfg, np.random.default_rng(seed))
+    if cfg["model_type"] == "phi3":
+        tensors = fuse_phi3(tensors, cfg["num_hidden_layers"])
     write_safetensors(folder / "model.safetensors", tensors, dtype)
     return folder, cfg, tensors
+
+
+def fuse_phi3(tensors, n_layers):
+    """Phi-3's checkpoint names: self_attn.qkv_proj = [q; k; v], mlp.gate_up_proj = [gate; up]."""
+    t = dict(tensors)
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        parts = [t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+        t[p + "self_attn.qkv_proj.weight"] = np.concatenate(parts)
+        parts = [t.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+        t[p + "mlp.gate_up_proj.weight"] = np.concatenate(parts)
+    return t
 
 
 OPT_BASE = dict(

@@ -40,6 +40,11 @@ def decode(model, prompt, steps, host_step, cache=None):
     ("mistral", {"num_key_value_heads": 2}),  # grouped queries
     ("llama", {"rope_traditional": True}),
     ("llama", {"rope_scaling": LLAMA3_SCALING}),
+    ("phi3", {}),  # half of each head rotated
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(4)],
+                               "long_factor": [2.0 + i / 4 for i in range(4)]},
+              "original_max_position_embeddings": 4, "max_position_embeddings": 64}),  # LongRoPE, past its length
+    ("granite", {}),  # the multipliers
 ])
 def test_host_step_matches_the_mlx_path(tiny_llama, variant, overrides):
     m = tiny_llama(f"host-{variant}", "float32", variant=variant, **overrides)

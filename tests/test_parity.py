@@ -22,7 +22,7 @@ def greedy(model, prompt, n=12):
     return out
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "granite"])
 def test_llama_family_matches_mlx_lm(tmp_path, variant):
     src, cfg, _ = make_llama_folder(tmp_path / "hf", variant)
     out = convert(src, tmp_path / "flash", dtype="float32", progress=False)
@@ -32,6 +32,16 @@ def test_llama_family_matches_mlx_lm(tmp_path, variant):
     diff = mx.abs(model(x) - ref(x)).max().item()
     assert diff < 1e-4, f"{variant}: max |logit diff| {diff}"
     assert greedy(model, TOKENS) == greedy(ref, TOKENS)
+
+
+@pytest.mark.parametrize("variant", ["phi3", "granite"])
+def test_phi3_and_granite_match_transformers(tmp_path, variant):
+    """Phi-3's fused checkpoint split at conversion, Granite's multipliers: transformers' own models."""
+    src, cfg, _ = make_llama_folder(tmp_path / "hf", variant)
+    model, _ = mlx_flash.load(convert(src, tmp_path / "flash", dtype="float32", progress=False))
+    want = reference_logits(src, TOKENS)
+    got = np.array(model(mx.array([TOKENS]))[0])
+    assert np.abs(got - want).max() < 1e-4
 
 
 def test_float16_flash_is_exact_float16_weights(tmp_path):

@@ -26,6 +26,7 @@ from ..models import model_args
 from .quantize import QuantOptions, column_parts, ffn_spec, read_weight, report, row_parts, target
 from .writer import (_nbytes, _progress, _resident_specs, _write_config, _write_resident, bundle_entry,
                      write_packed)
+from .fused import FusedSource
 from .sources import open_source
 
 NEURON_CHUNK = 1024  # neurons packed per write: bounds the staging buffer
@@ -377,6 +378,9 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
         from .experts import write_moe_folder
 
         return write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal, options, family, args)
+    fused = family.fused_tensors(args) if hasattr(family, "fused_tensors") else {}
+    if fused:  # (Phi-3: q/k/v and gate/up stacked in one tensor each, split here)
+        src = FusedSource(src, fused)
     kinds = family.ffn_kinds(args)
     n_layers = args.num_hidden_layers
     options.check_layers(n_layers)

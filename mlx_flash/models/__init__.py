@@ -14,6 +14,8 @@ FAMILIES = {
     "qwen2": "llama",
     "qwen3": "llama",
     "smollm2": "llama",
+    "phi3": "llama",
+    "granite": "llama",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
     "opt": "opt",

@@ -34,9 +34,9 @@ from ..kernels import host_f32
 from . import host
 from .attention import attend
 from .ffn import FlashFFN, activation
+from .llama import ffn_kinds, ffn_tensors  # noqa: F401  (the converter asks this module for them)
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
-FFN_KINDS = ("gate", "up", "down")
 DEFAULT = "default"  # a soft-capping config.json does not give (null there means none)
 
 
@@ -277,21 +277,8 @@ class Model(nn.Module):
                 for layer in self.layers]
 
 
-# --- how a Hugging Face checkpoint maps onto this model (used by the converter)
-
-
-def ffn_kinds(args: ModelArgs):
-    return FFN_KINDS
-
-
-def ffn_tensors(args: ModelArgs, layer: int):
-    """{kind: (HF tensor name, transposed?)}: rows of each kind are neurons."""
-    p = f"model.layers.{layer}.mlp."
-    return {
-        "gate": (p + "gate_proj.weight", False),
-        "up": (p + "up_proj.weight", False),
-        "down": (p + "down_proj.weight", True),
-    }
+# --- how a Hugging Face checkpoint maps onto this model (used by the converter): the FFN's tensors
+# are named as the Llama family's
 
 
 def resident_name(args: ModelArgs, hf_name: str):

@@ -1,4 +1,6 @@
-"""Llama family: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+"""Llama family: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2, Phi-3 / Phi-4
+(q/k/v and gate/up fused in the checkpoint, split at conversion: fused_tensors; partial and
+LongRoPE rotary embeddings), Granite (its embedding, residual, attention and logits multipliers).
 
 Attention follows mlx_lm's llama.py so that, with every FFN row in DRAM, the
 logits match mlx_lm. Unlike mlx_lm, the FFN honours `hidden_act` (silu, relu,
@@ -19,7 +21,7 @@ from . import host
 from .attention import attend
 from .ffn import FlashFFN, activation
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2", "phi3", "granite")
 FFN_KINDS = ("gate", "up", "down")
 
 
@@ -43,6 +45,12 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = True
     hidden_act: str = "silu"
     fatrelu_threshold: Optional[float] = None
+    partial_rotary_factor: float = 1.0  # (Phi-3 / Phi-4: the rotated share of each head)
+    original_max_position_embeddings: Optional[int] = None  # (Phi-3's LongRoPE)
+    embedding_multiplier: float = 1.0  # Granite's four multipliers
+    attention_multiplier: Optional[float] = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -59,7 +67,7 @@ class Attention(nn.Module):
         self.n_heads = n_heads = args.num_attention_heads
         self.n_kv_heads = n_kv_heads = args.num_key_value_heads
         self.head_dim = head_dim = args.head_dim or dim // n_heads
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if args.attention_multiplier is None else args.attention_multiplier
         bias = args.qkv_bias
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -71,13 +79,16 @@ class Attention(nn.Module):
             q_dim, k_dim = (n_heads * head_dim, n_kv_heads * head_dim) if self.qk_norm_full else (head_dim, head_dim)
             self.q_norm = nn.RMSNorm(q_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(k_dim, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(
-            head_dim,
-            args.rope_theta,
-            args.rope_traditional,
-            args.rope_scaling,
-            args.max_position_embeddings,
-        )
+        if args.model_type == "phi3":
+            self.rope = phi3_rope(args, head_dim)
+        else:
+            self.rope = initialize_rope(
+                head_dim,
+                args.rope_theta,
+                args.rope_traditional,
+                args.rope_scaling,
+                args.max_position_embeddings,
+            )
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
@@ -115,9 +126,26 @@ class Attention(nn.Module):
         return host.product(self.o_proj, out)
 
 
+def phi3_rope(args, head_dim):
+    """Phi-3's rotary embedding, as mlx_lm's phi3.py makes it: int(head_dim * partial_rotary_factor)
+    dimensions; LongRoPE ("longrope", "su") with its short and long factors, or a linear scale."""
+    from mlx_lm.models.rope_utils import SuScaledRoPE
+
+    dims = int(head_dim * args.partial_rotary_factor)
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind in ("longrope", "su"):
+        return SuScaledRoPE(dims, base=args.rope_theta, max_position_embeddings=args.max_position_embeddings,
+                            original_max_position_embeddings=args.original_max_position_embeddings or 4096,
+                            short_factor=scaling["short_factor"], long_factor=scaling["long_factor"])
+    scale = 1 / scaling["factor"] if kind == "linear" else 1.0
+    return nn.RoPE(dims, traditional=args.rope_traditional, base=args.rope_theta, scale=scale)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
+        self.residual = args.residual_multiplier  # (Granite's: each branch scaled before it is added)
         self.self_attn = Attention(args)
         act = activation(args.hidden_act, args.fatrelu_threshold)
         self.mlp = FlashFFN(layer, args.hidden_size, args.intermediate_size, act, gated=True)
@@ -125,26 +153,32 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x, mask=None, cache=None):
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self._scaled(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
 
     def host_step(self, x, cache, rotation):
         """__call__ for one position on the host (models/host.py): x [dim] float32 -> [dim]; the FFN
         through its own host step (its store's rows, its native products)."""
-        h = x + self.self_attn.host_step(host.rms_norm(x, self.input_layernorm), cache, rotation)
-        return h + self.mlp.host_step(host.rms_norm(h, self.post_attention_layernorm))
+        h = x + self._scaled(self.self_attn.host_step(host.rms_norm(x, self.input_layernorm), cache, rotation))
+        return h + self._scaled(self.mlp.host_step(host.rms_norm(h, self.post_attention_layernorm)))
+
+    def _scaled(self, r):
+        return r if self.residual == 1 else r * self.residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, block=None):
         super().__init__()
         block = block or TransformerBlock  # (models/moe.py passes its own: the same model around other blocks)
+        self.embedding_multiplier = getattr(args, "embedding_multiplier", 1.0)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [block(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
         h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if self.embedding_multiplier != 1:
+            h = h * self.embedding_multiplier
         if h.dtype == mx.float32 and host.eligible(self, inputs, cache, input_embeddings):
             return self._host_step(h, cache)
         if cache is None:
@@ -179,8 +213,11 @@ class Model(nn.Module):
     def __call__(self, inputs, cache=None, input_embeddings=None):
         out = self.model(inputs, cache, input_embeddings)
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(out)
-        return self.lm_head(out)
+            out = self.model.embed_tokens.as_linear(out)
+        else:
+            out = self.lm_head(out)
+        scaling = getattr(self.args, "logits_scaling", 1.0)
+        return out if scaling == 1 else out / scaling
 
     @property
     def layers(self):
@@ -202,6 +239,23 @@ def ffn_tensors(args: ModelArgs, layer: int):
         "up": (p + "up_proj.weight", False),
         "down": (p + "down_proj.weight", True),
     }
+
+
+def fused_tensors(args: ModelArgs):
+    """{fused tensor's name: [(part's name, first row, end row)]}: Phi-3's checkpoints stack q, k, v
+    in self_attn.qkv_proj and gate, up in mlp.gate_up_proj (convert/fused.py splits them)."""
+    if args.model_type != "phi3":
+        return {}
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    q, kv, f = args.num_attention_heads * hd, args.num_key_value_heads * hd, args.intermediate_size
+    out = {}
+    for i in range(args.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = [(p + "self_attn.q_proj.weight", 0, q),
+                                                (p + "self_attn.k_proj.weight", q, q + kv),
+                                                (p + "self_attn.v_proj.weight", q + kv, q + 2 * kv)]
+        out[p + "mlp.gate_up_proj.weight"] = [(p + "mlp.gate_proj.weight", 0, f), (p + "mlp.up_proj.weight", f, 2 * f)]
+    return out
 
 
 def resident_name(args: ModelArgs, hf_name: str):

@@ -73,7 +73,8 @@ class Resident:
     def block(self, family, args, layer):
         """Layer `layer`'s block at float32: its attention and norms from this file; its FFN's
         rows are not in it (the caller passes them)."""
-        if not family.__name__.endswith(".llama"):  # (a Gemma block has these names, not this block's sums)
+        if not family.__name__.endswith(".llama") or args.model_type == "granite":
+            # (a Gemma block has these names, not this block's sums; Granite's multipliers are not here)
             raise FlashError(f"{self.folder}: layer-by-layer calibration is for Llama-family blocks; "
                              f"{args.model_type} is not one yet")
         block = family.TransformerBlock(args, layer)

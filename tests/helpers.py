@@ -130,7 +130,7 @@ def make_llama_folder(folder, variant="llama", seed=0, dtype="float32", **overri
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(folder)
-    cfg = dict(LLAMA_BASE, **VARIANTS[variant], vocab_size=vocab, **overrides)
+    cfg = {**LLAMA_BASE, **VARIANTS[variant], "vocab_size": vocab, **overrides}
     (folder / "config.json").write_text(json.dumps(cfg))
     tensors = llama_tensors(cfg, np.random.default_rng(seed))
     if cfg["model_type"] == "phi3":

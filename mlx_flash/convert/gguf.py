@@ -40,6 +40,10 @@ ARCHS = {
     # Gemma: llama.cpp stores each RMS norm's weight + 1 (its norm multiplies by w, Gemma's by 1 + w)
     "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "permuted": False},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "permuted": False},
+    # Granite: a llama with four multipliers (llama.cpp's *_scale keys); Phi-3: q/k/v in attn_qkv,
+    # gate and up in ffn_up, split by the converter (convert/fused.py) as from Phi-3's checkpoints
+    "granite": {"model_type": "granite", "architectures": ["GraniteForCausalLM"], "permuted": True},
+    "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "permuted": False},
 }
 GEMMA = ("gemma2", "gemma3")
 # the layers of the 27B models, whose attention scales by (hidden / heads)^-1/2, not head_dim^-1/2
@@ -70,9 +74,13 @@ LAYER_NAMES = {
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
 }
 # Gemma's block has four norms: llama.cpp's ffn_norm is the one before the FFN
-ARCH_LAYER_NAMES = {arch: {"ffn_norm": "pre_feedforward_layernorm"} for arch in GEMMA}
+ARCH_LAYER_NAMES = {**{arch: {"ffn_norm": "pre_feedforward_layernorm"} for arch in GEMMA},
+                    "phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Phi-3's LongRoPE: llama.cpp keeps its per-frequency factors as tensors
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 LAYER_ORDER = {k: i for i, k in enumerate(LAYER_NAMES)}
 
 # Tensor types gguf.quants can dequantize and that we accept. The issue asks
@@ -181,11 +189,15 @@ class GGUFSource:
         size = self.path.stat().st_size
         self._tensors = {}
         rope_freqs = None
+        self._rope_factors = {}
         for t in self._reader.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise FlashError(f"{self.path}: truncated GGUF file (tensor {t.name} ends past the end)")
             if t.name == "rope_freqs.weight":
                 rope_freqs = t
+                continue
+            if t.name in ROPE_FACTORS:
+                self._rope_factors[t.name.split(".")[0]] = t
                 continue
             name = hf_name(t.name, arch)
             if name is None:
@@ -258,7 +270,14 @@ class GGUFSource:
             config["head_dim"] = head_dim  # mlx-lm's qwen3 requires it
         if self.arch in GEMMA:
             config.update(self._gemma_config(hidden, n_head, n_layers, head_dim))
-        if self.arch == "llama":
+        if self.arch == "granite":  # (each only where the file has it, as llama.cpp reads them)
+            for key, field in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                               ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+                if self._arch_get(key):
+                    config[field] = _short_float(self._arch_get(key))
+        if self.arch == "phi3":
+            config.update(self._phi3_config(head_dim))
+        if self.arch in ("llama", "granite"):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
             config["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self._tensors
 
@@ -266,7 +285,7 @@ class GGUFSource:
         if scaling == "linear":
             factor = _short_float(self._arch_get("rope.scaling.factor"))
             config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-        elif scaling not in (None, "none"):
+        elif scaling not in (None, "none") and not (scaling in ("longrope", "su") and "rope_scaling" in config):
             raise FlashError(f"{self.path.name}: RoPE scaling '{scaling}' is not supported")
         if rope_freqs is not None:
             freqs = self._gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).astype(np.float64)
@@ -306,6 +325,20 @@ class GGUFSource:
                 config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
             else:
                 config["sliding_window_pattern"] = 6
+        return config
+
+    def _phi3_config(self, head_dim):
+        """Phi-3's partial rotary embedding (rope.dimension_count) and LongRoPE (its factors' tensors)."""
+        config = {"partial_rotary_factor": self._arch_get("rope.dimension_count", head_dim) / head_dim}
+        if self._rope_factors:
+            if set(self._rope_factors) != {"rope_factors_long", "rope_factors_short"}:
+                raise FlashError(f"{self.path.name}: a Phi-3 GGUF with {', '.join(self._rope_factors)} but not both "
+                                 "rope_factors_long and rope_factors_short")
+            factors = {k: self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).tolist()
+                       for k, t in self._rope_factors.items()}
+            config["rope_scaling"] = {"type": "longrope", "long_factor": factors["rope_factors_long"],
+                                      "short_factor": factors["rope_factors_short"]}
+            config["original_max_position_embeddings"] = self._arch_get("rope.scaling.original_context_length", 4096)
         return config
 
     def _eos_ids(self):

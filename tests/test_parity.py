@@ -44,6 +44,30 @@ def test_phi3_and_granite_match_transformers(tmp_path, variant):
     assert np.abs(got - want).max() < 1e-4
 
 
+@pytest.mark.parametrize("variant", ["mistral", "phi3"])
+def test_a_sliding_window_is_kept_as_transformers_keeps_it(tmp_path, variant):
+    """Mistral v0.1 and Phi-3 give every layer a window (mlx_lm attends to every position): past
+    it, transformers' logits, for a prompt and a position at a time through full caches."""
+    from mlx_flash.runtime.memory import kv_caches
+
+    src, cfg, _ = make_llama_folder(tmp_path / "hf", variant, sliding_window=3)
+    model, _ = mlx_flash.load(convert(src, tmp_path / "flash", dtype="float32", progress=False))
+    want = reference_logits(src, TOKENS)
+    assert np.abs(np.array(model(mx.array([TOKENS]))[0]) - want).max() < 1e-4
+    cache = kv_caches(len(model.layers), context=32)
+    first = np.array(model(mx.array([TOKENS[:4]]), cache=cache)[0])
+    steps = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in TOKENS[4:]]
+    assert np.abs(np.concatenate([first, np.stack(steps)]) - want).max() < 1e-4
+
+
+def test_qwen_windows_in_some_layers_are_refused(tmp_path):
+    from mlx_flash.errors import FlashError
+
+    src, _, _ = make_llama_folder(tmp_path / "hf", "qwen2", sliding_window=3, use_sliding_window=True)
+    with pytest.raises(FlashError, match="use_sliding_window"):
+        convert(src, tmp_path / "flash", dtype="float32", progress=False)
+
+
 def test_float16_flash_is_exact_float16_weights(tmp_path):
     """Converting to float16 rounds each weight once; compute stays float32 on the CPU."""
     src, cfg, tensors = make_llama_folder(tmp_path / "hf", "llama")

@@ -16,6 +16,7 @@ import numpy as np
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..errors import FlashError
 from ..kernels import host_f32
 from . import host
 from .attention import attend
@@ -51,12 +52,16 @@ class ModelArgs(BaseModelArgs):
     attention_multiplier: Optional[float] = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    sliding_window: Optional[int] = None  # Mistral v0.1, Phi-3: every layer attends to the last N positions
+    use_sliding_window: bool = False  # (Qwen2 / Qwen3: their window applies only where this is true)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         # Qwen2 always has q/k/v biases (its config does not say so).
         self.qkv_bias = self.attention_bias or self.model_type == "qwen2"
+        # transformers applies a window for Mistral and Phi-3 where config.json gives one (mlx_lm never)
+        self.window = self.sliding_window if self.model_type in ("mistral", "phi3") else None
         self.qk_norm = self.model_type == "qwen3"
 
 
@@ -68,6 +73,7 @@ class Attention(nn.Module):
         self.n_kv_heads = n_kv_heads = args.num_key_value_heads
         self.head_dim = head_dim = args.head_dim or dim // n_heads
         self.scale = head_dim**-0.5 if args.attention_multiplier is None else args.attention_multiplier
+        self.window = getattr(args, "window", None)
         bias = args.qkv_bias
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -107,6 +113,9 @@ class Attention(nn.Module):
             k = self.rope(k, offset=cache.offset)
         else:
             q, k = self.rope(q), self.rope(k)
+        if self.window is not None and cache is not None and hasattr(cache, "parts") and cache.offset + L > self.window:
+            raise FlashError(f"the KV cache on flash does not take a sliding window yet ({self.window} positions, "
+                             "passed): run without --kv-cache flash")
         out = attend(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -122,7 +131,10 @@ class Attention(nn.Module):
         keys, values = cache.update_and_fetch(mx.array(k.reshape(1, self.n_kv_heads, 1, -1)),
                                              mx.array(v.reshape(1, self.n_kv_heads, 1, -1)))
         mx.eval(keys, values)
-        out = host.attention(q, np.array(keys, copy=False)[0], np.array(values, copy=False)[0], self.scale)
+        keys, values = np.array(keys, copy=False)[0], np.array(values, copy=False)[0]
+        if self.window is not None:
+            keys, values = keys[:, -self.window:], values[:, -self.window:]
+        out = host.attention(q, keys, values, self.scale)
         return host.product(self.o_proj, out)
 
 
@@ -183,7 +195,7 @@ class LlamaModel(nn.Module):
             return self._host_step(h, cache)
         if cache is None:
             cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
+        mask = create_attention_mask(h, cache[0], window_size=getattr(self.layers[0].self_attn, "window", None))
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, cache=c)
         return self.norm(h)
@@ -268,8 +280,9 @@ def resident_name(args: ModelArgs, hf_name: str):
 
 
 def check_supported(args: ModelArgs):
-    from ..errors import FlashError
-
     if args.mlp_bias:
         raise FlashError("llama models with mlp_bias=true are not supported yet")
+    if args.use_sliding_window and args.sliding_window:
+        raise FlashError(f"{args.model_type} with use_sliding_window=true (windowed attention in some layers) "
+                         "is not supported yet")
     activation(args.hidden_act, args.fatrelu_threshold)

@@ -363,3 +363,63 @@ def flip_bit(path, at, bit=0x10):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ bit]))
+
+
+# --- GGUFs of these folders' weights, written with gguf-py as llama.cpp's convert_hf_to_gguf.py writes them
+
+SPM_NORMAL = ["▁", "t", "h", "e", "▁t", "he", "▁the"]  # (scores: the earlier, the higher)
+SPM_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def spm_vocab(size):
+    """A SentencePiece vocabulary as Gemma's, Llama 2's and Phi-3's GGUFs list one: control
+    tokens, 256 byte tokens, scored pieces; `size` tokens in all (the embedding's rows)."""
+    tokens = SPM_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + SPM_NORMAL
+    assert len(tokens) <= size
+    tokens += [f"▁w{i}" for i in range(size - len(tokens))]
+    types = [3] * 4 + [6] * 256 + [1] * (size - 260)
+    scores = [-1000.0] * 4 + [0.0] * 256 + [-float(i) for i in range(size - 260)]
+    return tokens, types, scores
+
+
+def gguf_writer(path, arch, cfg, head_dim):
+    """A gguf.GGUFWriter holding a model's common keys and the spm_vocab of its vocabulary size."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    tokens, types, scores = spm_vocab(cfg["vocab_size"])
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    return w
+
+
+def gguf_name(hf, layer_names):
+    """A Hugging Face tensor name -> llama.cpp's; layer_names: {HF module in a layer: llama.cpp's base}."""
+    if hf in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{layer_names[rest.rsplit('.', 1)[0]]}.weight"
+
+
+def gguf_finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -10,7 +10,7 @@ from mlx_lm.utils import load_model
 
 import mlx_flash
 from mlx_flash.convert import convert
-from helpers import make_gemma_folder
+from helpers import gguf_finish, gguf_name, gguf_writer, make_gemma_folder, spm_vocab
 from reference import reference_logits
 from test_parity import TOKENS, greedy
 from test_quant import EXACT_MODES
@@ -84,73 +84,29 @@ def test_sliding_layers_keep_their_window(tmp_path, variant):
 
 # --- the same weights through a GGUF, written as llama.cpp's convert_hf_to_gguf.py writes Gemma
 
-SPM_NORMAL = ["▁", "t", "h", "e", "▁t", "he", "▁the"]  # (scores: the earlier, the higher)
-SPM_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
-
-
-def spm_vocab(size):
-    """A SentencePiece vocabulary as Gemma's GGUFs list one: control tokens, 256 byte tokens,
-    scored pieces; `size` tokens in all (the embedding's rows)."""
-    tokens = SPM_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + SPM_NORMAL
-    assert len(tokens) <= size
-    tokens += [f"▁w{i}" for i in range(size - len(tokens))]
-    types = [3] * 4 + [6] * 256 + [1] * (size - 260)
-    scores = [-1000.0] * 4 + [0.0] * 256 + [-float(i) for i in range(size - 260)]
-    return tokens, types, scores
+GEMMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
 
 
 def write_gemma_gguf(path, cfg, tensors):
-    import gguf
-
     arch = {"gemma3_text": "gemma3", "gemma2": "gemma2"}[cfg["model_type"]]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w = gguf_writer(path, arch, cfg, cfg["head_dim"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_sliding_window(cfg["sliding_window"])
     if arch == "gemma2":
         w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
-    tokens, types, scores = spm_vocab(cfg["vocab_size"])
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_scores(scores)
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
     for hf, x in tensors.items():
-        if hf == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif hf == "model.norm.weight":
-            name = "output_norm.weight"
-        else:
-            _, _, layer, rest = hf.split(".", 3)
-            name = f"blk.{layer}.{names[rest.rsplit('.', 1)[0]]}.weight"
         if hf.endswith("norm.weight"):
             x = x + 1  # (convert_hf_to_gguf.py: llama.cpp's RMS norm multiplies by w, Gemma's by 1 + w)
-        w.add_tensor(name, x.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(gguf_name(hf, GEMMA_NAMES), x.astype(np.float32))
+    gguf_finish(w)
 
 
 @pytest.mark.parametrize("variant", ["gemma3", "gemma2"])

@@ -54,6 +54,7 @@ def test_gemma_4bit_matches_mlx_lm_on_the_same_weights(gemma):
         model.runtime.close()
 
 
+@pytest.mark.slow  # (test_sliding_layers_keep_their_window checks transformers' windows too, in CI)
 def test_gemma_matches_transformers(gemma):
     """transformers' own Gemma (eager attention, its sliding windows) on the same folder."""
     variant, src, d = gemma

@@ -16,8 +16,9 @@ and are undone here:
   for the converter to re-quantize; for the llama architecture
   the rows of q/k are un-permuted (convert_hf_to_gguf.py permutes them for
   its rotary kernel);
-- tokenizer: there is no tokenizer.json, only a vocabulary, merges and token
-  types in the metadata, from which a `tokenizers` byte-level BPE is rebuilt.
+- tokenizer: there is no tokenizer.json, only a vocabulary, token types and merges
+  (byte-level BPE) or scores (SentencePiece) in the metadata, from which a `tokenizers`
+  Tokenizer is rebuilt (gguf_tokenizer.py).
 """
 
 import json
@@ -157,7 +158,7 @@ def llama3_rope_scaling(freqs, theta, head_dim):
 
 
 class GGUFSource:
-    """A llama / qwen2 / qwen3 / qwen3moe GGUF file, read lazily tensor by tensor."""
+    """A GGUF file of an architecture in ARCHS, read lazily tensor by tensor."""
 
     def __init__(self, path):
         import gguf

@@ -378,10 +378,24 @@ def flash_kv_caches(model, runtime, context):
 KV_READ_THREADS = 4  # the KV cache's reads are a few large spans a layer
 
 
-TOKENIZER_PEAK = 32 << 20  # a tokenizer's load peaks ~30 MB above what it keeps (measured on SmolLM2)
+TOKENIZER_PEAK = 32 << 20  # the least a tokenizer's load is counted to add at its peak
+# A tokenizer's load (mlx_lm's, then tokenizer.py's trim), per byte of its tokenizer.json: what the
+# RSS peaks at above the imports, and what it keeps. Measured: SmolLM2 (3.5 MB) +82 / +24 MB,
+# Qwen2.5 (11.4 MB) +245 / +51, Gemma 3 (33.3 MB, 262,144 tokens, 513k merges) +727 / +126.
+TOKENIZER_PEAK_PER_BYTE, TOKENIZER_KEPT_PER_BYTE = 23, 7
 
 
-def check_limit_before_loading(text, resident_file_bytes, earlier=()):
+def tokenizer_load(folder):
+    """(the RSS a tokenizer's load adds at its peak, what it keeps), from its tokenizer.json's size;
+    each at least TOKENIZER_PEAK."""
+    from pathlib import Path
+
+    path = Path(folder) / "tokenizer.json"
+    size = path.stat().st_size if path.is_file() else 0
+    return max(TOKENIZER_PEAK, TOKENIZER_PEAK_PER_BYTE * size), max(TOKENIZER_PEAK, TOKENIZER_KEPT_PER_BYTE * size)
+
+
+def check_limit_before_loading(text, resident_file_bytes, earlier=(), folder=None):
     """Before the tokenizer and the resident weights load: a limit that cannot hold the
     runtime, the tokenizer's load and the resident file (less what may stay on flash:
     runtime.loaded_resident_bytes) is a clear error now, not a kill by the memory cgroup
@@ -390,14 +404,16 @@ def check_limit_before_loading(text, resident_file_bytes, earlier=()):
     in this load's runtime."""
     limit, _ = effective_limit(text, warn=False)  # (plan_memory says it, after this check)
     runtime = process_rss()
-    need = runtime + TOKENIZER_PEAK + resident_file_bytes
+    peak, kept = tokenizer_load(folder) if folder is not None else (TOKENIZER_PEAK, TOKENIZER_PEAK)
+    need = runtime + max(peak, kept + resident_file_bytes)  # (the weights load after the tokenizer's peak)
     held = (f"{len(earlier)} model(s) loaded before in this process and still referenced ({', '.join(earlier)}) "
             "count in the measured runtime: drop every reference to them (del model; gc.collect()) before "
             "loading another under a limit" if earlier else "")
     if need > limit:
         raise FlashError(f"--memory-limit {limit / 1e6:.0f} MB: nothing left for the weights: the runtime takes "
-                         f"{runtime / 1e6:.0f} MB (measured), loading the tokenizer ~{TOKENIZER_PEAK / 1e6:.0f} MB "
-                         f"and the resident weights {resident_file_bytes / 1e6:.0f} MB before any FFN row: raise "
+                         f"{runtime / 1e6:.0f} MB (measured), loading the tokenizer ~{peak / 1e6:.0f} MB at its "
+                         f"peak (~{kept / 1e6:.0f} MB kept) and the resident weights {resident_file_bytes / 1e6:.0f} "
+                         "MB before any FFN row: raise "
                          f"--memory-limit to at least {need / 1e6:.0f} MB" + (f"; {held}" if held else ""))
     if held:
         logging.getLogger("mlx_flash").warning("--memory-limit: the runtime measured, %.0f MB, leaves less for the "

@@ -277,6 +277,41 @@ def make_gemma_folder(folder, variant="gemma3", seed=0, dtype="float32", **overr
     return folder, cfg, tensors
 
 
+PHI_BASE = dict(model_type="phi", architectures=["PhiForCausalLM"], hidden_size=64, intermediate_size=192,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, partial_rotary_factor=0.5,
+                layer_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, hidden_act="gelu_new",
+                qk_layernorm=False, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def make_phi_folder(folder, seed=0, dtype="float32", **overrides):
+    """A Hugging Face-style Phi-2 folder (PhiForCausalLM: a parallel block, biases everywhere)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {**PHI_BASE, "vocab_size": write_tokenizer(folder), **overrides}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(seed)
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = d // cfg["num_attention_heads"]
+
+    def w(*shape, s=0.08):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(v, d, s=0.5), "model.final_layernorm.weight": 1 + w(d),
+         "model.final_layernorm.bias": w(d), "lm_head.weight": w(v, d), "lm_head.bias": w(v)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"], t[p + "input_layernorm.bias"] = 1 + w(d), w(d)
+        for name, shape in (("q_proj", (d, d)), ("k_proj", (d, d)), ("v_proj", (d, d)), ("dense", (d, d))):
+            t[p + f"self_attn.{name}.weight"], t[p + f"self_attn.{name}.bias"] = w(*shape), w(shape[0])
+        if cfg["qk_layernorm"]:
+            for name in ("q_layernorm", "k_layernorm"):
+                t[p + f"self_attn.{name}.weight"], t[p + f"self_attn.{name}.bias"] = 1 + w(hd), w(hd)
+        t[p + "mlp.fc1.weight"], t[p + "mlp.fc1.bias"] = w(f, d), w(f)
+        t[p + "mlp.fc2.weight"], t[p + "mlp.fc2.bias"] = w(d, f), w(d)
+    write_safetensors(folder / "model.safetensors", t, dtype)
+    return folder, cfg, t
+
+
 def thresholded_ffn(tensors, layer, x, t_in, t_out, wina=False):
     """A SwiGLU layer's FFN of one token vector x in NumPy, both sides thresholded as the
     `calibrated` sources do: the input dims with |x| >= t_in, then the neurons with |h~| >= t_out
@@ -394,7 +429,8 @@ def gguf_writer(path, arch, cfg, head_dim):
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "rms_norm_eps" in cfg:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     tokens, types, scores = spm_vocab(cfg["vocab_size"])
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -409,13 +445,16 @@ def gguf_writer(path, arch, cfg, head_dim):
     return w
 
 
-def gguf_name(hf, layer_names):
-    """A Hugging Face tensor name -> llama.cpp's; layer_names: {HF module in a layer: llama.cpp's base}."""
-    if hf in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{layer_names[rest.rsplit('.', 1)[0]]}.weight"
+def gguf_name(hf, layer_names, global_names=None):
+    """A Hugging Face tensor name -> llama.cpp's; layer_names: {HF module in a layer: llama.cpp's
+    base}; global_names: {HF module outside the layers: llama.cpp's}, beside the usual three."""
+    stem, suffix = hf.rsplit(".", 1)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+             **(global_names or {})}
+    if stem in names:
+        return f"{names[stem]}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{layer_names[rest]}.{suffix}"
 
 
 def gguf_finish(w):

@@ -45,6 +45,8 @@ ARCHS = {
     # gate and up in ffn_up, split by the converter (convert/fused.py) as from Phi-3's checkpoints
     "granite": {"model_type": "granite", "architectures": ["GraniteForCausalLM"], "permuted": True},
     "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "permuted": False},
+    # Phi-2: LayerNorms with biases, a parallel block, a non-gated FFN (models/phi.py)
+    "phi2": {"model_type": "phi", "architectures": ["PhiForCausalLM"], "permuted": False},
 }
 GEMMA = ("gemma2", "gemma3")
 # the layers of the 27B models, whose attention scales by (hidden / heads)^-1/2, not head_dim^-1/2
@@ -79,7 +81,9 @@ LAYER_NAMES = {
 }
 # Gemma's block has four norms: llama.cpp's ffn_norm is the one before the FFN
 ARCH_LAYER_NAMES = {**{arch: {"ffn_norm": "pre_feedforward_layernorm"} for arch in GEMMA},
-                    "phi3": {"ffn_up": "mlp.gate_up_proj"}}
+                    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+                    "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}}
+ARCH_GLOBAL_NAMES = {"phi2": {"output_norm": "model.final_layernorm"}}
 # Phi-3's LongRoPE: llama.cpp keeps its per-frequency factors as tensors
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 LAYER_ORDER = {k: i for i, k in enumerate(LAYER_NAMES)}
@@ -121,7 +125,7 @@ def hf_name(gguf_name, arch=None):
         name = ARCH_LAYER_NAMES.get(arch, {}).get(parts[2], LAYER_NAMES[parts[2]])
         return f"model.layers.{int(parts[1])}.{name}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+        return f"{ARCH_GLOBAL_NAMES.get(arch, {}).get(parts[0], GLOBAL_NAMES[parts[0]])}.{parts[1]}"
     return None
 
 
@@ -278,6 +282,10 @@ class GGUFSource:
                     config[field] = _short_float(self._arch_get(key))
         if self.arch == "phi3":
             config.update(self._phi3_config(head_dim))
+        if self.arch == "phi2":
+            config.update(partial_rotary_factor=self._arch_get("rope.dimension_count", head_dim) / head_dim,
+                          layer_norm_eps=_short_float(self._arch_get("attention.layer_norm_epsilon", 1e-5)),
+                          hidden_act="gelu_new", tie_word_embeddings=False)
         if self.arch in ("llama", "granite"):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
             config["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self._tensors

@@ -19,6 +19,7 @@ FAMILIES = {
     "gemma2": "gemma",
     "gemma3_text": "gemma",
     "opt": "opt",
+    "phi": "phi",
     "mixtral": "moe",
     "qwen2_moe": "moe",
     "qwen3_moe": "moe",

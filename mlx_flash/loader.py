@@ -173,7 +173,8 @@ def _model_and_tokenizer(folder, manifest, config, loaded_bytes):
     if config.memory_limit is not None:  # (a limit too small: an error here, not a kill while loading)
         earlier = loaded_before()  # (first: it collects what was dropped, before the RSS is measured)
         check_limit_before_loading(config.memory_limit, loaded_bytes(), earlier, folder)
-    # The tokenizer first: its load peaks ~30 MB above what it keeps, before the weights arrive.
+    # The tokenizer first: its load peaks far above what it keeps (memory.tokenizer_load), before the
+    # weights arrive.
     try:
         tokenizer = load_tokenizer(folder, eos_token_ids=model_config.get("eos_token_id"))
     except Exception as e:

@@ -125,18 +125,26 @@ def write_safetensors(path, tensors, dtype="float32"):
     wr.close()
 
 
-def make_llama_folder(folder, variant="llama", seed=0, dtype="float32", **overrides):
-    """A Hugging Face-style folder: config.json, model.safetensors, tokenizer."""
+def hf_folder(folder, config, tensors_of, seed=0, dtype="float32"):
+    """A Hugging Face-style folder: a tokenizer (write_tokenizer), config.json (`config`, with the
+    tokenizer's vocabulary size unless it gives one), model.safetensors of tensors_of(config, rng)
+    -> (folder, config, tensors)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder)
-    cfg = {**LLAMA_BASE, **VARIANTS[variant], "vocab_size": vocab, **overrides}
+    cfg = {"vocab_size": write_tokenizer(folder), **config}
     (folder / "config.json").write_text(json.dumps(cfg))
-    tensors = llama_tensors(cfg, np.random.default_rng(seed))
-    if cfg["model_type"] == "phi3":
-        tensors = fuse_phi3(tensors, cfg["num_hidden_layers"])
+    tensors = tensors_of(cfg, np.random.default_rng(seed))
     write_safetensors(folder / "model.safetensors", tensors, dtype)
     return folder, cfg, tensors
+
+
+def make_llama_folder(folder, variant="llama", seed=0, dtype="float32", **overrides):
+    """A Hugging Face-style Llama-family folder: config.json, model.safetensors, tokenizer."""
+    def checkpoint(cfg, rng):
+        t = llama_tensors(cfg, rng)
+        return fuse_phi3(t, cfg["num_hidden_layers"]) if cfg["model_type"] == "phi3" else t
+
+    return hf_folder(folder, {**LLAMA_BASE, **VARIANTS[variant], **overrides}, checkpoint, seed, dtype)
 
 
 def fuse_phi3(tensors, n_layers):
@@ -216,14 +224,8 @@ def make_opt_folder(folder, variant="opt", seed=0, dtype="float32", lm_head=Fals
 
     lm_head: also store `lm_head.weight` (a copy of the tied embeddings), as some checkpoints do.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder)
-    cfg = dict(OPT_BASE, **OPT_VARIANTS[variant], vocab_size=vocab, **overrides)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    tensors = opt_tensors(cfg, np.random.default_rng(seed), lm_head=lm_head)
-    write_safetensors(folder / "model.safetensors", tensors, dtype)
-    return folder, cfg, tensors
+    return hf_folder(folder, {**OPT_BASE, **OPT_VARIANTS[variant], **overrides},
+                     lambda cfg, rng: opt_tensors(cfg, rng, lm_head=lm_head), seed, dtype)
 
 
 GEMMA_BASE = dict(LLAMA_BASE, num_hidden_layers=4, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True,
@@ -267,14 +269,7 @@ def gemma_tensors(cfg, rng):
 
 def make_gemma_folder(folder, variant="gemma3", seed=0, dtype="float32", **overrides):
     """A Hugging Face-style Gemma 2 / Gemma 3 text folder: config.json, model.safetensors, tokenizer."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder)
-    cfg = {**GEMMA_BASE, **GEMMA_VARIANTS[variant], "vocab_size": vocab, **overrides}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    tensors = gemma_tensors(cfg, np.random.default_rng(seed))
-    write_safetensors(folder / "model.safetensors", tensors, dtype)
-    return folder, cfg, tensors
+    return hf_folder(folder, {**GEMMA_BASE, **GEMMA_VARIANTS[variant], **overrides}, gemma_tensors, seed, dtype)
 
 
 PHI_BASE = dict(model_type="phi", architectures=["PhiForCausalLM"], hidden_size=64, intermediate_size=192,
@@ -285,11 +280,10 @@ PHI_BASE = dict(model_type="phi", architectures=["PhiForCausalLM"], hidden_size=
 
 def make_phi_folder(folder, seed=0, dtype="float32", **overrides):
     """A Hugging Face-style Phi-2 folder (PhiForCausalLM: a parallel block, biases everywhere)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = {**PHI_BASE, "vocab_size": write_tokenizer(folder), **overrides}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    rng = np.random.default_rng(seed)
+    return hf_folder(folder, {**PHI_BASE, **overrides}, phi_tensors, seed, dtype)
+
+
+def phi_tensors(cfg, rng):
     d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = d // cfg["num_attention_heads"]
 
@@ -308,8 +302,7 @@ def make_phi_folder(folder, seed=0, dtype="float32", **overrides):
                 t[p + f"self_attn.{name}.weight"], t[p + f"self_attn.{name}.bias"] = 1 + w(hd), w(hd)
         t[p + "mlp.fc1.weight"], t[p + "mlp.fc1.bias"] = w(f, d), w(f)
         t[p + "mlp.fc2.weight"], t[p + "mlp.fc2.bias"] = w(d, f), w(d)
-    write_safetensors(folder / "model.safetensors", t, dtype)
-    return folder, cfg, t
+    return t
 
 
 def thresholded_ffn(tensors, layer, x, t_in, t_out, wina=False):
@@ -380,14 +373,7 @@ def moe_tensors(cfg, rng):
 
 def make_moe_folder(folder, variant="mixtral", seed=0, dtype="float32", **overrides):
     """A Hugging Face-style MoE folder: config.json, model.safetensors, tokenizer."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder)
-    cfg = {**MOE_BASE, **MOE_VARIANTS[variant], "vocab_size": vocab, **overrides}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    tensors = moe_tensors(cfg, np.random.default_rng(seed))
-    write_safetensors(folder / "model.safetensors", tensors, dtype)
-    return folder, cfg, tensors
+    return hf_folder(folder, {**MOE_BASE, **MOE_VARIANTS[variant], **overrides}, moe_tensors, seed, dtype)
 
 
 def flip_bit(path, at, bit=0x10):

@@ -13,7 +13,7 @@ from mlx_flash.convert import convert
 from helpers import gguf_finish, gguf_name, gguf_writer, make_gemma_folder, spm_vocab
 from reference import reference_logits
 from test_parity import TOKENS, greedy
-from test_quant import EXACT_MODES
+from test_quant import EXACT_MODES, assert_logits_in_modes
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gemma2"])
@@ -46,12 +46,8 @@ def test_gemma_4bit_matches_mlx_lm_on_the_same_weights(gemma):
     ref, _ = load_model(q)
     ref.set_dtype(mx.float32)
     x = mx.array([TOKENS])
-    want = ref(x)
-    for options in EXACT_MODES + [dict(mode="flash", sparsity="dip", density=1.0)]:
-        model, _ = mlx_flash.load(out, **options)
-        diff = mx.abs(model(x) - want).max().item()
-        assert diff < 1e-4, f"{variant} 4-bit {options}: max |logit diff| {diff}"
-        model.runtime.close()
+    assert_logits_in_modes(out, x, ref(x), EXACT_MODES + [dict(mode="flash", sparsity="dip", density=1.0)],
+                           f"{variant} 4-bit")
 
 
 @pytest.mark.slow  # (test_sliding_layers_keep_their_window checks transformers' windows too, in CI)

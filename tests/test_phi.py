@@ -14,7 +14,7 @@ from mlx_flash.convert import convert
 from helpers import make_phi_folder
 from reference import reference_logits
 from test_parity import TOKENS, greedy
-from test_quant import EXACT_MODES
+from test_quant import EXACT_MODES, assert_logits_in_modes
 
 
 @pytest.mark.parametrize("mode", ["dense", "naive", "hybrid"])
@@ -44,9 +44,4 @@ def test_phi_4bit_matches_mlx_lm_on_the_same_weights(tmp_path):
     ref, _ = load_model(q)
     ref.set_dtype(mx.float32)
     x = mx.array([TOKENS])
-    want = ref(x)
-    for options in EXACT_MODES:
-        model, _ = mlx_flash.load(out, **options)
-        diff = mx.abs(model(x) - want).max().item()
-        assert diff < 1e-4, f"{options}: max |logit diff| {diff}"
-        model.runtime.close()
+    assert_logits_in_modes(out, x, ref(x), EXACT_MODES)

@@ -24,6 +24,15 @@ EXACT_MODES = [dict(mode="dense"), dict(mode="naive"), dict(mode="hybrid"),
                dict(mode="flash", sparsity="oracle", density=1.0)]
 
 
+def assert_logits_in_modes(folder, x, want, modes, what=""):
+    """`folder` loaded in each of `modes` (load()'s options) gives `want` for x within 1e-4."""
+    for options in modes:
+        model, _ = mlx_flash.load(folder, **options)
+        diff = mx.abs(model(x) - want).max().item()
+        assert diff < 1e-4, f"{what} {options}: max |logit diff| {diff}"
+        model.runtime.close()
+
+
 @pytest.mark.parametrize("bits", quant.BITS)
 def test_packing_is_mlx_bit_stream(bits):
     w = mx.random.normal((8, 256), key=mx.random.key(bits))
@@ -188,12 +197,7 @@ def test_quantized_opt_matches_its_dequantized_weights(tmp_path, bits):
     ref = convert(ref_src, tmp_path / "ref", dtype="float32", progress=False)
     ref_model, _ = mlx_flash.load(ref)
     x = mx.array([TOKENS])
-    want = ref_model(x)
-    for options in EXACT_MODES:
-        model, _ = mlx_flash.load(out, **options)
-        diff = mx.abs(model(x) - want).max().item()
-        assert diff < 1e-4, f"{options}: {diff}"
-        model.runtime.close()
+    assert_logits_in_modes(out, x, ref_model(x), EXACT_MODES)
 
 
 def test_quantized_folder_is_smaller(tmp_path):

@@ -23,10 +23,10 @@ from ..layout.format import (DTYPES, FORMAT_NAME, MANIFEST, BundleLayout, Manife
                              write_manifest)
 from ..layout.safetensors_io import SafetensorsWriter
 from ..models import model_args
+from .fused import FusedSource
 from .quantize import QuantOptions, column_parts, ffn_spec, read_weight, report, row_parts, target
 from .writer import (_nbytes, _progress, _resident_specs, _write_config, _write_resident, bundle_entry,
                      write_packed)
-from .fused import FusedSource
 from .sources import open_source
 
 NEURON_CHUNK = 1024  # neurons packed per write: bounds the staging buffer

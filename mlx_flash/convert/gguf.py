@@ -280,11 +280,12 @@ class GGUFSource:
                                ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
                 if self._arch_get(key):
                     config[field] = _short_float(self._arch_get(key))
+        if self.arch in ("phi2", "phi3"):  # (the rotated share of each head)
+            config["partial_rotary_factor"] = self._arch_get("rope.dimension_count", head_dim) / head_dim
         if self.arch == "phi3":
-            config.update(self._phi3_config(head_dim))
+            config.update(self._phi3_longrope())
         if self.arch == "phi2":
-            config.update(partial_rotary_factor=self._arch_get("rope.dimension_count", head_dim) / head_dim,
-                          layer_norm_eps=_short_float(self._arch_get("attention.layer_norm_epsilon", 1e-5)),
+            config.update(layer_norm_eps=_short_float(self._arch_get("attention.layer_norm_epsilon", 1e-5)),
                           hidden_act="gelu_new", tie_word_embeddings=False)
         if self.arch in ("llama", "granite"):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
@@ -336,9 +337,9 @@ class GGUFSource:
                 config["sliding_window_pattern"] = 6
         return config
 
-    def _phi3_config(self, head_dim):
-        """Phi-3's partial rotary embedding (rope.dimension_count) and LongRoPE (its factors' tensors)."""
-        config = {"partial_rotary_factor": self._arch_get("rope.dimension_count", head_dim) / head_dim}
+    def _phi3_longrope(self):
+        """Phi-3's LongRoPE, from its factors' tensors, where the file has them."""
+        config = {}
         if self._rope_factors:
             if set(self._rope_factors) != {"rope_factors_long", "rope_factors_short"}:
                 raise FlashError(f"{self.path.name}: a Phi-3 GGUF with {', '.join(self._rope_factors)} but not both "

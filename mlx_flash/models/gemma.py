@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import mlx.core as mx
-import numpy as np
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -105,6 +105,14 @@ class RMSNorm(nn.Module):
     def __call__(self, x):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
+    def host_scale(self):
+        """1 + weight as float32 NumPy for the host step (models/host.py), made once per weight array
+        (kept outside the module's parameters)."""
+        held = self.__dict__.get("_host_scale")
+        if held is None or held[0] is not self.weight:
+            held = self.__dict__["_host_scale"] = (self.weight, np.array(self.weight, copy=False) + np.float32(1))
+        return held[1]
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
@@ -152,13 +160,12 @@ class Attention(nn.Module):
             out = _softcapped(q, k, v, self.scale, self.softcap, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-
     def host_step(self, x, cache, rotation):
         """__call__ for one position on the host (models/host.py): x [dim] float32 -> [dim]."""
         q, k, v = (host.product(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = q.reshape(self.n_heads, -1), k.reshape(self.n_kv_heads, -1)
         if "q_norm" in self:
-            q, k = host.rms_norm(q, self.q_norm, shift=1), host.rms_norm(k, self.k_norm, shift=1)
+            q, k = host.rms_norm(q, self.q_norm), host.rms_norm(k, self.k_norm)
         q, k = rotation(q), rotation(k)
         keys, values = cache.update_and_fetch(mx.array(k.reshape(1, self.n_kv_heads, 1, -1)),
                                              mx.array(v.reshape(1, self.n_kv_heads, 1, -1)))
@@ -202,12 +209,10 @@ class TransformerBlock(nn.Module):
 
     def host_step(self, x, cache, rotation):
         """__call__ for one position on the host: x [dim] float32 -> [dim]."""
-        def norm(v, module):
-            return host.rms_norm(v, module, shift=1)
-
-        r = self.self_attn.host_step(norm(x, self.input_layernorm), cache, rotation)
-        h = x + norm(r, self.post_attention_layernorm)
-        return h + norm(self.mlp.host_step(norm(h, self.pre_feedforward_layernorm)), self.post_feedforward_layernorm)
+        r = self.self_attn.host_step(host.rms_norm(x, self.input_layernorm), cache, rotation)
+        h = x + host.rms_norm(r, self.post_attention_layernorm)
+        r = self.mlp.host_step(host.rms_norm(h, self.pre_feedforward_layernorm))
+        return h + host.rms_norm(r, self.post_feedforward_layernorm)
 
 
 class GemmaModel(nn.Module):
@@ -245,7 +250,7 @@ class GemmaModel(nn.Module):
             if key not in rotations:
                 rotations[key] = host.Rotation(attn.rope, attn.head_dim, c.offset)
             x = layer.host_step(x, c, rotations[key])
-        return mx.array(host.rms_norm(x, self.norm, shift=1)).reshape(1, 1, -1)
+        return mx.array(host.rms_norm(x, self.norm)).reshape(1, 1, -1)
 
 
 class Model(nn.Module):

@@ -101,11 +101,10 @@ class Rotation:
         return x * self.a + x[:, self.partner] * self.b
 
 
-def rms_norm(x, norm, shift=0):
-    """An nn.RMSNorm's value of a float32 vector (or rows); shift=1: Gemma's, which scales by 1 + w."""
-    w = np.array(norm.weight, copy=False)
-    if shift:
-        w = w + np.float32(shift)
+def rms_norm(x, norm):
+    """An RMS norm module's value of a float32 vector (or rows): scaled by `norm.host_scale()` where
+    the module has one (Gemma's 1 + w), else by its weight."""
+    w = norm.host_scale() if hasattr(norm, "host_scale") else np.array(norm.weight, copy=False)
     return x * (1 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + norm.eps)) * w
 
 

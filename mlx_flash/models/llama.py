@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.n_kv_heads = n_kv_heads = args.num_key_value_heads
         self.head_dim = head_dim = args.head_dim or dim // n_heads
         self.scale = head_dim**-0.5 if args.attention_multiplier is None else args.attention_multiplier
-        self.window = getattr(args, "window", None)
+        self.window = args.window
         bias = args.qkv_bias
         self.q_proj = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -182,7 +182,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, block=None):
         super().__init__()
         block = block or TransformerBlock  # (models/moe.py passes its own: the same model around other blocks)
-        self.embedding_multiplier = getattr(args, "embedding_multiplier", 1.0)
+        self.embedding_multiplier = args.embedding_multiplier
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [block(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -195,7 +195,7 @@ class LlamaModel(nn.Module):
             return self._host_step(h, cache)
         if cache is None:
             cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0], window_size=getattr(self.layers[0].self_attn, "window", None))
+        mask = create_attention_mask(h, cache[0], window_size=self.layers[0].self_attn.window)
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, cache=c)
         return self.norm(h)
@@ -228,7 +228,7 @@ class Model(nn.Module):
             out = self.model.embed_tokens.as_linear(out)
         else:
             out = self.lm_head(out)
-        scaling = getattr(self.args, "logits_scaling", 1.0)
+        scaling = self.args.logits_scaling
         return out if scaling == 1 else out / scaling
 
     @property

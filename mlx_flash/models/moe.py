@@ -51,6 +51,7 @@ class ModelArgs(llama.ModelArgs):
         self.d_expert = self.moe_intermediate_size or self.intermediate_size
         self.qkv_bias = self.attention_bias or self.model_type == "qwen2_moe"
         self.qk_norm = {"qwen3_moe": True, "olmoe": "full"}.get(self.model_type, False)
+        self.window = None  # (the mixtures' attention here takes no sliding window)
 
     def is_moe_layer(self, layer):
         if self.model_type != "qwen3_moe":

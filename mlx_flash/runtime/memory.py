@@ -388,8 +388,6 @@ TOKENIZER_PEAK_PER_BYTE, TOKENIZER_KEPT_PER_BYTE = 23, 7
 def tokenizer_load(folder):
     """(the RSS a tokenizer's load adds at its peak, what it keeps), from its tokenizer.json's size;
     each at least TOKENIZER_PEAK."""
-    from pathlib import Path
-
     path = Path(folder) / "tokenizer.json"
     size = path.stat().st_size if path.is_file() else 0
     return max(TOKENIZER_PEAK, TOKENIZER_PEAK_PER_BYTE * size), max(TOKENIZER_PEAK, TOKENIZER_KEPT_PER_BYTE * size)

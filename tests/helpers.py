@@ -138,6 +138,42 @@ def hf_folder(folder, config, tensors_of, seed=0, dtype="float32"):
     return folder, cfg, tensors
 
 
+def mlx_quantized_folders(src, tensors, out, bits=4, group_size=32):
+    """For families mlx_lm lacks: an mlx_lm-style quantized copy of the folder `src` (every 2-D
+    weight whose rows split into groups as packed words with float16 scales and biases, as
+    mlx_lm's convert writes them at float16) and a float32 folder of the same weights dequantized,
+    for an independent reference -> (quantized folder, dequantized folder)."""
+    import shutil
+
+    import mlx.core as mx
+
+    out = Path(out)
+    packed, plain = {}, {}
+    for name, w in tensors.items():
+        if w.ndim == 2 and name.endswith(".weight") and w.shape[1] % group_size == 0:
+            wq, s, b = mx.quantize(mx.array(w.astype(np.float16)), group_size=group_size, bits=bits)
+            stem = name[: -len("weight")]
+            packed[name], packed[stem + "scales"], packed[stem + "biases"] = np.array(wq), np.array(s), np.array(b)
+            # (in float32: q * scale + bias unrounded, as a float32 product of the packed rows is)
+            plain[name] = np.array(mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32),
+                                                 group_size=group_size, bits=bits))
+        else:
+            packed[name] = plain[name] = w
+    config = json.loads((Path(src) / "config.json").read_text())
+    folders = []
+    for sub, ts, cfg in (("mlx-q", packed, {**config, "quantization": {"group_size": group_size, "bits": bits}}),
+                         ("dequantized", plain, config)):
+        folder = out / sub
+        shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+        (folder / "config.json").write_text(json.dumps(cfg))
+        wr = SafetensorsWriter(folder / "model.safetensors", [(k, v.shape, str(v.dtype)) for k, v in ts.items()])
+        for k, v in ts.items():
+            wr.write(k, v)
+        wr.close()
+        folders.append(folder)
+    return tuple(folders)
+
+
 def make_llama_folder(folder, variant="llama", seed=0, dtype="float32", **overrides):
     """A Hugging Face-style Llama-family folder: config.json, model.safetensors, tokenizer."""
     def checkpoint(cfg, rng):
@@ -302,6 +338,90 @@ def phi_tensors(cfg, rng):
                 t[p + f"self_attn.{name}.weight"], t[p + f"self_attn.{name}.bias"] = 1 + w(hd), w(hd)
         t[p + "mlp.fc1.weight"], t[p + "mlp.fc1.bias"] = w(f, d), w(f)
         t[p + "mlp.fc2.weight"], t[p + "mlp.fc2.bias"] = w(d, f), w(d)
+    return t
+
+
+PERSIMMON_BASE = dict(model_type="persimmon", architectures=["PersimmonForCausalLM"], hidden_size=64,
+                      intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5,
+                      layer_norm_eps=1e-5, rope_theta=25000.0, max_position_embeddings=256, hidden_act="relu2",
+                      qk_layernorm=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+# Falcon-7B's shape in small: multi-query, a parallel block with one LayerNorm, no biases, tied head
+FALCON_BASE = dict(model_type="falcon", architectures=["FalconForCausalLM"], hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, multi_query=True, parallel_attn=True, new_decoder_architecture=False,
+                   bias=False, alibi=False, layer_norm_epsilon=1e-5, max_position_embeddings=256,
+                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+FALCON_VARIANTS = {
+    "7b": {},
+    # Falcon-40B / 180B: grouped attention, an attention and an FFN LayerNorm side by side, untied head
+    "40b": dict(new_decoder_architecture=True, num_kv_heads=2, tie_word_embeddings=False),
+    # Falcon 2 11B: grouped, one LayerNorm
+    "11b": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+    # a sequential block, a head of keys and values a query head, biases, ReLU (the paper's ReLU-fied)
+    "sequential": dict(multi_query=False, parallel_attn=False, bias=True, activation="relu", ffn_hidden_size=160),
+}
+
+
+def make_persimmon_folder(folder, seed=0, dtype="float32", **overrides):
+    """A Hugging Face-style Persimmon folder (a sequential block, q/k/v fused head by head)."""
+    return hf_folder(folder, {**PERSIMMON_BASE, **overrides}, persimmon_tensors, seed, dtype)
+
+
+def make_falcon_folder(folder, variant="7b", seed=0, dtype="float32", **overrides):
+    """A Hugging Face-style Falcon folder (transformer.h.N..., q/k/v fused in query_key_value)."""
+    return hf_folder(folder, {**FALCON_BASE, **FALCON_VARIANTS[variant], **overrides}, falcon_tensors, seed, dtype)
+
+
+def _normal(rng):
+    def w(*shape, s=0.08):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+    return w
+
+
+def persimmon_tensors(cfg, rng):
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = d // cfg["num_attention_heads"]
+    w = _normal(rng)
+    t = {"model.embed_tokens.weight": w(v, d, s=0.5), "model.final_layernorm.weight": 1 + w(d),
+         "model.final_layernorm.bias": w(d), "lm_head.weight": w(v, d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[p + norm + ".weight"], t[p + norm + ".bias"] = 1 + w(d), w(d)
+        t[p + "self_attn.query_key_value.weight"], t[p + "self_attn.query_key_value.bias"] = w(3 * d, d), w(3 * d)
+        t[p + "self_attn.dense.weight"], t[p + "self_attn.dense.bias"] = w(d, d), w(d)
+        for norm in ("q_layernorm", "k_layernorm"):
+            t[p + f"self_attn.{norm}.weight"], t[p + f"self_attn.{norm}.bias"] = 1 + w(hd), w(hd)
+        t[p + "mlp.dense_h_to_4h.weight"], t[p + "mlp.dense_h_to_4h.bias"] = w(f, d), w(f)
+        t[p + "mlp.dense_4h_to_h.weight"], t[p + "mlp.dense_4h_to_h.bias"] = w(d, f), w(d)
+    return t
+
+
+def falcon_tensors(cfg, rng):
+    d, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    f = cfg.get("ffn_hidden_size") or 4 * d
+    hd, new = d // n, cfg.get("new_decoder_architecture")
+    kv = cfg.get("num_kv_heads", n) if new else (1 if cfg.get("multi_query", True) else n)
+    bias = cfg.get("bias")
+    w = _normal(rng)
+    t = {"transformer.word_embeddings.weight": w(v, d, s=0.5), "transformer.ln_f.weight": 1 + w(d),
+         "transformer.ln_f.bias": w(d)}
+    if not cfg.get("tie_word_embeddings", True):
+        t["lm_head.weight"] = w(v, d)
+    if new and cfg.get("num_ln_in_parallel_attn", 2) == 2:
+        norms = ("ln_attn", "ln_mlp")
+    else:
+        norms = ("input_layernorm",) if new or cfg.get("parallel_attn", True) else ("input_layernorm",
+                                                                                     "post_attention_layernorm")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"transformer.h.{i}."
+        for norm in norms:
+            t[p + norm + ".weight"], t[p + norm + ".bias"] = 1 + w(d), w(d)
+        linears = (("self_attention.query_key_value", ((n + 2 * kv) * hd, d)), ("self_attention.dense", (d, d)),
+                   ("mlp.dense_h_to_4h", (f, d)), ("mlp.dense_4h_to_h", (d, f)))
+        for name, shape in linears:
+            t[p + name + ".weight"] = w(*shape)
+            if bias:
+                t[p + name + ".bias"] = w(shape[0])
     return t
 
 

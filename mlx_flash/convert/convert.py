@@ -379,8 +379,9 @@ def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, jour
 
         return write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal, options, family, args)
     fused = family.fused_tensors(args) if hasattr(family, "fused_tensors") else {}
-    if fused:  # (Phi-3: q/k/v and gate/up stacked in one tensor each, split here)
-        src = FusedSource(src, fused)
+    rename = (lambda name: family.source_name(args, name)) if hasattr(family, "source_name") else None
+    if fused or rename:  # (Phi-3, Persimmon, Falcon: q/k/v stacked in one tensor, split here)
+        src = FusedSource(src, fused, rename)
     kinds = family.ffn_kinds(args)
     n_layers = args.num_hidden_layers
     options.check_layers(n_layers)

@@ -1,67 +1,72 @@
 """Fused tensors split at conversion: a source whose checkpoint stacks several weights in one
-tensor (Phi-3's qkv_proj = [q; k; v] and gate_up_proj = [gate; up]) seen as the separate weights
-a family's model holds, so that the FFN's gate and up rows become neurons of the flash layout
-and q, k, v resident weights of their own.
+tensor (Phi-3's qkv_proj = [q; k; v] and gate_up_proj = [gate; up], Falcon's and Persimmon's
+query_key_value with each head's q, k and v rows side by side) seen as the separate weights a
+family's model holds, so that the FFN's gate and up rows become neurons of the flash layout and
+q, k, v resident weights of their own.
 
-The parts are row ranges of the fused tensor: whole rows, so a quantized tensor's packed values,
-scales and biases split with them, exactly.
+Each part is a set of rows of the fused tensor (an index array, in the part's order; a bias
+splits with its weight's rows): whole rows, so a quantized tensor's packed values, scales and
+biases split with them, exactly. A family whose checkpoints name tensors otherwise than its
+functions do (Falcon's transformer.h.N) renames them here too (its source_name).
 """
+
+import numpy as np
 
 from ..errors import FlashError
 
 
 class FusedSource:
     """`source` with each fused tensor replaced by its parts. splits: {fused name: [(part name,
-    first row, end row)]} (a family's fused_tensors(args))."""
+    its rows: an index array)]} (a family's fused_tensors(args)), in the family's names; every row in
+    exactly one part. rename: a source name -> the family's (None: the same)."""
 
-    def __init__(self, source, splits):
+    def __init__(self, source, splits, rename=None):
         self._src = source
         self.config = source.config
-        self._parts = {}  # part name -> (fused name, first, end)
-        names = set(source.names())
+        self._source_names = {(rename(n) if rename else n): n for n in source.names()}  # ours -> source's
+        self._parts = {}  # part name -> (fused name, its rows)
         for fused, parts in splits.items():
-            if fused not in names:
+            if fused not in self._source_names:
                 continue  # (a checkpoint that stores the parts already)
-            rows = source.shape(fused)[0]
-            if parts[-1][2] != rows:
-                raise FlashError(f"{fused} has {rows} rows, expected {parts[-1][2]} "
-                                 f"({', '.join(p for p, _, _ in parts)}: is config.json right for these weights?)")
-            for name, first, end in parts:
-                self._parts[name] = (fused, first, end)
-        self._fused = {fused for fused, _, _ in self._parts.values()}
+            rows = self.shape(fused)[0]
+            want = sum(len(idx) for _, idx in parts)
+            if want != rows:
+                raise FlashError(f"{fused} has {rows} rows, expected {want} "
+                                 f"({', '.join(p for p, _ in parts)}: is config.json right for these weights?)")
+            for name, idx in parts:
+                self._parts[name] = (fused, np.asarray(idx))
+        self._fused = {fused for fused, _ in self._parts.values()}
 
     def names(self):
         out = []
-        for name in self._src.names():
+        for name in self._source_names:
             if name in self._fused:
-                out += [p for p, (f, _, _) in self._parts.items() if f == name]
+                out += [p for p, (f, _) in self._parts.items() if f == name]
             else:
                 out.append(name)
         return out
 
+    def _source(self, name):
+        """The source's name of one of ours, or of the fused tensor a part comes from."""
+        return self._source_names[self._parts[name][0] if name in self._parts else name]
+
     def shape(self, name):
-        if name not in self._parts:
-            return self._src.shape(name)
-        fused, first, end = self._parts[name]
-        return (end - first,) + tuple(self._src.shape(fused)[1:])
+        shape = self._src.shape(self._source(name))
+        return (len(self._parts[name][1]),) + tuple(shape[1:]) if name in self._parts else shape
 
     def read(self, name):
-        if name not in self._parts:
-            return self._src.read(name)
-        fused, first, end = self._parts[name]
-        return self._src.read(fused)[first:end].copy()
+        w = self._src.read(self._source(name))
+        return w[self._parts[name][1]] if name in self._parts else w
 
     def read_quantized(self, name):
-        if name not in self._parts:
-            return self._src.read_quantized(name)
-        fused, first, end = self._parts[name]
-        return self._src.read_quantized(fused).rows(lambda a: a[first:end])
+        w = self._src.read_quantized(self._source(name))
+        return w.rows(lambda a: a[self._parts[name][1]]) if name in self._parts else w
 
     def quant(self, name):
-        return self._src.quant(self._parts.get(name, (name,))[0]) if hasattr(self._src, "quant") else None
+        return self._src.quant(self._source(name)) if hasattr(self._src, "quant") else None
 
     def lossy(self, name):
-        return self._src.lossy(self._parts.get(name, (name,))[0]) if hasattr(self._src, "lossy") else None
+        return self._src.lossy(self._source(name)) if hasattr(self._src, "lossy") else None
 
     def write_tokenizer(self, out_dir):
         return self._src.write_tokenizer(out_dir)

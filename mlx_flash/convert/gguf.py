@@ -45,7 +45,7 @@ ARCHS = {
     # gate and up in ffn_up, split by the converter (convert/fused.py) as from Phi-3's checkpoints
     "granite": {"model_type": "granite", "architectures": ["GraniteForCausalLM"], "permuted": True},
     "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "permuted": False},
-    # Phi-2: LayerNorms with biases, a parallel block, a non-gated FFN (models/phi.py)
+    # Phi-2: LayerNorms with biases, a parallel block, a non-gated FFN (models/neox.py)
     "phi2": {"model_type": "phi", "architectures": ["PhiForCausalLM"], "permuted": False},
 }
 GEMMA = ("gemma2", "gemma3")

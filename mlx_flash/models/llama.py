@@ -254,8 +254,8 @@ def ffn_tensors(args: ModelArgs, layer: int):
 
 
 def fused_tensors(args: ModelArgs):
-    """{fused tensor's name: [(part's name, first row, end row)]}: Phi-3's checkpoints stack q, k, v
-    in self_attn.qkv_proj and gate, up in mlp.gate_up_proj (convert/fused.py splits them)."""
+    """{fused tensor's name: [(part's name, its rows)]}: Phi-3's checkpoints stack q, k, v in
+    self_attn.qkv_proj and gate, up in mlp.gate_up_proj (convert/fused.py splits them)."""
     if args.model_type != "phi3":
         return {}
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
@@ -263,10 +263,11 @@ def fused_tensors(args: ModelArgs):
     out = {}
     for i in range(args.num_hidden_layers):
         p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj.weight"] = [(p + "self_attn.q_proj.weight", 0, q),
-                                                (p + "self_attn.k_proj.weight", q, q + kv),
-                                                (p + "self_attn.v_proj.weight", q + kv, q + 2 * kv)]
-        out[p + "mlp.gate_up_proj.weight"] = [(p + "mlp.gate_proj.weight", 0, f), (p + "mlp.up_proj.weight", f, 2 * f)]
+        out[p + "self_attn.qkv_proj.weight"] = [(p + "self_attn.q_proj.weight", np.arange(0, q)),
+                                                (p + "self_attn.k_proj.weight", np.arange(q, q + kv)),
+                                                (p + "self_attn.v_proj.weight", np.arange(q + kv, q + 2 * kv))]
+        out[p + "mlp.gate_up_proj.weight"] = [(p + "mlp.gate_proj.weight", np.arange(0, f)),
+                                              (p + "mlp.up_proj.weight", np.arange(f, 2 * f))]
     return out
 
 

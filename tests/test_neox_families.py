@@ -1,0 +1,81 @@
+"""Persimmon and Falcon (models/neox.py; mlx_lm has neither): logits against transformers on the
+same random weights, float32 and 4 bits (an mlx_lm-style quantized folder against transformers on
+its dequantized weights), in every exact mode; q/k/v fused in the checkpoint and split at
+conversion, Falcon's layouts (multi-query, grouped with one or two LayerNorms, a head of keys a
+query head) and names; the ReLU-fied variants (the paper's) run as trained."""
+
+import json
+
+import pytest
+
+import mlx.core as mx
+
+import mlx_flash
+from mlx_flash.convert import convert
+from mlx_flash.errors import FlashError
+from helpers import make_falcon_folder, make_persimmon_folder, mlx_quantized_folders
+from reference import reference_logits
+from test_parity import TOKENS, greedy
+from test_quant import EXACT_MODES, assert_logits_in_modes
+
+FOLDERS = {"persimmon": lambda d, **o: make_persimmon_folder(d, **o),
+           **{f"falcon-{v}": (lambda v: lambda d, **o: make_falcon_folder(d, v, **o))(v)
+              for v in ("7b", "40b", "11b", "sequential")}}
+
+
+@pytest.mark.parametrize("family", FOLDERS)
+def test_matches_transformers(tmp_path, family):
+    src, _, _ = FOLDERS[family](tmp_path / "hf")
+    folder = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    want = mx.array(reference_logits(src, TOKENS))[None]
+    assert_logits_in_modes(folder, mx.array([TOKENS]), want, [dict(mode="dense"), dict(mode="naive")], family)
+
+
+@pytest.mark.parametrize("family", ["persimmon", "falcon-40b"])
+def test_every_exact_mode_gives_dense_logits_and_tokens(tmp_path, family):
+    src, _, _ = FOLDERS[family](tmp_path / "hf")
+    folder = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    dense, _ = mlx_flash.load(folder, mode="dense")
+    x = mx.array([TOKENS])
+    assert_logits_in_modes(folder, x, dense(x), EXACT_MODES[1:], family)
+    hybrid, _ = mlx_flash.load(folder, mode="hybrid")
+    assert greedy(hybrid, TOKENS) == greedy(dense, TOKENS)
+
+
+@pytest.mark.parametrize("family", ["persimmon", "falcon-7b", "falcon-sequential"])
+def test_4bit_matches_transformers_on_the_dequantized_weights(tmp_path, family):
+    src, _, tensors = FOLDERS[family](tmp_path / "hf")
+    quantized, dequantized = mlx_quantized_folders(src, tensors, tmp_path)
+    out = convert(quantized, tmp_path / "flash", dtype="float32", progress=False)
+    want = mx.array(reference_logits(dequantized, TOKENS))[None]
+    assert_logits_in_modes(out, mx.array([TOKENS]), want, EXACT_MODES, family)
+
+
+def test_a_relu_falcon_in_flash_mode_with_every_row_gives_dense_tokens(tmp_path):
+    """A ReLU-fied Falcon (the paper's), biases in every projection, through the sparse path."""
+    src, _, _ = make_falcon_folder(tmp_path / "hf", "sequential")
+    folder = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    dense, _ = mlx_flash.load(folder, mode="dense")
+    flash, _ = mlx_flash.load(folder, mode="flash", sparsity="oracle", density=1.0)
+    assert greedy(flash, TOKENS) == greedy(dense, TOKENS)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(alibi=True), "ALiBi"),
+    (dict(new_decoder_architecture=True, num_kv_heads=3), "do not split into 3"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE scaling"),
+])
+def test_falcon_configs_we_cannot_run_are_refused(tmp_path, overrides, match):
+    src, _, _ = make_falcon_folder(tmp_path / "hf")
+    cfg = src / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **overrides}))
+    with pytest.raises(FlashError, match=match):
+        convert(src, tmp_path / "flash", dtype="float32", progress=False)
+
+
+def test_a_fused_tensor_of_the_wrong_size_names_it(tmp_path):
+    src, _, _ = make_persimmon_folder(tmp_path / "hf")
+    cfg = src / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "hidden_size": 32}))
+    with pytest.raises(FlashError, match="query_key_value.weight has 192 rows, expected 96"):
+        convert(src, tmp_path / "flash", dtype="float32", progress=False)

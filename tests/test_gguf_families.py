@@ -1,7 +1,8 @@
-"""Granite, Phi-3 and Phi-2 GGUFs, written from the same random weights as a Hugging Face folder the way
+"""Granite, Phi-3, Phi-2, Persimmon and Falcon GGUFs, written from the same random weights as a Hugging Face folder the way
 llama.cpp's convert_hf_to_gguf.py writes them (Granite: a llama's q/k rows permuted, its
 multipliers as *_scale keys; Phi-3: q/k/v in attn_qkv, gate and up in ffn_up, the rotated
-dimensions and LongRoPE's factors as tensors), convert to the folder's logits."""
+dimensions and LongRoPE's factors as tensors; Falcon: q/k/v regrouped as all q, all k, all v), convert
+to the folder's logits."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ import mlx.core as mx
 
 import mlx_flash
 from mlx_flash.convert import convert
-from helpers import gguf_finish, gguf_name, gguf_writer, make_llama_folder, make_phi_folder
+from helpers import (gguf_finish, gguf_name, gguf_writer, make_falcon_folder, make_llama_folder, make_persimmon_folder,
+                     make_phi_folder)
 from test_gguf import permute
 from test_parity import TOKENS
 
@@ -31,6 +33,8 @@ def write_gguf_of(path, arch, cfg, tensors):
         w.add_logit_scale(cfg["logits_scaling"])
     if arch == "phi3":
         w.add_rope_dimension_count(int(head_dim * cfg["partial_rotary_factor"]))
+        if cfg.get("sliding_window"):
+            w.add_sliding_window(cfg["sliding_window"])
         scaling = cfg.get("rope_scaling")
         if scaling:
             w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
@@ -50,6 +54,7 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(4)],
 @pytest.mark.parametrize("variant,overrides", [
     ("granite", {}),
     ("phi3", {}),
+    ("phi3", {"sliding_window": 3}),  # (every layer's window, as from the folder)
     ("phi3", {"rope_scaling": LONGROPE, "original_max_position_embeddings": 4, "max_position_embeddings": 64}),
 ])
 def test_gguf_converts_to_the_folders_logits(tmp_path, variant, overrides):
@@ -82,3 +87,62 @@ def test_phi2_gguf_converts_to_the_folders_logits(tmp_path):
     ref, _ = mlx_flash.load(convert(src, tmp_path / "from-hf", dtype="float32", progress=False))
     x = mx.array([TOKENS])
     assert mx.abs(ours(x) - ref(x)).max().item() < 1e-4
+
+
+PERSIMMON_NAMES = {"input_layernorm": "attn_norm", "self_attn.query_key_value": "attn_qkv",
+                   "self_attn.dense": "attn_output", "self_attn.q_layernorm": "attn_q_norm",
+                   "self_attn.k_layernorm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+                   "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+
+
+def _neox_gguf(path, arch, cfg, tensors, n_kv):
+    """A Persimmon / Falcon GGUF as convert_hf_to_gguf.py writes one: gguf-py's own tensor names
+    for the architecture; Falcon's query_key_value regrouped (its modify_tensors)."""
+    import gguf
+
+    n, d = cfg["num_attention_heads"], cfg["hidden_size"]
+    hd = d // n
+    common = {"num_key_value_heads": n_kv, "intermediate_size": cfg.get("intermediate_size", 4 * d),
+              "rope_theta": cfg.get("rope_theta", 10000.0), **cfg}
+    w = gguf_writer(path, arch, common, hd)
+    w.add_layer_norm_eps(cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon")))
+    if arch == "persimmon":
+        w.add_rope_dimension_count(hd // 2)
+    else:
+        w.add_tensor_data_layout("jploski")
+    if arch == "falcon":
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.FALCON, cfg["num_hidden_layers"])
+        name = lambda hf: names.get_name(hf, try_suffixes=(".weight", ".bias"))  # noqa: E731
+    else:  # (gguf-py no longer lists persimmon; these are the names its tensor map gave)
+        name = lambda hf: gguf_name(hf, PERSIMMON_NAMES, {"model.final_layernorm": "output_norm"})  # noqa: E731
+    for hf, x in tensors.items():
+        if arch == "falcon" and "query_key_value" in hf:
+            g = x.reshape(n_kv, n // n_kv + 2, hd, -1)
+            x = np.concatenate([g[:, :-2].reshape(n * hd, -1), g[:, -2].reshape(n_kv * hd, -1),
+                                g[:, -1].reshape(n_kv * hd, -1)]).reshape(x.shape)
+        w.add_tensor(name(hf), x.astype(np.float32))
+    gguf_finish(w)
+
+
+@pytest.mark.parametrize("family, n_kv", [("persimmon", 4), ("falcon-7b", 1), ("falcon-40b", 2), ("falcon-11b", 2)])
+def test_persimmon_and_falcon_ggufs_convert_to_the_folders_logits(tmp_path, family, n_kv):
+    if family == "persimmon":
+        src, cfg, tensors = make_persimmon_folder(tmp_path / "hf", vocab_size=272)
+    else:
+        src, cfg, tensors = make_falcon_folder(tmp_path / "hf", family.split("-")[1], vocab_size=272)
+    _neox_gguf(tmp_path / "m.gguf", family.split("-")[0], cfg, tensors, n_kv)
+    ours, _ = mlx_flash.load(convert(tmp_path / "m.gguf", tmp_path / "from-gguf", dtype="float32", progress=False))
+    ref, _ = mlx_flash.load(convert(src, tmp_path / "from-hf", dtype="float32", progress=False))
+    x = mx.array([TOKENS])
+    assert mx.abs(ours(x) - ref(x)).max().item() < 1e-4
+
+
+def test_falcons_pre_tokenizer_splits_punctuation_runs_and_digits_in_threes():
+    """Falcon's tokenizer.json: punctuation runs apart, then GPT-2's byte-level split, then digits
+    in runs of three (llama.cpp's "falcon" pre-tokenizer)."""
+    from mlx_flash.convert.gguf_tokenizer import bytes_to_unicode, byte_level_bpe
+
+    chars = list(bytes_to_unicode().values())
+    tk = byte_level_bpe(chars, [1] * len(chars), [], "falcon", None)
+    pieces = [p for p, _ in tk.pre_tokenizer.pre_tokenize_str("a+=b 1234567")]
+    assert pieces == ["a", "+=", "b", "Ġ", "123", "456", "7"], pieces

@@ -47,6 +47,10 @@ ARCHS = {
     "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "permuted": False},
     # Phi-2: LayerNorms with biases, a parallel block, a non-gated FFN (models/neox.py)
     "phi2": {"model_type": "phi", "architectures": ["PhiForCausalLM"], "permuted": False},
+    # Persimmon and Falcon: q/k/v in attn_qkv (Persimmon's head by head as in its checkpoints;
+    # Falcon's regrouped by convert_hf_to_gguf.py as all q, all k, all v: put back here)
+    "persimmon": {"model_type": "persimmon", "architectures": ["PersimmonForCausalLM"], "permuted": False},
+    "falcon": {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "permuted": False},
 }
 GEMMA = ("gemma2", "gemma3")
 # the layers of the 27B models, whose attention scales by (hidden / heads)^-1/2, not head_dim^-1/2
@@ -78,12 +82,17 @@ LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
     "attn_qkv": "self_attn.qkv_proj",
+    "attn_norm_2": "post_attention_layernorm",
 }
 # Gemma's block has four norms: llama.cpp's ffn_norm is the one before the FFN
 ARCH_LAYER_NAMES = {**{arch: {"ffn_norm": "pre_feedforward_layernorm"} for arch in GEMMA},
                     "phi3": {"ffn_up": "mlp.gate_up_proj"},
-                    "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}}
-ARCH_GLOBAL_NAMES = {"phi2": {"output_norm": "model.final_layernorm"}}
+                    "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+                    **{arch: {"attn_qkv": "self_attn.query_key_value", "attn_output": "self_attn.dense",
+                              "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+                              "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+                       for arch in ("persimmon", "falcon")}}
+ARCH_GLOBAL_NAMES = {arch: {"output_norm": "model.final_layernorm"} for arch in ("phi2", "persimmon", "falcon")}
 # Phi-3's LongRoPE: llama.cpp keeps its per-frequency factors as tensors
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 LAYER_ORDER = {k: i for i, k in enumerate(LAYER_NAMES)}
@@ -116,13 +125,25 @@ def unpermute(w, n_head):
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def hf_name(gguf_name, arch=None):
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+def layer_names(arch, names):
+    """An architecture's llama.cpp layer tensor names -> HF's, given all the file's tensor names.
+    Falcon-40B's two LayerNorms: llama.cpp's attn_norm is the FFN's (ln_mlp), attn_norm_2
+    attention's (ln_attn)."""
+    out = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+    if arch == "falcon" and any(n.endswith(".attn_norm_2.weight") for n in names):
+        out.update(attn_norm="post_attention_layernorm", attn_norm_2="input_layernorm")
+    return out
+
+
+def hf_name(gguf_name, arch=None, names=None):
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown. names:
+    layer_names(arch, ...) (else the architecture's usual ones)."""
     parts = gguf_name.split(".")
     if parts[-1] not in ("weight", "bias"):
         return None
-    if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        name = ARCH_LAYER_NAMES.get(arch, {}).get(parts[2], LAYER_NAMES[parts[2]])
+    names = names or {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+    if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[2] in names:
+        name = names[parts[2]]
         return f"model.layers.{int(parts[1])}.{name}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GLOBAL_NAMES:
         return f"{ARCH_GLOBAL_NAMES.get(arch, {}).get(parts[0], GLOBAL_NAMES[parts[0]])}.{parts[1]}"
@@ -195,6 +216,7 @@ class GGUFSource:
         self._tensors = {}
         rope_freqs = None
         self._rope_factors = {}
+        names = layer_names(arch, [t.name for t in self._reader.tensors])
         for t in self._reader.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise FlashError(f"{self.path}: truncated GGUF file (tensor {t.name} ends past the end)")
@@ -204,7 +226,7 @@ class GGUFSource:
             if t.name in ROPE_FACTORS:
                 self._rope_factors[t.name.split(".")[0]] = t
                 continue
-            name = hf_name(t.name, arch)
+            name = hf_name(t.name, arch, names)
             if name is None:
                 raise FlashError(f"{self.path.name}: unexpected tensor '{t.name}' for a {arch} GGUF")
             if t.tensor_type.name not in SUPPORTED_TYPES:
@@ -280,13 +302,19 @@ class GGUFSource:
                                ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
                 if self._arch_get(key):
                     config[field] = _short_float(self._arch_get(key))
-        if self.arch in ("phi2", "phi3"):  # (the rotated share of each head)
+        if self.arch == "falcon":
+            config.update(self._falcon_config(n_kv))
+        if self.arch in ("phi2", "phi3", "persimmon"):  # (the rotated share of each head)
             config["partial_rotary_factor"] = self._arch_get("rope.dimension_count", head_dim) / head_dim
         if self.arch == "phi3":
             config.update(self._phi3_longrope())
-        if self.arch == "phi2":
+            if self._arch_get("attention.sliding_window"):  # (every layer's, as from the folder)
+                config["sliding_window"] = self._arch_get("attention.sliding_window")
+        if self.arch in ("phi2", "persimmon"):
             config.update(layer_norm_eps=_short_float(self._arch_get("attention.layer_norm_epsilon", 1e-5)),
-                          hidden_act="gelu_new", tie_word_embeddings=False)
+                          hidden_act="gelu_new" if self.arch == "phi2" else "relu2", tie_word_embeddings=False)
+        if self.arch == "persimmon":
+            config["qk_layernorm"] = "model.layers.0.self_attn.q_layernorm.weight" in self._tensors
         if self.arch in ("llama", "granite"):
             config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
             config["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self._tensors
@@ -337,6 +365,18 @@ class GGUFSource:
                 config["sliding_window_pattern"] = 6
         return config
 
+    def _falcon_config(self, n_kv):
+        """Falcon's fields as transformers names them. Every Falcon llama.cpp runs has a parallel
+        block; its q/k/v are read back in the grouped layout (new_decoder_architecture: each kv
+        head's queries, key, value), one kv head's group for the multi-query 7B; a second
+        LayerNorm (attn_norm_2) is the FFN's."""
+        has = self._tensors.__contains__
+        return {"num_kv_heads": n_kv, "new_decoder_architecture": True, "parallel_attn": True,
+                "num_ln_in_parallel_attn": 2 if has("model.layers.0.post_attention_layernorm.weight") else 1,
+                "bias": has("model.layers.0.self_attn.query_key_value.bias"), "alibi": False,
+                "ffn_hidden_size": self.shape("model.layers.0.mlp.dense_h_to_4h.weight")[0], "activation": "gelu",
+                "layer_norm_epsilon": _short_float(self._arch_get("attention.layer_norm_epsilon", 1e-5))}
+
     def _phi3_longrope(self):
         """Phi-3's LongRoPE, from its factors' tensors, where the file has them."""
         config = {}
@@ -384,7 +424,18 @@ class GGUFSource:
         # GGUF lists dims innermost first: [in, out] for a linear weight.
         return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
 
+    def _falcon_qkv_rows(self):
+        """The file's attn_qkv rows (all q, all k, all v) in Falcon's grouped order: for each kv
+        head, its queries' rows, its key's, its value's."""
+        n, kv = self.config["num_attention_heads"], self.config["num_kv_heads"]
+        hd = self.config["hidden_size"] // n
+        heads = np.arange(n * hd).reshape(kv, n // kv, hd)
+        keys = n * hd + np.arange(kv * hd).reshape(kv, 1, hd)
+        return np.concatenate([heads, keys, keys + kv * hd], axis=1).reshape(-1)
+
     def _unpermute(self, name, w):
+        if self.arch == "falcon" and ".query_key_value." in name:
+            return w[self._falcon_qkv_rows()]
         if ARCHS[self.arch]["permuted"]:
             if ".self_attn.q_proj." in name:
                 return unpermute(w, self.config["num_attention_heads"])

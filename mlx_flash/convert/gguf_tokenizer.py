@@ -45,6 +45,7 @@ PRE_TOKENIZERS = {
     **dict.fromkeys(["dbrx", "smaug-bpe"], ("llama3", False, False)),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"], ("qwen2", False, False)),
     "tekken": ("tekken", True, True),
+    "falcon": ("falcon", False, False),
 }
 
 def bytes_to_unicode():
@@ -83,6 +84,13 @@ def byte_level_bpe(tokens, types, merges, pre, bos):
     tk = Tokenizer(model)
     if split == "gpt2":
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == "falcon":  # (as Falcon's tokenizer.json: punctuation runs, byte level, runs of 3 digits)
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Punctuation("contiguous"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            pre_tokenizers.Digits(individual_digits=False),
+            pre_tokenizers.Split(Regex("[0-9][0-9][0-9]"), behavior="isolated"),
+        ])
     elif split == "digits":
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),

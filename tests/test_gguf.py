@@ -350,14 +350,14 @@ def test_truncated(llama_gguf, tmp_path, keep):
 
 
 def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "falcon.gguf"
-    w = gguf.GGUFWriter(str(path), "falcon")
+    path = tmp_path / "bloom.gguf"
+    w = gguf.GGUFWriter(str(path), "bloom")
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(FlashError, match="unsupported GGUF architecture 'falcon' \\(supported: llama"):
+    with pytest.raises(FlashError, match="unsupported GGUF architecture 'bloom' \\(supported: llama"):
         GGUFSource(path)
 
 

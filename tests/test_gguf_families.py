@@ -11,7 +11,8 @@ import mlx.core as mx
 
 import mlx_flash
 from mlx_flash.convert import convert
-from helpers import (gguf_finish, gguf_name, gguf_writer, make_falcon_folder, make_llama_folder, make_persimmon_folder,
+from helpers import (gguf_finish, gguf_name, gguf_writer, make_falcon_folder, make_llama_folder, make_moe_folder,
+                     make_persimmon_folder,
                      make_phi_folder)
 from test_gguf import permute
 from test_parity import TOKENS
@@ -146,3 +147,36 @@ def test_falcons_pre_tokenizer_splits_punctuation_runs_and_digits_in_threes():
     tk = byte_level_bpe(chars, [1] * len(chars), [], "falcon", None)
     pieces = [p for p, _ in tk.pre_tokenizer.pre_tokenize_str("a+=b 1234567")]
     assert pieces == ["a", "+=", "b", "Ġ", "123", "456", "7"], pieces
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "olmoe"])
+def test_mixtral_and_olmoe_ggufs_convert_to_the_folders_logits(tmp_path, variant):
+    """llama.cpp's mixtures: Mixtral as a llama GGUF with experts (q/k permuted), OLMoE as olmoe (q/k
+    norms over the whole projection); each layer's experts merged in ffn_*_exps, the router
+    ffn_gate_inp."""
+    src, cfg, tensors = make_moe_folder(tmp_path / "hf", variant, vocab_size=272)
+    arch = {"mixtral": "llama", "olmoe": "olmoe"}[variant]
+    heads, kv_heads, n = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_experts_per_tok"]
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    w = gguf_writer(tmp_path / "m.gguf", arch, cfg, cfg["hidden_size"] // heads)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(n)
+    block = "block_sparse_moe" if variant == "mixtral" else "mlp"
+    own = {"mixtral": ("w1", "w3", "w2"), "olmoe": ("gate_proj", "up_proj", "down_proj")}[variant]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.{block}."
+        for hf, kind in zip(own, ("gate", "up", "down")):
+            stacked = np.stack([tensors.pop(f"{p}experts.{e}.{hf}.weight") for e in range(experts)])
+            w.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", stacked.astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors.pop(f"{p}gate.weight").astype(np.float32))
+    for hf, x in tensors.items():
+        if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            x = permute(x, heads if ".q_proj." in hf else kv_heads)
+        w.add_tensor(gguf_name(hf, {**NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}),
+                     x.astype(np.float32))
+    gguf_finish(w)
+    ours, _ = mlx_flash.load(convert(tmp_path / "m.gguf", tmp_path / "from-gguf", dtype="float32", progress=False))
+    ref, _ = mlx_flash.load(convert(src, tmp_path / "from-hf", dtype="float32", progress=False))
+    assert ours.args.model_type == variant
+    x = mx.array([TOKENS])
+    assert mx.abs(ours(x) - ref(x)).max().item() < 1e-4

@@ -22,6 +22,7 @@ and are undone here:
 """
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,9 @@ ARCHS = {
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "permuted": False},
     # mixtures of experts: a layer's experts of each kind merged in one [E, out, in] tensor
     # (llama.cpp's *_exps), read as mlx-lm's stacked switch_mlp weights
+    # (Mixtral's GGUFs are "llama" ones with experts: read as mixtral, MIXTRAL below)
     "qwen3moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "permuted": False},
+    "olmoe": {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "permuted": False},
     # Gemma: llama.cpp stores each RMS norm's weight + 1 (its norm multiplies by w, Gemma's by 1 + w)
     "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "permuted": False},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "permuted": False},
@@ -52,6 +55,8 @@ ARCHS = {
     "persimmon": {"model_type": "persimmon", "architectures": ["PersimmonForCausalLM"], "permuted": False},
     "falcon": {"model_type": "falcon", "architectures": ["FalconForCausalLM"], "permuted": False},
 }
+MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
+EXPERT_KEYS = {"llama": "num_local_experts", "qwen3moe": "num_experts", "olmoe": "num_experts"}
 GEMMA = ("gemma2", "gemma3")
 # the layers of the 27B models, whose attention scales by (hidden / heads)^-1/2, not head_dim^-1/2
 # (llama.cpp's rule: the GGUF does not say)
@@ -132,6 +137,9 @@ def layer_names(arch, names):
     out = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
     if arch == "falcon" and any(n.endswith(".attn_norm_2.weight") for n in names):
         out.update(attn_norm="post_attention_layernorm", attn_norm_2="input_layernorm")
+    if arch == "llama" and any(n.endswith(".ffn_gate_exps.weight") for n in names):  # Mixtral's block
+        out.update({k: v.replace("mlp.", "block_sparse_moe.", 1) for k, v in LAYER_NAMES.items() if "ffn_gate_" in k
+                    or k.endswith("_exps")})
     return out
 
 
@@ -228,6 +236,10 @@ class GGUFSource:
                 continue
             name = hf_name(t.name, arch, names)
             if name is None:
+                if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", t.name):
+                    raise FlashError(f"{self.path.name}: experts stored one tensor each ('{t.name}'), as llama.cpp "
+                                     "wrote mixtures before it merged them; convert the model again with a "
+                                     "current llama.cpp, or convert its Hugging Face folder")
                 raise FlashError(f"{self.path.name}: unexpected tensor '{t.name}' for a {arch} GGUF")
             if t.tensor_type.name not in SUPPORTED_TYPES:
                 raise FlashError(
@@ -285,14 +297,8 @@ class GGUFSource:
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "hidden_act": "silu",
         }
-        if self.arch == "qwen3moe":
-            experts = self._arch_get("expert_count")
-            if not experts:
-                raise FlashError(f"{self.path.name}: a qwen3moe GGUF without {self.arch}.expert_count")
-            config.update(num_experts=experts, num_experts_per_tok=self._arch_get("expert_used_count"),
-                          moe_intermediate_size=self._arch_get("expert_feed_forward_length"),
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-            config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+        if self.arch in ("qwen3moe", "olmoe") or any(".switch_mlp." in n for n in self._tensors):
+            config.update(self._moe_config(config))
         if head_dim != default_head_dim or self.arch in ("qwen3", "qwen3moe"):
             config["head_dim"] = head_dim  # mlx-lm's qwen3 requires it
         if self.arch in GEMMA:
@@ -364,6 +370,23 @@ class GGUFSource:
             else:
                 config["sliding_window_pattern"] = 6
         return config
+
+    def _moe_config(self, config):
+        """A mixture's fields: its experts, how many a token takes, their size; a llama GGUF with
+        experts is Mixtral."""
+        experts = self._arch_get("expert_count")
+        if not experts:
+            raise FlashError(f"{self.path.name}: a {self.arch} GGUF with experts but no {self.arch}.expert_count")
+        out = {EXPERT_KEYS[self.arch]: experts, "num_experts_per_tok": self._arch_get("expert_used_count")}
+        if self.arch == "llama":
+            out.update(MIXTRAL)
+        elif self.arch == "olmoe":
+            out["norm_topk_prob"] = False
+        else:  # qwen3moe
+            out.update(moe_intermediate_size=self._arch_get("expert_feed_forward_length"), norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[])
+            out["intermediate_size"] = config["intermediate_size"] or out["moe_intermediate_size"]
+        return out
 
     def _falcon_config(self, n_kv):
         """Falcon's fields as transformers names them. Every Falcon llama.cpp runs has a parallel

@@ -60,6 +60,8 @@ VARIANTS = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
     "llama-tied": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True),
     "llama-relu": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="relu"),
+    # biases in every projection (attention_bias: q, k, v, o; mlp_bias: gate, up, down)
+    "llama-bias": dict(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=True, mlp_bias=True),
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"]),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
@@ -88,6 +90,8 @@ def llama_tensors(cfg, rng):
         t[p + "mlp.gate_proj.weight"] = w(f, d)
         t[p + "mlp.up_proj.weight"] = w(f, d)
         t[p + "mlp.down_proj.weight"] = w(d, f)
+        if cfg.get("mlp_bias"):
+            t[p + "mlp.gate_proj.bias"], t[p + "mlp.up_proj.bias"], t[p + "mlp.down_proj.bias"] = w(f), w(f), w(d)
     if not cfg["tie_word_embeddings"]:
         t["lm_head.weight"] = w(v, d)
     return t
@@ -106,10 +110,12 @@ def attention_tensors(t, p, cfg, w):
     t[p + "self_attn.k_proj.weight"] = w(kv * hd, d)
     t[p + "self_attn.v_proj.weight"] = w(kv * hd, d)
     t[p + "self_attn.o_proj.weight"] = w(d, h * hd)
-    if kind in ("qwen2", "qwen2_moe"):
+    if kind in ("qwen2", "qwen2_moe") or cfg.get("attention_bias"):
         t[p + "self_attn.q_proj.bias"] = w(h * hd)
         t[p + "self_attn.k_proj.bias"] = w(kv * hd)
         t[p + "self_attn.v_proj.bias"] = w(kv * hd)
+    if cfg.get("attention_bias"):
+        t[p + "self_attn.o_proj.bias"] = w(d)
     if kind in ("qwen3", "qwen3_moe"):
         t[p + "self_attn.q_norm.weight"] = 1 + w(hd)
         t[p + "self_attn.k_norm.weight"] = 1 + w(hd)

@@ -9,6 +9,7 @@ from mlx_lm.utils import load_model
 
 import mlx_flash
 from mlx_flash.convert import convert
+from mlx_flash.errors import FlashError
 from helpers import make_llama_folder
 from reference import reference_logits
 
@@ -22,7 +23,7 @@ def greedy(model, prompt, n=12):
     return out
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "granite"])
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "llama-bias", "mistral", "qwen2", "qwen3", "phi3", "granite"])
 def test_llama_family_matches_mlx_lm(tmp_path, variant):
     src, cfg, _ = make_llama_folder(tmp_path / "hf", variant)
     out = convert(src, tmp_path / "flash", dtype="float32", progress=False)
@@ -34,9 +35,10 @@ def test_llama_family_matches_mlx_lm(tmp_path, variant):
     assert greedy(model, TOKENS) == greedy(ref, TOKENS)
 
 
-@pytest.mark.parametrize("variant", ["phi3", "granite"])
+@pytest.mark.parametrize("variant", ["phi3", "granite", "llama-bias"])
 def test_phi3_and_granite_match_transformers(tmp_path, variant):
-    """Phi-3's fused checkpoint split at conversion, Granite's multipliers: transformers' own models."""
+    """Phi-3's fused checkpoint split at conversion, Granite's multipliers, a Llama with biases in
+    every projection: transformers' own models."""
     src, cfg, _ = make_llama_folder(tmp_path / "hf", variant)
     model, _ = mlx_flash.load(convert(src, tmp_path / "flash", dtype="float32", progress=False))
     want = reference_logits(src, TOKENS)
@@ -61,8 +63,6 @@ def test_a_sliding_window_is_kept_as_transformers_keeps_it(tmp_path, variant):
 
 
 def test_qwen_windows_in_some_layers_are_refused(tmp_path):
-    from mlx_flash.errors import FlashError
-
     src, _, _ = make_llama_folder(tmp_path / "hf", "qwen2", sliding_window=3, use_sliding_window=True)
     with pytest.raises(FlashError, match="use_sliding_window"):
         convert(src, tmp_path / "flash", dtype="float32", progress=False)
@@ -122,3 +122,22 @@ def test_generate_api_shapes(tmp_path):
 
 def cfg_vocab(model):
     return model.args.vocab_size
+
+
+def test_a_llama_with_ffn_biases_gives_its_logits_in_every_exact_mode_at_4_bits(tmp_path):
+    """mlp_bias: the gate's, up's and down's biases resident beside the rows read from flash, in the
+    MLX and the native products; sources that have no biases in their sums are refused."""
+    from mlx_lm import convert as mlx_lm_convert
+
+    from test_quant import EXACT_MODES, assert_logits_in_modes
+
+    src, _, _ = make_llama_folder(tmp_path / "hf", "llama-bias")
+    q = tmp_path / "mlx-q4"
+    mlx_lm_convert(str(src), str(q), quantize=True, q_bits=4, q_group_size=32, dtype="float16")
+    out = convert(q, tmp_path / "flash", progress=False)
+    ref, _ = load_model(q)
+    ref.set_dtype(mx.float32)
+    x = mx.array([TOKENS])
+    assert_logits_in_modes(out, x, ref(x), EXACT_MODES, "llama-bias 4-bit")
+    with pytest.raises(FlashError, match="without biases"):
+        mlx_flash.load(out, mode="flash", sparsity="dip", density=0.5)

@@ -137,6 +137,8 @@ class FlashFFN(nn.Module):
         self.store = None
         self.arena = None  # models.half.Arena a prompt's packed rows are dequantized into (the runtime's)
         if bias:
+            if gated:  # (a Llama's mlp_bias: the gate's too)
+                self.gate_bias = mx.zeros((n_neurons,))
             self.up_bias = mx.zeros((n_neurons,))
             self.down_bias = mx.zeros((d_model,))
 
@@ -231,7 +233,10 @@ class FlashFFN(nn.Module):
         if "up_bias" in self:
             h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
         if self.gated:
-            h = self._act(x @ rows.gate.T) * h
+            g = x @ rows.gate.T
+            if "gate_bias" in self:
+                g = g + (self.gate_bias if rows.ids is None else self.gate_bias[rows.ids])
+            h = self._act(g) * h
         else:
             h = self._act(h)
         if rows.mask is not None:
@@ -259,7 +264,11 @@ class FlashFFN(nn.Module):
         h = mx.array(up(v))
         if "up_bias" in self:
             h = h + self.up_bias[rows.ids]
-        h = self._act(mx.array(gate(v))) * h if self.gated else self._act(h)
+        if self.gated:
+            g = mx.array(gate(v))
+            h = self._act(g + self.gate_bias[rows.ids] if "gate_bias" in self else g) * h
+        else:
+            h = self._act(h)
         return down(host_f32(h).reshape(h.shape))
 
     def _selected(self, x, rows, acc):

@@ -7,6 +7,7 @@ logits match mlx_lm. Unlike mlx_lm, the FFN honours `hidden_act` (silu, relu,
 relu2, fatrelu), so ReLU-fied Llamas run as trained.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Union
 
@@ -160,7 +161,7 @@ class TransformerBlock(nn.Module):
         self.residual = args.residual_multiplier  # (Granite's: each branch scaled before it is added)
         self.self_attn = Attention(args)
         act = activation(args.hidden_act, args.fatrelu_threshold)
-        self.mlp = FlashFFN(layer, args.hidden_size, args.intermediate_size, act, gated=True)
+        self.mlp = FlashFFN(layer, args.hidden_size, args.intermediate_size, act, gated=True, bias=args.mlp_bias)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -277,12 +278,13 @@ def resident_name(args: ModelArgs, hf_name: str):
         return None
     if hf_name == "lm_head.weight" and args.tie_word_embeddings:
         return None
+    m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.)(gate|up|down)_proj\.bias", hf_name)
+    if m:  # (mlp_bias: resident beside the rows streamed from flash)
+        return f"{m.group(1)}{m.group(2)}_bias"
     return hf_name
 
 
 def check_supported(args: ModelArgs):
-    if args.mlp_bias:
-        raise FlashError("llama models with mlp_bias=true are not supported yet")
     if args.use_sliding_window and args.sliding_window:
         raise FlashError(f"{args.model_type} with use_sliding_window=true (windowed attention in some layers) "
                          "is not supported yet")

@@ -819,7 +819,8 @@ def _make_source(folder, manifest, config, dtype, ffns, tables):
 
     ctx = SourceContext(folder, manifest, config.density, dtype, ffns[0]._act, ffns[0].gated,
                         "up_bias" in ffns[0], [f.up_bias if "up_bias" in f else None for f in ffns],
-                        layer_weights, recovery=config.recovery, verify=config.verify)
+                        layer_weights, gate_bias=[f.gate_bias if "gate_bias" in f else None for f in ffns],
+                        recovery=config.recovery, verify=config.verify)
     cls.check(ctx)
     return cls.build(ctx)
 

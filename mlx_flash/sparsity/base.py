@@ -58,6 +58,7 @@ class SourceContext:
     has_bias: bool
     up_bias: list  # per layer: mx.array [n] or None
     layer_weights: Callable  # kinds -> per layer {kind: mx.array [n, d]}, read from flash
+    gate_bias: list = None  # per layer: mx.array [n] or None (a gated FFN with biases: Llama's mlp_bias)
     recovery: bool = True  # add calibrate --recover's adapters where a source uses them
     verify: bool = True  # check the sha256 of calibration files
 

@@ -75,7 +75,11 @@ class _Recorder:
         u = x2 @ r.up.T
         if "up_bias" in ffn:
             u = u + ffn.up_bias
-        h = ffn._act(x2 @ r.gate.T) * u if ffn.gated else ffn._act(u)
+        if ffn.gated:
+            g = x2 @ r.gate.T
+            h = ffn._act(g + ffn.gate_bias if "gate_bias" in ffn else g) * u
+        else:
+            h = ffn._act(u)
         h = np.abs(np.array(h.astype(mx.float32)))
         if self.target == "relu":
             y = h != 0

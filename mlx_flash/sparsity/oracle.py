@@ -14,23 +14,29 @@ class WeightsSource(Source):
 
     kinds = {True: (), False: ()}  # gated -> the weight kinds it keeps
 
-    def __init__(self, weights, act, gated, up_bias, density):
+    def __init__(self, weights, act, gated, up_bias, density, gate_bias=None):
         self.weights = weights  # per layer {kind: mx.array [n, d]}
         self.act = act
         self.gated = gated
         self.up_bias = up_bias  # per layer mx.array [n] or None
+        self.gate_bias = gate_bias  # per layer mx.array [n] or None, or None
         self.density = density
         self.resident_bytes = sum(a.nbytes for w in weights for a in w.values())
 
     @classmethod
     def build(cls, ctx):
-        return cls(ctx.layer_weights(cls.kinds[ctx.gated]), ctx.act, ctx.gated, ctx.up_bias, ctx.density)
+        return cls(ctx.layer_weights(cls.kinds[ctx.gated]), ctx.act, ctx.gated, ctx.up_bias, ctx.density,
+                   ctx.gate_bias)
 
     def _up(self, layer, x2):
-        u = x2 @ self.weights[layer]["up"].T
-        if self.up_bias is not None and self.up_bias[layer] is not None:
-            u = u + self.up_bias[layer]
-        return u
+        return self._product(layer, x2, "up", self.up_bias)
+
+    def _gate(self, layer, x2):
+        return self._product(layer, x2, "gate", self.gate_bias)
+
+    def _product(self, layer, x2, kind, bias):
+        y = x2 @ self.weights[layer][kind].T
+        return y + bias[layer] if bias is not None and bias[layer] is not None else y
 
 
 class Oracle(WeightsSource):
@@ -41,7 +47,7 @@ class Oracle(WeightsSource):
         x2 = x.reshape(-1, x.shape[-1])
         u = self._up(layer, x2)
         if self.gated:
-            h = mx.abs(self.act(x2 @ self.weights[layer]["gate"].T) * u)
+            h = mx.abs(self.act(self._gate(layer, x2)) * u)
             if self.density >= 1.0:  # exact: every neuron whose output is not zero
                 return np.array(h != 0)
             return device_top_k_mask(h, self.k(self.density, h.shape[-1]))

@@ -17,7 +17,7 @@ class Threshold(WeightsSource):
     def select(self, layer, x):
         x2 = x.reshape(-1, x.shape[-1])
         if self.gated:
-            g = mx.abs(self.act(x2 @ self.weights[layer]["gate"].T))
+            g = mx.abs(self.act(self._gate(layer, x2)))
             if self.density >= 1.0:  # exact for ReLU / FATReLU gates: act(gate) == 0 adds nothing
                 return np.array(g != 0)
             return device_top_k_mask(g, self.k(self.density, g.shape[-1]))

@@ -314,6 +314,31 @@ def make_gemma_folder(folder, variant="gemma3", seed=0, dtype="float32", **overr
     return hf_folder(folder, {**GEMMA_BASE, **GEMMA_VARIANTS[variant], **overrides}, gemma_tensors, seed, dtype)
 
 
+def make_gemma3_multimodal_folder(folder, seed=0, dtype="float32"):
+    """A Gemma 3 multimodal folder as the Hub's (Gemma3ForConditionalGeneration): config.json's
+    text model in text_config (heads left to the defaults: 8 and 4), its tensors under
+    language_model.model, a vision tower and projector beside them -> (folder, the text model's
+    config, the text model's tensors)."""
+    text = {**GEMMA_BASE, **GEMMA_VARIANTS["gemma3"], "num_attention_heads": 8, "num_key_value_heads": 4}
+    keep = {k: v for k, v in text.items() if k not in ("num_attention_heads", "num_key_value_heads", "architectures",
+                                                        "bos_token_id", "eos_token_id")}
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": keep,
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16}, "bos_token_id": 1,
+              "eos_token_id": 2}
+
+    def tensors(cfg, rng):
+        t = gemma_tensors({**text, "vocab_size": cfg["vocab_size"]}, rng)
+        out = {"language_model." + k: v for k, v in t.items()}
+        out["vision_tower.vision_model.embeddings.patch_embedding.weight"] = rng.standard_normal(
+            (16, 3, 4, 4)).astype(np.float32)
+        out["multi_modal_projector.mm_input_projection_weight"] = rng.standard_normal((16, 64)).astype(np.float32)
+        return out
+
+    folder, cfg, t = hf_folder(folder, config, tensors, seed, dtype)
+    return folder, {**text, "vocab_size": cfg["vocab_size"]}, {k[len("language_model."):]: v for k, v in t.items()
+                                                                if k.startswith("language_model.")}
+
+
 PHI_BASE = dict(model_type="phi", architectures=["PhiForCausalLM"], hidden_size=64, intermediate_size=192,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, partial_rotary_factor=0.5,
                 layer_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, hidden_act="gelu_new",

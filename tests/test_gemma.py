@@ -1,6 +1,8 @@
 """Gemma 2 and Gemma 3 text models: with every FFN row in DRAM or streamed, the logits are mlx_lm's
 (and transformers'), in float32 and at 4 bits."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from mlx_lm.utils import load_model
 
 import mlx_flash
 from mlx_flash.convert import convert
-from helpers import gguf_finish, gguf_name, gguf_writer, make_gemma_folder, spm_vocab
+from helpers import gguf_finish, gguf_name, gguf_writer, make_gemma3_multimodal_folder, make_gemma_folder, spm_vocab
 from reference import reference_logits
 from test_parity import TOKENS, greedy
 from test_quant import EXACT_MODES, assert_logits_in_modes
@@ -169,3 +171,20 @@ def test_calibration_says_it_takes_llama_blocks_only(gemma):
     out = convert(src, d / "flash-cal", dtype="float32", progress=False)
     with pytest.raises(FlashError, match="Llama-family blocks"):
         calibrate_thresholds(out, data="wikitext", tokens=64, seq_len=32, progress=False, log=lambda *a: None)
+
+
+def test_a_gemma3_multimodal_checkpoint_converts_its_text_model(tmp_path):
+    """The Hub's Gemma 3 checkpoints (4B and up) are multimodal: the text model's config in
+    text_config (transformers' defaults for what it leaves out), its tensors under language_model;
+    the folder holds the text model alone, with mlx_lm's logits (its gemma3 drops the vision tower
+    too)."""
+    src, text, _ = make_gemma3_multimodal_folder(tmp_path / "hf")
+    out = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["num_attention_heads"] == 8
+    assert "vision" not in " ".join(mx.load(str(out / "resident.safetensors")))
+    model, _ = mlx_flash.load(out, mode="naive")
+    ref, _ = load_model(src)
+    x = mx.array([TOKENS])
+    assert mx.abs(model(x) - ref(x)).max().item() < 1e-4
+    assert greedy(model, TOKENS) == greedy(ref, TOKENS)

@@ -23,7 +23,7 @@ from ..layout.format import (DTYPES, FORMAT_NAME, MANIFEST, BundleLayout, Manife
                              write_manifest)
 from ..layout.safetensors_io import SafetensorsWriter
 from ..models import model_args
-from .fused import FusedSource
+from .family_view import FamilyView
 from .quantize import QuantOptions, column_parts, ffn_spec, read_weight, report, row_parts, target
 from .writer import (_nbytes, _progress, _resident_specs, _write_config, _write_resident, bundle_entry,
                      write_packed)
@@ -374,14 +374,17 @@ def _write_layer(src, tmp, family, args, layer, original, decisions, layouts, di
 def _write_folder(src, tmp, source_name, dtype, align, progress, dip=False, journal=None, options=None):
     options = options or QuantOptions()
     family, args = model_args(src.config)
+    # the source as the family holds it (Phi-3, Persimmon, Falcon: q/k/v stacked in one tensor,
+    # split here; Falcon's and Gemma 3 multimodal's names; the latter's text model's config)
+    fused = family.fused_tensors(args) if hasattr(family, "fused_tensors") else {}
+    rename = (lambda name: family.source_name(args, name)) if hasattr(family, "source_name") else None
+    config = family.source_config(src.config) if hasattr(family, "source_config") else None
+    if fused or rename or config is not None:
+        src = FamilyView(src, fused, rename, config)
     if hasattr(family, "expert_tensors"):  # a mixture of experts: expert bundles (convert/experts.py)
         from .experts import write_moe_folder
 
         return write_moe_folder(src, tmp, source_name, dtype, align, progress, dip, journal, options, family, args)
-    fused = family.fused_tensors(args) if hasattr(family, "fused_tensors") else {}
-    rename = (lambda name: family.source_name(args, name)) if hasattr(family, "source_name") else None
-    if fused or rename:  # (Phi-3, Persimmon, Falcon: q/k/v stacked in one tensor, split here)
-        src = FusedSource(src, fused, rename)
     kinds = family.ffn_kinds(args)
     n_layers = args.num_hidden_layers
     options.check_layers(n_layers)

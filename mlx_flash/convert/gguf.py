@@ -45,7 +45,7 @@ ARCHS = {
     "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "permuted": False},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "permuted": False},
     # Granite: a llama with four multipliers (llama.cpp's *_scale keys); Phi-3: q/k/v in attn_qkv,
-    # gate and up in ffn_up, split by the converter (convert/fused.py) as from Phi-3's checkpoints
+    # gate and up in ffn_up, split by the converter (convert/family_view.py) as from Phi-3's checkpoints
     "granite": {"model_type": "granite", "architectures": ["GraniteForCausalLM"], "permuted": True},
     "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "permuted": False},
     # Phi-2: LayerNorms with biases, a parallel block, a non-gated FFN (models/neox.py)

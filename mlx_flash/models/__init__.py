@@ -18,6 +18,7 @@ FAMILIES = {
     "granite": "llama",
     "gemma2": "gemma",
     "gemma3_text": "gemma",
+    "gemma3": "gemma",
     "opt": "opt",
     "phi": "neox",
     "persimmon": "neox",

@@ -36,8 +36,17 @@ from .attention import attend
 from .ffn import FlashFFN, activation
 from .llama import ffn_kinds, ffn_tensors  # noqa: F401  (the converter asks this module for them)
 
-MODEL_TYPES = ("gemma2", "gemma3_text")
+MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")  # (gemma3: the multimodal checkpoints' text model)
 DEFAULT = "default"  # a soft-capping config.json does not give (null there means none)
+# transformers' Gemma3TextConfig defaults (a multimodal config's text_config lists only the others)
+GEMMA3_TEXT = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                   rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window=4096,
+                   max_position_embeddings=131_072, rms_norm_eps=1e-6)
+# what a multimodal checkpoint holds besides its text model, and where it keeps that model
+VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                 ("model.language_model.", "model."))
 
 
 @dataclass
@@ -65,6 +74,14 @@ class ModelArgs(BaseModelArgs):
     hidden_act: Optional[str] = None
     attention_bias: bool = False
     tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_dict(cls, params):
+        if params.get("model_type") == "gemma3":
+            params = source_config(params)
+        elif params.get("model_type") == "gemma3_text":
+            params = {**GEMMA3_TEXT, **params}
+        return super().from_dict(params)
 
     def __post_init__(self):
         gemma2 = self.model_type == "gemma2"
@@ -286,9 +303,31 @@ class Model(nn.Module):
 # are named as the Llama family's
 
 
+def source_config(config):
+    """A Gemma 3 multimodal config.json (`gemma3`) -> its text model's (`gemma3_text`: what a
+    converted folder holds, the vision tower dropped), transformers' defaults filled in; any
+    other config -> None (kept as it is)."""
+    if config.get("model_type") != "gemma3":
+        return None
+    text = config.get("text_config") or {}
+    vocab = text.get("vocab_size") or config.get("vocab_size") or GEMMA3_TEXT["vocab_size"]
+    tokens = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    return {**GEMMA3_TEXT, **tokens, **text, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            "vocab_size": vocab, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+
+
+def source_name(args: ModelArgs, hf_name: str):
+    """A multimodal checkpoint's text tensors (language_model.model.N..., or transformers 5's
+    model.language_model.N...) -> the text model's names."""
+    for old, new in TEXT_PREFIXES:
+        if hf_name.startswith(old):
+            return new + hf_name[len(old):]
+    return hf_name
+
+
 def resident_name(args: ModelArgs, hf_name: str):
-    """HF tensor name -> this model's parameter name, or None to drop it."""
-    if hf_name == "lm_head.weight" and args.tie_word_embeddings:
+    """HF tensor name -> this model's parameter name, or None to drop it (the vision tower)."""
+    if (hf_name == "lm_head.weight" and args.tie_word_embeddings) or hf_name.startswith(VISION):
         return None
     return hf_name
 

@@ -256,7 +256,7 @@ def ffn_tensors(args: ModelArgs, layer: int):
 
 def fused_tensors(args: ModelArgs):
     """{fused tensor's name: [(part's name, its rows)]}: Phi-3's checkpoints stack q, k, v in
-    self_attn.qkv_proj and gate, up in mlp.gate_up_proj (convert/fused.py splits them)."""
+    self_attn.qkv_proj and gate, up in mlp.gate_up_proj (convert/family_view.py splits them)."""
     if args.model_type != "phi3":
         return {}
     hd = args.head_dim or args.hidden_size // args.num_attention_heads

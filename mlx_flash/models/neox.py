@@ -16,7 +16,7 @@ transformers defines them (mlx_lm has neither).
 
 The FFN (fc1 / dense_h_to_4h -> `up`, fc2 / dense_4h_to_h -> `down`; their biases `mlp.up_bias`,
 `mlp.down_bias`) is streamed from flash as OPT's is. Fused q/k/v are split at conversion
-(fused_tensors, convert/fused.py); Falcon's tensors take this module's names there (source_name:
+(fused_tensors, convert/family_view.py); Falcon's tensors take this module's names there (source_name:
 transformer.h.N -> model.layers.N, self_attention -> self_attn, ln_attn / ln_mlp ->
 input_layernorm / post_attention_layernorm, word_embeddings -> embed_tokens, ln_f ->
 final_layernorm).
@@ -233,7 +233,7 @@ def source_name(args: ModelArgs, name: str):
 
 def fused_tensors(args: ModelArgs):
     """{fused tensor's name: [(part's name, its rows)]}: Persimmon's and Falcon's query_key_value
-    (weight and bias) -> q_proj, k_proj, v_proj (convert/fused.py splits them)."""
+    (weight and bias) -> q_proj, k_proj, v_proj (convert/family_view.py splits them)."""
     if args.qkv_layout is None:
         return {}
     n, kv = args.num_attention_heads, args.num_key_value_heads

@@ -73,10 +73,11 @@ class Resident:
     def block(self, family, args, layer):
         """Layer `layer`'s block at float32: its attention and norms from this file; its FFN's
         rows are not in it (the caller passes them)."""
-        if not family.__name__.endswith(".llama") or args.model_type == "granite" or args.mlp_bias:
+        llama = family.__name__.endswith(".llama")
+        if not llama or args.model_type == "granite" or args.mlp_bias:
             # (a Gemma block has these names, not this block's sums; Granite's multipliers and an
             # FFN's biases are not in its thresholds' sums)
-            what = "an FFN with biases (mlp_bias)" if args.mlp_bias else args.model_type
+            what = "an FFN with biases (mlp_bias)" if llama and args.mlp_bias else args.model_type
             raise FlashError(f"{self.folder}: layer-by-layer calibration is for Llama-family blocks; "
                              f"{what} is not one yet")
         block = family.TransformerBlock(args, layer)

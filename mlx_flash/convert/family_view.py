@@ -1,4 +1,7 @@
-"""Fused tensors split at conversion: a source whose checkpoint stacks several weights in one
+"""A source seen as its family's model holds it: fused tensors split, tensors renamed, the config
+the converted folder keeps.
+
+Fused tensors are split at conversion: a source whose checkpoint stacks several weights in one
 tensor (Phi-3's qkv_proj = [q; k; v] and gate_up_proj = [gate; up], Falcon's and Persimmon's
 query_key_value with each head's q, k and v rows side by side) seen as the separate weights a
 family's model holds, so that the FFN's gate and up rows become neurons of the flash layout and
@@ -7,7 +10,10 @@ q, k, v resident weights of their own.
 Each part is a set of rows of the fused tensor (an index array, in the part's order; a bias
 splits with its weight's rows): whole rows, so a quantized tensor's packed values, scales and
 biases split with them, exactly. A family whose checkpoints name tensors otherwise than its
-functions do (Falcon's transformer.h.N) renames them here too (its source_name).
+functions do (Falcon's transformer.h.N, Gemma 3's multimodal language_model.model.N) renames
+them here too (its source_name); one whose config.json describes more than the text model the
+folder will hold (Gemma 3's multimodal config, its text model in text_config) gives that model's
+config (its source_config).
 """
 
 import numpy as np
@@ -15,14 +21,15 @@ import numpy as np
 from ..errors import FlashError
 
 
-class FusedSource:
+class FamilyView:
     """`source` with each fused tensor replaced by its parts. splits: {fused name: [(part name,
     its rows: an index array)]} (a family's fused_tensors(args)), in the family's names; every row in
-    exactly one part. rename: a source name -> the family's (None: the same)."""
+    exactly one part. rename: a source name -> the family's (None: the same). config: the
+    config.json the folder keeps (None: the source's)."""
 
-    def __init__(self, source, splits, rename=None):
+    def __init__(self, source, splits, rename=None, config=None):
         self._src = source
-        self.config = source.config
+        self.config = source.config if config is None else config
         self._source_names = {(rename(n) if rename else n): n for n in source.names()}  # ours -> source's
         self._parts = {}  # part name -> (fused name, its rows)
         for fused, parts in splits.items():

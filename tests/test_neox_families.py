@@ -81,3 +81,15 @@ def test_a_fused_tensor_of_the_wrong_size_names_it(tmp_path):
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "hidden_size": 32}))
     with pytest.raises(FlashError, match="query_key_value.weight has 192 rows, expected 96"):
         convert(src, tmp_path / "flash", dtype="float32", progress=False)
+
+
+def test_threshold_on_a_gelu_ffn_reads_the_density_asked_for(tmp_path):
+    """A GELU FFN has no zeros: the threshold source takes the top |activations| at the density
+    (it read every row, whatever --density said)."""
+    src, _, _ = make_falcon_folder(tmp_path / "hf")
+    folder = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    model, _ = mlx_flash.load(folder, mode="flash", sparsity="threshold", density=0.5)
+    x = mx.random.normal((1, 1, 64))
+    source = model.runtime.source
+    masks = [source.select(i, x) for i in range(2)]
+    assert all(m.sum() == 128 for m in masks), [m.sum() for m in masks]  # (half of 256 neurons)

@@ -1,6 +1,7 @@
 """threshold: ReLU / FATReLU: the neurons whose activation is non-zero (exact for
 these, like the oracle). GLU: the gate as predictor (paper App. C.5): the top-k
-|act(x W_gate^T)|, the gate weights resident."""
+|act(x W_gate^T)|, the gate weights resident. A non-gated FFN whose activation has no
+zeros (GELU: Phi-2, Falcon): the top-k |act(x W_up^T + b)|, the up weights resident."""
 
 import numpy as np
 
@@ -21,4 +22,13 @@ class Threshold(WeightsSource):
             if self.density >= 1.0:  # exact for ReLU / FATReLU gates: act(gate) == 0 adds nothing
                 return np.array(g != 0)
             return device_top_k_mask(g, self.k(self.density, g.shape[-1]))
-        return np.array(self.act(self._up(layer, x2))) != 0
+        a = self.act(self._up(layer, x2))
+        if self.density >= 1.0 or _zeroes_negatives(self.act):
+            return np.array(a) != 0
+        return device_top_k_mask(mx.abs(a), self.k(self.density, a.shape[-1]))
+
+
+def _zeroes_negatives(act):
+    """Whether an activation is ReLU-like (ReLU, ReLU², FATReLU: exact zeros, its non-zero neurons
+    the exact set) rather than GELU-like (no zeros: a density is needed)."""
+    return act(mx.array([-1.0])).item() == 0

@@ -93,3 +93,23 @@ def test_threshold_on_a_gelu_ffn_reads_the_density_asked_for(tmp_path):
     source = model.runtime.source
     masks = [source.select(i, x) for i in range(2)]
     assert all(m.sum() == 128 for m in masks), [m.sum() for m in masks]  # (half of 256 neurons)
+
+
+@pytest.mark.parametrize("family", ["persimmon", "falcon-sequential"])
+def test_the_papers_predictors_train_on_the_relu_families_and_run(tmp_path, family):
+    """Squared ReLU (Persimmon) and a ReLU-fied Falcon: the low-rank predictors (paper §3.1) learn
+    their active neurons, and flash mode runs with them."""
+    from mlx_flash.layout import read_manifest
+    from mlx_flash.sparsity.calibrate import calibrate
+    from test_predictor import text
+
+    size = {"persimmon": "intermediate_size", "falcon-sequential": "ffn_hidden_size"}[family]
+    src, _, _ = FOLDERS[family](tmp_path / "hf", **{size: 256})
+    folder = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+    (tmp_path / "cal.txt").write_text(text(0))
+    calibrate(folder, data=str(tmp_path / "cal.txt"), tokens=3072, seq_len=128, rank=64, max_rank=128, epochs=6,
+              progress=False, log=lambda m: None)
+    metrics = read_manifest(folder).calibration["metrics"]
+    assert all(m["recall"] >= 0.95 and 0 < m["true_density"] < 1 for m in metrics), metrics
+    model, tok = mlx_flash.load(folder, mode="flash", sparsity="predictor")
+    assert isinstance(mlx_flash.generate(model, tok, "the sea", max_tokens=4), str)

@@ -144,6 +144,19 @@ def hf_folder(folder, config, tensors_of, seed=0, dtype="float32"):
     return folder, cfg, tensors
 
 
+def mlx_lm_4bit(src, q):
+    """mlx_lm's 4-bit (group 32, float16) folder `q` of the folder `src` -> (q, mlx_lm's model of it
+    computing in float32: the reference for our conversion of q)."""
+    import mlx.core as mx
+    from mlx_lm import convert as mlx_lm_convert
+    from mlx_lm.utils import load_model
+
+    mlx_lm_convert(str(src), str(q), quantize=True, q_bits=4, q_group_size=32, dtype="float16")
+    ref, _ = load_model(q)
+    ref.set_dtype(mx.float32)
+    return q, ref
+
+
 def mlx_quantized_folders(src, tensors, out, bits=4, group_size=32):
     """For families mlx_lm lacks: an mlx_lm-style quantized copy of the folder `src` (every 2-D
     weight whose rows split into groups as packed words with float16 scales and biases, as

@@ -4,9 +4,12 @@ torch is kept out of the product's venv on purpose: transformers imports it
 whenever it is installed, and mlx_lm imports transformers, so a torch in the
 product venv would add ~250 MB of RSS and a second of start-up to every
 mlx_flash process. `make test` builds `.venv-ref` (torch CPU + transformers);
-these helpers run a small script there and read back NumPy arrays.
+one process there (started at the first request, ~4 s of imports, then kept for
+the session) loads each folder asked for and writes back its logits as NumPy.
 """
 
+import atexit
+import json
 import os
 import subprocess
 import tempfile
@@ -18,15 +21,28 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 REF_PYTHON = Path(os.environ.get("MLX_FLASH_REF_PYTHON", REPO / ".venv-ref" / "bin" / "python"))
 
-LOGITS = r"""
-import sys, json, numpy as np, torch
+# One request a line on stdin ({folder, tokens, out, kwargs}); one answer a line on stdout:
+# "ok", or the error's traceback as a JSON string. Warnings and logs go to stderr.
+SERVER = r"""
+import sys, json, traceback, numpy as np, torch
 from transformers import AutoModelForCausalLM
-folder, tokens, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-kw = json.loads(sys.argv[4])
-m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", **kw).eval()
-with torch.no_grad():
-    np.save(out, m(torch.tensor([tokens])).logits[0].numpy())
+out_stream = sys.stdout
+sys.stdout = sys.stderr
+for line in sys.stdin:
+    try:
+        r = json.loads(line)
+        m = AutoModelForCausalLM.from_pretrained(r["folder"], dtype=torch.float32, attn_implementation="eager",
+                                                 **r["kwargs"]).eval()
+        with torch.no_grad():
+            np.save(r["out"], m(torch.tensor([r["tokens"]])).logits[0].numpy())
+        answer = "ok"
+    except Exception:
+        answer = json.dumps(traceback.format_exc())
+    out_stream.write(answer + "\n")
+    out_stream.flush()
 """
+
+_server = None
 
 
 def require_reference():
@@ -34,20 +50,27 @@ def require_reference():
         pytest.skip(f"reference venv missing ({REF_PYTHON}); `make test` builds it")
 
 
-def run_reference(script, *args):
+def _reference_process():
+    global _server
     require_reference()
-    r = subprocess.run([str(REF_PYTHON), "-c", script, *map(str, args)], capture_output=True,
-                       text=True, timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f"reference failed:\n{r.stderr[-3000:]}")
-    return r.stdout
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([str(REF_PYTHON), "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+        atexit.register(_server.kill)
+    return _server
 
 
 def reference_logits(folder, tokens, **from_pretrained_kwargs):
     """transformers' logits [len(tokens), vocab] for a HF folder, float32 on the CPU."""
-    import json
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
-        run_reference(LOGITS, folder, json.dumps(list(tokens)), out, json.dumps(from_pretrained_kwargs))
+        server = _reference_process()
+        server.stdin.write(json.dumps({"folder": str(folder), "tokens": [int(t) for t in tokens], "out": str(out),
+                                       "kwargs": from_pretrained_kwargs}) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        if not answer:
+            raise RuntimeError("the reference process exited")
+        if answer.strip() != "ok":
+            raise RuntimeError(f"reference failed:\n{json.loads(answer)[-3000:]}")
         return np.load(out)

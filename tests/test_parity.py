@@ -10,7 +10,7 @@ from mlx_lm.utils import load_model
 import mlx_flash
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
-from helpers import make_llama_folder
+from helpers import make_llama_folder, mlx_lm_4bit
 from reference import reference_logits
 
 TOKENS = [1, 5, 9, 33, 70, 12, 4, 100, 7, 250, 3]
@@ -127,16 +127,11 @@ def cfg_vocab(model):
 def test_a_llama_with_ffn_biases_gives_its_logits_in_every_exact_mode_at_4_bits(tmp_path):
     """mlp_bias: the gate's, up's and down's biases resident beside the rows read from flash, in the
     MLX and the native products; sources that have no biases in their sums are refused."""
-    from mlx_lm import convert as mlx_lm_convert
-
     from test_quant import EXACT_MODES, assert_logits_in_modes
 
     src, _, _ = make_llama_folder(tmp_path / "hf", "llama-bias")
-    q = tmp_path / "mlx-q4"
-    mlx_lm_convert(str(src), str(q), quantize=True, q_bits=4, q_group_size=32, dtype="float16")
+    q, ref = mlx_lm_4bit(src, tmp_path / "mlx-q4")
     out = convert(q, tmp_path / "flash", progress=False)
-    ref, _ = load_model(q)
-    ref.set_dtype(mx.float32)
     x = mx.array([TOKENS])
     assert_logits_in_modes(out, x, ref(x), EXACT_MODES, "llama-bias 4-bit")
     with pytest.raises(FlashError, match="without biases"):

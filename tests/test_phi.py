@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 import mlx.core as mx
-from mlx_lm import convert as mlx_lm_convert
 from mlx_lm.utils import load_model
 
 import mlx_flash
 from mlx_flash.convert import convert
-from helpers import make_phi_folder
+from helpers import make_phi_folder, mlx_lm_4bit
 from reference import reference_logits
 from test_parity import TOKENS, greedy
 from test_quant import EXACT_MODES, assert_logits_in_modes
@@ -38,10 +37,7 @@ def test_phi_matches_transformers(tmp_path, overrides):
 
 def test_phi_4bit_matches_mlx_lm_on_the_same_weights(tmp_path):
     src, _, _ = make_phi_folder(tmp_path / "hf")
-    q = tmp_path / "mlx-q4"
-    mlx_lm_convert(str(src), str(q), quantize=True, q_bits=4, q_group_size=32, dtype="float16")
+    q, ref = mlx_lm_4bit(src, tmp_path / "mlx-q4")
     out = convert(q, tmp_path / "flash", progress=False)
-    ref, _ = load_model(q)
-    ref.set_dtype(mx.float32)
     x = mx.array([TOKENS])
     assert_logits_in_modes(out, x, ref(x), EXACT_MODES)

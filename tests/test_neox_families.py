@@ -113,3 +113,22 @@ def test_the_papers_predictors_train_on_the_relu_families_and_run(tmp_path, fami
     assert all(m["recall"] >= 0.95 and 0 < m["true_density"] < 1 for m in metrics), metrics
     model, tok = mlx_flash.load(folder, mode="flash", sparsity="predictor")
     assert isinstance(mlx_flash.generate(model, tok, "the sea", max_tokens=4), str)
+
+
+def test_generate_under_a_memory_limit(tmp_path):
+    """The CLI plans a Falcon's memory (its tied head and LayerNorms among the resident weights)
+    and decodes in hybrid mode the tokens dense mode decodes."""
+    import subprocess
+    import sys
+
+    src, _, _ = make_falcon_folder(tmp_path / "hf", "40b")
+    folder = convert(src, tmp_path / "flash", dtype="float32", progress=False)
+
+    def run(*flags):
+        r = subprocess.run([sys.executable, "-m", "mlx_flash", "generate", "--model", str(folder), "--prompt",
+                            "the sea", "--max-tokens", "6", "--temp", "0", *flags], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split("==========")[0]
+
+    assert run("--mode", "hybrid", "--memory-limit", "400MB") == run("--mode", "dense")

@@ -7,7 +7,7 @@ MODEL := models/smollm2-135m-instruct
 GGUF := models/download/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= Write a short story about a robot who learns to paint.
 
-.PHONY: setup model model-large model-gemma demo test test-pythons bench-parity clean-model peers-setup
+.PHONY: setup model model-large model-gemma demo test test-slow test-pythons bench-parity clean-model peers-setup
 
 setup: $(VENV)/.installed
 
@@ -86,6 +86,11 @@ demo: model
 
 test: model .venv-ref/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The long tests `make test` leaves out (each over ~10 s: real-model GGUF parity, benchmark
+# commands end to end, calibration runs); those of the real models run where they are built.
+test-slow: model .venv-ref/.installed
+	$(BIN)/python -m pytest -q -m slow
 
 # The reader, convert, parity and CLI tests under the other Pythons we claim
 # (requires-python), each in its own venv; see scripts/test_pythons.sh.

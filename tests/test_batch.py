@@ -262,6 +262,7 @@ def test_cli_batch_file_under_a_cgroup_of_the_limit(smollm2, tmp_path):
     assert peak and int(peak.group(1)) <= 360, text[-2000:]
 
 
+@pytest.mark.slow  # (over 10 s here: `make test-slow` runs it)
 def test_benchmark_batch_writes_its_table(tmp_path):
     """... with the cost model's step beside the measured one where a machine profile is cached."""
     import os

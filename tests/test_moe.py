@@ -404,6 +404,7 @@ def test_benchmark_moe_writes_its_rows_and_the_replayed_hit_rates(tmp_path):
     assert "| 50% | edgemoe+lookahead |" in text and "Belady" in text
 
 
+@pytest.mark.slow  # (over 10 s here: `make test-slow` runs it)
 def test_a_wider_look_ahead_guesses_more(tmp_path):
     from mlx_flash.bench.moe import run_moe_bench
 
@@ -453,6 +454,7 @@ def test_generate_under_a_cgroup_of_the_limit(tmp_path):
         assert slots and 4 <= int(slots.group(1)) < int(slots.group(2)), text[-2000:]
 
 
+@pytest.mark.slow  # (over 10 s here: `make test-slow` runs it)
 def test_a_qwen3moe_gguf_keeps_its_q4_1_experts_bit_exact(tmp_path, smollm2_gguf):
     """llama.cpp's merged *_exps tensors -> expert bundles holding the file's values, bit for bit."""
     import sys
@@ -647,6 +649,7 @@ def test_calibrated_expert_paths_guess_ahead_and_change_nothing(tmp_path):
         mlx_flash.load(make_llama_folder(tmp_path / "dense")[0], expert_predictor="paths")
 
 
+@pytest.mark.slow  # (over 10 s here: `make test-slow` runs it)
 def test_k_quant_gguf_experts_keep_their_values(tmp_path, smollm2_gguf, capsys):
     """A GGUF whose merged experts are Q4_K keeps them at 4 bits, group 32: a Q4_K sub-block is an
     MLX affine group (convert/kquants.py), its values kept, its scale and bias rounded to float16."""

@@ -253,6 +253,7 @@ def test_limit_of_stored_is_a_share_of_the_files(tiny_flash, tmp_path, monkeypat
         assert limit == 100 * 10**6 + int(0.5 * (share or bench.f32_bytes)) and budget is None
 
 
+@pytest.mark.slow  # (over 10 s here: `make test-slow` runs it)
 def test_tiny_run_end_to_end(tiny_flash, tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_FLASH_HOME", str(tmp_path / "home"))
     logs = []

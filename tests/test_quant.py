@@ -94,6 +94,7 @@ def _reference_from_gguf(path, config):
     return model
 
 
+@pytest.mark.slow  # (over 10 s here: `make test-slow` runs it)
 def test_smollm2_q4_1_gguf_matches_mlx_lm_on_its_own_values(tmp_path, smollm2_gguf):
     """The reference: mlx_lm's llama holding the values MLX's own GGUF reader gives. Where both
     compute with the same kernels, 1e-4: our FFN (BLAS on the dequantized rows) against the

@@ -92,7 +92,8 @@ def test_a_model_on_flash_decodes_as_in_dram(smollm2):
     assert all(isinstance(c, FlashKVCache) for c in cache)
     got = flash(mx.array([TOKENS]), cache=cache)[0]
     want = dram(mx.array([TOKENS]), cache=make_prompt_cache(dram))[0]
-    assert mx.abs(got - want).max().item() < 1e-4
+    # (logits up to ~30: 1e-4 apart is 3e-6 of them; a running softmax against one in NumPy)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item(), mx.abs(got - want).max().item()
     assert greedy(flash, TOKENS, 10) == greedy(dram, TOKENS, 10)
     with pytest.raises(FlashError, match="a batch keeps its KV cache in DRAM"):
         mlx_flash.batch_generate(flash, _, ["Hello", "Bonjour"], max_tokens=2)

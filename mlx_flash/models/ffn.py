@@ -236,12 +236,30 @@ class FlashFFN(nn.Module):
             g = x @ rows.gate.T
             if "gate_bias" in self:
                 g = g + (self.gate_bias if rows.ids is None else self.gate_bias[rows.ids])
-            h = self._act(g) * h
+            h = self._activated(g, h)
         else:
-            h = self._act(h)
+            h = self._activated(h)
         if rows.mask is not None:
             h = h * rows.mask.astype(h.dtype)
         return h @ rows.down if y is None else y + h @ rows.down
+
+    HOST_ACTIVATION_MIN = 1 << 14  # values from which a pass's activation goes through NumPy
+
+    def _activated(self, g, u=None):
+        """act(g) (* u: a gated FFN's up product). On the CPU at float32, for a pass of several
+        positions (a prompt's chunk), through NumPy where the activation has a host form: MLX's
+        CPU exp runs ~8x slower than NumPy's (a 160 x 8,960 SiLU 40 ms against 5), a third of a
+        prompt's FFN time; evaluated here, as each chunk is before the next. The same formula,
+        within float32's rounding of exp / tanh."""
+        host_act = HOST_ACTIVATIONS.get(self._act)
+        if (host_act is None or g.dtype != mx.float32 or g.size < self.HOST_ACTIVATION_MIN
+                or mx.default_device() != mx.cpu):
+            return self._act(g) if u is None else self._act(g) * u
+        mx.eval(g) if u is None else mx.eval(g, u)
+        h = host_act(np.array(g, copy=False))
+        if u is not None:
+            h *= np.array(u, copy=False)
+        return mx.array(h)
 
     def _one_token(self, x, rows, up, gate, down):
         """One token's FFN over rows the native kernels read in place: up(v) / gate(v) -> the

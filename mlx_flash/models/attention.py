@@ -40,7 +40,7 @@ def host_causal_attention(queries, keys, values, scale):
     q = (queries * scale).reshape(hkv, (h // hkv) * t, d)
     scores = q @ keys[0].swapaxes(-1, -2)
     mx.eval(scores)
-    p = np.array(scores, copy=False).reshape(hkv, h // hkv, t, s_len)
+    p = np.array(scores).reshape(hkv, h // hkv, t, s_len)  # (a copy: MLX's buffer stays MLX's)
     p += np.triu(np.full((t, s_len), -np.inf, np.float32), k=s_len - t + 1)  # (key after query: -inf)
     p -= p.max(axis=-1, keepdims=True)
     np.exp(p, out=p)

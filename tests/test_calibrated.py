@@ -13,6 +13,7 @@ import mlx_flash
 from mlx_flash.convert import convert
 from mlx_flash.errors import FlashError
 from mlx_flash.layout import read_manifest
+from mlx_flash.models.host import mlx_only
 from mlx_flash.sparsity.allocation import SHARE, STEP, allocation, calibrate_thresholds
 from mlx_flash.sparsity.calibrate import calibrate
 from helpers import make_llama_folder, make_opt_folder, thresholded_ffn
@@ -285,7 +286,8 @@ def _whole_model_record(path, seqs):
             logits = model(inp)[0].astype(mx.float32)
             return mx.mean(mx.logsumexp(logits, -1) - mx.take_along_axis(logits, tgt[:, None], -1)[:, 0])
 
-        g = mx.grad(nll)([mx.zeros((1, len(s) - 1, d)) for _ in rt.ffns])
+        with mlx_only():  # (the model differentiated: MLX's graph only)
+            g = mx.grad(nll)([mx.zeros((1, len(s) - 1, d)) for _ in rt.ffns])
         for i, gi in enumerate(g):
             G[i].append(gi.reshape(-1, d))
     rt.unwrap_store()

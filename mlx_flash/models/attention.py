@@ -12,6 +12,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from . import host
+
 HOST_PROMPT_MIN = 5  # query positions from which a CPU float32 prompt's causal attention runs in NumPy
 
 
@@ -22,7 +24,7 @@ def attend(queries, keys, values, cache, scale, mask):
         return chunked_attention(queries, cache.offset, cache.parts(keys, values), scale)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
-    if (isinstance(mask, str) and mask == "causal" and isinstance(keys, mx.array) and queries.shape[0] == 1
+    if (host.PASSES and isinstance(mask, str) and mask == "causal" and isinstance(keys, mx.array) and queries.shape[0] == 1
             and queries.shape[2] >= HOST_PROMPT_MIN and queries.dtype == mx.float32 and mx.default_device() == mx.cpu):
         return host_causal_attention(queries, keys, values, scale)
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)

@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from .. import kernels as _kernels
 from ..errors import FlashError
+from . import host
 
 
 @dataclass
@@ -252,7 +253,7 @@ class FlashFFN(nn.Module):
         prompt's FFN time; evaluated here, as each chunk is before the next. The same formula,
         within float32's rounding of exp / tanh."""
         host_act = HOST_ACTIVATIONS.get(self._act)
-        if (host_act is None or g.dtype != mx.float32 or g.size < self.HOST_ACTIVATION_MIN
+        if (not host.PASSES or host_act is None or g.dtype != mx.float32 or g.size < self.HOST_ACTIVATION_MIN
                 or mx.default_device() != mx.cpu):
             return self._act(g) if u is None else self._act(g) * u
         mx.eval(g) if u is None else mx.eval(g, u)

@@ -15,6 +15,8 @@ update_and_fetch); anything else (prompts, batches, the KV cache on flash, the G
 MLX path. `HOST_STEP = False` turns it off (tests compare the two paths).
 """
 
+from contextlib import contextmanager
+
 import numpy as np
 
 import mlx.core as mx
@@ -22,7 +24,25 @@ import mlx.core as mx
 from .. import kernels as _kernels
 
 HOST_STEP = True
+# A pass of several positions (a prompt's chunk) on the CPU at float32 computes its FFN activation
+# and a causal attention's softmax in NumPy between MLX's products (ffn.FlashFFN._activated,
+# attention.host_causal_attention): MLX's CPU exp is ~8x slower. NumPy is outside MLX's graph:
+# whoever differentiates the model turns this off (mlx_only()).
+PASSES = True
 HOST_CACHES = ("KVCache", "RotatingKVCache")  # caches whose update_and_fetch returns arrays of every key
+
+
+@contextmanager
+def mlx_only():
+    """Every operation through MLX (no NumPy between the products, no host step) while the block
+    runs: for a caller that differentiates the model (mx.vjp, mx.grad), which sees only MLX's graph."""
+    global HOST_STEP, PASSES
+    saved = HOST_STEP, PASSES
+    HOST_STEP = PASSES = False
+    try:
+        yield
+    finally:
+        HOST_STEP, PASSES = saved
 
 
 def eligible(model, inputs, cache, input_embeddings=None, one_rope=True):

@@ -33,6 +33,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import FlashError
 from ..models.ffn import FFNRows
+from ..models.host import mlx_only
 
 VOCAB_CHUNK = 8192  # output-head rows dequantized at a time (8192 x d_model floats, and their logits)
 SEQS_AT_ONCE = 4  # calibration sequences through a block together (the FFN's temporaries: 4 x seq x d_ff)
@@ -202,7 +203,13 @@ class Spill:
 def record(folder, manifest, seqs, progress=True, verify=True):
     """X [layers][tokens, d], G likewise (MLX float32) and FFNWeights of the llama-family model in
     `folder` on `seqs` (token id lists of one length, each position predicting the next): one
-    forward and one backward pass, a layer's float32 weights at a time."""
+    forward and one backward pass, a layer's float32 weights at a time; all of it through MLX
+    (the backward pass differentiates the blocks)."""
+    with mlx_only():
+        return _record(folder, manifest, seqs, progress, verify)
+
+
+def _record(folder, manifest, seqs, progress, verify):
     from tqdm import tqdm
 
     from ..models import model_args

@@ -28,6 +28,7 @@ import mlx.optimizers as optim
 
 from ..errors import FlashError
 from ..models.ffn import FFNRows
+from ..models.host import mlx_only
 
 VERSION = 1
 FILE = "recovery.safetensors"
@@ -72,7 +73,13 @@ def train_recovery(folder, density=0.5, rank=32, steps=200, seq_len=256, lr=1e-3
                    progress=True, log=print):
     """Train the adapters of `folder`'s calibrated thresholds at `density`, write them and the
     manifest section (with the KL of the sparse model to the dense one on HELD_OUT sequences
-    it did not train on, before and after). -> the section."""
+    it did not train on, before and after). -> the section. All through MLX (it differentiates
+    the model)."""
+    with mlx_only():
+        return _train_recovery(folder, density, rank, steps, seq_len, lr, data, seed, progress, log)
+
+
+def _train_recovery(folder, density, rank, steps, seq_len, lr, data, seed, progress, log):
     from tqdm import tqdm
 
     from .. import load

@@ -68,7 +68,6 @@ def _log_probs(logits):
 HELD_OUT = 4  # sequences after the training ones: the KL before and after training, measured on them
 
 
-# long: one training run read top to bottom; its loss, teacher and held-out closures share the wrapped model
 def train_recovery(folder, density=0.5, rank=32, steps=200, seq_len=256, lr=1e-3, data="c4", seed=0,
                    progress=True, log=print):
     """Train the adapters of `folder`'s calibrated thresholds at `density`, write them and the
@@ -79,6 +78,7 @@ def train_recovery(folder, density=0.5, rank=32, steps=200, seq_len=256, lr=1e-3
         return _train_recovery(folder, density, rank, steps, seq_len, lr, data, seed, progress, log)
 
 
+# long: one training run read top to bottom; its loss, teacher and held-out closures share the wrapped model
 def _train_recovery(folder, density, rank, steps, seq_len, lr, data, seed, progress, log):
     from tqdm import tqdm
 

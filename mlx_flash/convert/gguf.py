@@ -149,7 +149,7 @@ def hf_name(gguf_name, arch=None, names=None):
     parts = gguf_name.split(".")
     if parts[-1] not in ("weight", "bias"):
         return None
-    names = names or {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+    names = names or layer_names(arch, ())
     if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[2] in names:
         name = names[parts[2]]
         return f"model.layers.{int(parts[1])}.{name}.{parts[3]}"

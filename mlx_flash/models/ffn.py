@@ -230,14 +230,9 @@ class FlashFFN(nn.Module):
 
     def _dense_part(self, x, rows, y):
         """y + the FFN over float rows (masked per token if the part says so)."""
-        h = x @ rows.up.T
-        if "up_bias" in self:
-            h = h + (self.up_bias if rows.ids is None else self.up_bias[rows.ids])
+        h = self.biased("up", x @ rows.up.T, rows.ids)
         if self.gated:
-            g = x @ rows.gate.T
-            if "gate_bias" in self:
-                g = g + (self.gate_bias if rows.ids is None else self.gate_bias[rows.ids])
-            h = self._activated(g, h)
+            h = self._activated(self.biased("gate", x @ rows.gate.T, rows.ids), h)
         else:
             h = self._activated(h)
         if rows.mask is not None:
@@ -256,11 +251,17 @@ class FlashFFN(nn.Module):
         if (not host.PASSES or host_act is None or g.dtype != mx.float32 or g.size < self.HOST_ACTIVATION_MIN
                 or mx.default_device() != mx.cpu):
             return self._act(g) if u is None else self._act(g) * u
-        mx.eval(g) if u is None else mx.eval(g, u)
+        mx.eval([a for a in (g, u) if a is not None])
         h = host_act(np.array(g, copy=False))
         if u is not None:
             h *= np.array(u, copy=False)
         return mx.array(h)
+
+    def biased(self, kind, y, ids=None):
+        """y (a product of the `kind` rows "up" or "gate", the neurons `ids` or all) plus that kind's
+        bias where the FFN has one (OPT's, Phi's, a Llama's mlp_bias)."""
+        bias = getattr(self, f"{kind}_bias", None)
+        return y if bias is None else y + (bias if ids is None else bias[ids])
 
     def _one_token(self, x, rows, up, gate, down):
         """One token's FFN over rows the native kernels read in place: up(v) / gate(v) -> the
@@ -280,14 +281,8 @@ class FlashFFN(nn.Module):
         if host_act is not None and "up_bias" not in self:
             h = host_act(gate(v)) * up(v) if self.gated else host_act(up(v))
             return down(np.ascontiguousarray(h, dtype=np.float32))
-        h = mx.array(up(v))
-        if "up_bias" in self:
-            h = h + self.up_bias[rows.ids]
-        if self.gated:
-            g = mx.array(gate(v))
-            h = self._act(g + self.gate_bias[rows.ids] if "gate_bias" in self else g) * h
-        else:
-            h = self._act(h)
+        h = self.biased("up", mx.array(up(v)), rows.ids)
+        h = self._act(self.biased("gate", mx.array(gate(v)), rows.ids)) * h if self.gated else self._act(h)
         return down(host_f32(h).reshape(h.shape))
 
     def _selected(self, x, rows, acc):

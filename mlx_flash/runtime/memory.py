@@ -393,7 +393,7 @@ def tokenizer_load(folder):
     return max(TOKENIZER_PEAK, TOKENIZER_PEAK_PER_BYTE * size), max(TOKENIZER_PEAK, TOKENIZER_KEPT_PER_BYTE * size)
 
 
-def check_limit_before_loading(text, resident_file_bytes, earlier=(), folder=None):
+def check_limit_before_loading(text, resident_file_bytes, earlier, folder):
     """Before the tokenizer and the resident weights load: a limit that cannot hold the
     runtime, the tokenizer's load and the resident file (less what may stay on flash:
     runtime.loaded_resident_bytes) is a clear error now, not a kill by the memory cgroup
@@ -402,7 +402,7 @@ def check_limit_before_loading(text, resident_file_bytes, earlier=(), folder=Non
     in this load's runtime."""
     limit, _ = effective_limit(text, warn=False)  # (plan_memory says it, after this check)
     runtime = process_rss()
-    peak, kept = tokenizer_load(folder) if folder is not None else (TOKENIZER_PEAK, TOKENIZER_PEAK)
+    peak, kept = tokenizer_load(folder)
     need = runtime + max(peak, kept + resident_file_bytes)  # (the weights load after the tokenizer's peak)
     held = (f"{len(earlier)} model(s) loaded before in this process and still referenced ({', '.join(earlier)}) "
             "count in the measured runtime: drop every reference to them (del model; gc.collect()) before "

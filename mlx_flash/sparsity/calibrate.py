@@ -72,14 +72,8 @@ class _Recorder:
         assert (isinstance(parts, FFNRows) or len(parts) == 1) and r.ids is None
         ffn = self.ffns[layer]
         x2 = x.reshape(-1, x.shape[-1])
-        u = x2 @ r.up.T
-        if "up_bias" in ffn:
-            u = u + ffn.up_bias
-        if ffn.gated:
-            g = x2 @ r.gate.T
-            h = ffn._act(g + ffn.gate_bias if "gate_bias" in ffn else g) * u
-        else:
-            h = ffn._act(u)
+        u = ffn.biased("up", x2 @ r.up.T)
+        h = ffn._act(ffn.biased("gate", x2 @ r.gate.T)) * u if ffn.gated else ffn._act(u)
         h = np.abs(np.array(h.astype(mx.float32)))
         if self.target == "relu":
             y = h != 0
